@@ -1,0 +1,829 @@
+"""Tokenizers: text <-> token ids for the models torchllama runs, plus chat templates.
+
+Two kinds of vocabulary occur in the checkpoints we load, named by GGUF's ``tokenizer.ggml.model``:
+
+- ``'llama'``: a SentencePiece BPE vocabulary (Llama 1/2, Mistral, TinyLlama, ...).
+  :class:`SentencePieceTokenizer` rebuilds a SentencePiece ``ModelProto`` from the GGUF fields
+  (pieces, scores, types) and lets the ``sentencepiece`` library do the work. It also loads Meta's
+  ``tokenizer.model`` files directly.
+- ``'gpt2'``: a byte-level BPE vocabulary with merges (SmolLM, Llama 3, Qwen, ...).
+  :class:`BPETokenizer` builds a HF ``tokenizers`` pipeline from the GGUF tokens and merges, with
+  the pre-tokenizer (regex split) named by ``tokenizer.ggml.pre``.
+
+Both share the :class:`Tokenizer` interface: :meth:`~Tokenizer.encode`, :meth:`~Tokenizer.decode`,
+special token ids (BOS/EOS/PAD, :attr:`~Tokenizer.stop_ids`) and
+:meth:`~Tokenizer.apply_chat_template`, which renders the checkpoint's Jinja chat template the way
+HF ``transformers`` does.
+
+Conventions:
+
+- ``encode`` never adds BOS/EOS unless asked (``bos=True``); :attr:`Tokenizer.add_bos` says whether
+  the model expects one. With ``special=False`` (the default) text that looks like a special token
+  (``<|im_start|>``, ``<s>``) is encoded as plain text, so user input cannot inject control tokens;
+  pass ``special=True`` for text you produced yourself, such as a rendered chat template.
+- ``decode`` drops *control* tokens (BOS, EOS, ``<|im_end|>`` ...), keeps user-defined tokens as
+  their text, and follows SentencePiece's whitespace rules: only the dummy-prefix space of the very
+  first piece is dropped. For streaming, decode the growing id list and print what was added (a
+  single id may be half of a UTF-8 character, which decodes to U+FFFD until completed).
+
+Sources: SentencePiece (https://github.com/google/sentencepiece), HF tokenizers, llama.cpp's
+``llama-vocab.cpp`` (how GGUF tokenizer fields are meant to be used, pre-tokenizer regexes) and HF
+transformers' ``chat_template_utils`` (how chat templates are rendered).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from torchllama.errors import ArgumentError, ModelFileError, TorchLlamaError
+
+# GGUF token types (llama.cpp's llama_token_type), identical to SentencePiece's piece types.
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+#: Special tokens that end a turn in common chat formats; any of them present in a vocabulary as a
+#: special token is a stop token (in addition to EOS and GGUF's eot/eom ids).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",  # ChatML (SmolLM, Qwen, ...)
+    "<|eot_id|>",  # Llama 3
+    "<|eom_id|>",  # Llama 3.1 tool calls
+    "<|end|>",  # Phi-3
+    "<end_of_turn>",  # Gemma
+    "<|endoftext|>",  # GPT-2 family
+    "</s>",  # Llama 2, Mistral
+)
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>\Z")
+
+
+class Tokenizer(ABC):
+    """Common interface of torchllama's tokenizers.
+
+    Attributes:
+        source: where the tokenizer came from (a file path), used in error messages.
+        vocab_size: number of token ids; ids are ``0 .. vocab_size - 1``.
+        bos_id: id of the beginning-of-sequence token, or None if the vocabulary has none.
+        eos_id: id of the end-of-sequence token, or None.
+        pad_id: id of the padding token, or None.
+        unk_id: id of the unknown token, or None.
+        add_bos: whether the model expects BOS before a prompt (GGUF ``tokenizer.ggml.add_bos_token``).
+        add_eos: whether the model expects EOS after a prompt (GGUF ``tokenizer.ggml.add_eos_token``).
+        special_tokens: text -> id of the control and user-defined tokens (``<s>``, ``<|im_end|>``).
+        stop_ids: ids that end generation: EOS, GGUF's end-of-turn/end-of-message ids, and the
+            :data:`END_OF_TURN_TOKENS` present among :attr:`special_tokens`.
+        chat_template: the Jinja chat template (GGUF ``tokenizer.chat_template``), or None.
+    """
+
+    source: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    special_tokens: dict[str, int]
+    stop_ids: frozenset[int]
+    chat_template: str | None
+
+    def _init_common(
+        self,
+        *,
+        source: str,
+        pieces: Sequence[str],
+        control_ids: set[int],
+        user_defined_ids: set[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None,
+        unk_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        extra_stop_ids: Sequence[int | None] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        self.source = source
+        self._pieces = list(pieces)
+        self.vocab_size = len(self._pieces)
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = bos_id, eos_id, pad_id, unk_id
+        self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
+        self._control_ids = frozenset(control_ids)
+        self._user_defined_ids = frozenset(user_defined_ids)
+        special: dict[str, int] = {}
+        for i in sorted(self._control_ids | self._user_defined_ids):
+            special.setdefault(self._pieces[i], i)  # first id wins for duplicated strings
+        self.special_tokens = special
+        stops = {i for i in (eos_id, *extra_stop_ids) if i is not None}
+        stops.update(special[t] for t in END_OF_TURN_TOKENS if t in special)
+        self.stop_ids = frozenset(stops)
+        self.chat_template = chat_template or None
+        self._compiled_template: Any = None
+        # Longest first, so that '<|im_start|>' wins over a prefix of it in the alternation.
+        by_length = sorted(special, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+
+    # ---- encoding / decoding -------------------------------------------------------------------
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            text: the text to encode.
+            bos: prepend the BOS id (pass ``tokenizer.add_bos`` for the model's default).
+            eos: append the EOS id.
+            special: map special-token strings in ``text`` (``<s>``, ``<|im_start|>``) to their ids.
+                With False (the default) they are encoded as plain text.
+
+        Raises:
+            ArgumentError: ``text`` is not a str, or BOS/EOS is asked for but the vocabulary has none.
+        """
+        if not isinstance(text, str):
+            raise ArgumentError(f"text to encode must be a str, got {type(text).__name__}")
+        ids: list[int] = []
+        if bos:
+            if self.bos_id is None:
+                raise ArgumentError(f"{self.source}: the tokenizer has no BOS token (bos=True)")
+            ids.append(self.bos_id)
+        ids.extend(self._encode(text, special))
+        if eos:
+            if self.eos_id is None:
+                raise ArgumentError(f"{self.source}: the tokenizer has no EOS token (eos=True)")
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; control tokens (BOS, EOS, ``<|im_end|>``...) are skipped.
+
+        User-defined tokens decode to their text. SentencePiece vocabularies drop only the
+        dummy-prefix space of the first piece, so ``decode(encode(" x")) == " x"``.
+
+        Raises:
+            ArgumentError: an id is not an int in ``0 .. vocab_size - 1``.
+        """
+        checked = [self._check_id(i) for i in ids]
+        return self._decode([i for i in checked if i not in self._control_ids])
+
+    def id_to_piece(self, i: int) -> str:
+        """The vocabulary entry of id ``i`` as stored (e.g. ``'▁Hello'``, ``'Ġworld'``, ``'<0x0A>'``)."""
+        return self._pieces[self._check_id(i)]
+
+    def _check_id(self, i: Any) -> int:
+        try:
+            ok = int(i) == i and 0 <= i < self.vocab_size
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ArgumentError(f"token id {i!r} out of range: expected an int in 0..{self.vocab_size - 1}")
+        return int(i)
+
+    def _split_special(self, text: str) -> list[str | int]:
+        """``text`` cut at special-token strings: text fragments and special ids, in order."""
+        if self._special_re is None:
+            return [text] if text else []
+        parts: list[str | int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                parts.append(text[pos : m.start()])
+            parts.append(self.special_tokens[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            parts.append(text[pos:])
+        return parts
+
+    @abstractmethod
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """Ids of ``text`` without BOS/EOS."""
+
+    @abstractmethod
+    def _decode(self, ids: list[int]) -> str:
+        """Text of valid, non-control ids."""
+
+    # ---- chat templates --------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation with the checkpoint's Jinja chat template, as HF transformers does.
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``; extra
+                keys are passed through to the template.
+            add_generation_prompt: end with the header of an assistant turn (what the model
+                should continue).
+
+        Returns:
+            The prompt text; encode it with ``special=True`` (and ``bos=add_bos`` unless the
+            template already starts with the BOS text).
+
+        Raises:
+            TorchLlamaError: the tokenizer has no chat template, or the template failed to render
+                (including the template's own ``raise_exception`` calls).
+            ModelFileError: the template is not valid Jinja.
+            ArgumentError: ``messages`` is not a non-empty list of dicts with str 'role' and 'content'.
+        """
+        if self.chat_template is None:
+            raise TorchLlamaError(
+                f"{self.source}: the tokenizer has no chat template (metadata field "
+                "'tokenizer.chat_template' is absent); pass a raw prompt instead"
+            )
+        _validate_messages(messages)
+        template = self._get_compiled_template()
+        variables: dict[str, Any] = {
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": bool(add_generation_prompt),
+        }
+        for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("unk_token", self.unk_id),
+                        ("pad_token", self.pad_id)):
+            variables[name] = self._pieces[i] if i is not None else ""
+        try:
+            return template.render(**variables)
+        except TorchLlamaError:
+            raise
+        except Exception as e:  # jinja2 UndefinedError, TypeError in the template ...
+            raise TorchLlamaError(
+                f"{self.source}: the chat template failed to render ({type(e).__name__}: {e})"
+            ) from e
+
+    def _get_compiled_template(self) -> Any:
+        # Keyed by the text, so that assigning a new ``chat_template`` takes effect.
+        cached = self._compiled_template
+        if cached is None or cached[0] is not self.chat_template:
+            cached = (self.chat_template, _compile_chat_template(self.chat_template, self.source))
+            self._compiled_template = cached
+        return cached[1]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, add_bos={self.add_bos})"
+        )
+
+
+def _validate_messages(messages: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ArgumentError(
+            f"messages must be a list of {{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ArgumentError("messages must contain at least one message, got an empty list")
+    for n, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ArgumentError(f"messages[{n}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ArgumentError(f"messages[{n}] has no {key!r} key (expected 'role' and 'content')")
+            if not isinstance(m[key], str):
+                raise ArgumentError(f"messages[{n}][{key!r}] must be a str, got {type(m[key]).__name__}")
+
+
+def _compile_chat_template(source_text: str, source: str) -> Any:
+    """Compile a chat template in the sandboxed environment HF transformers uses."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TorchLlamaError(f"{source}: chat template error: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Like HF: no HTML escaping (Jinja's own tojson escapes '<', '>', '&').
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source_text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelFileError(
+            f"{source}: metadata field 'tokenizer.chat_template' is not a valid Jinja template "
+            f"(line {e.lineno}: {e.message})"
+        ) from e
+
+
+# ------------------------------------------------------------------------------------------------
+# SentencePiece
+# ------------------------------------------------------------------------------------------------
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece vocabulary (GGUF ``tokenizer.ggml.model == 'llama'``, or Meta's ``tokenizer.model``).
+
+    Encoding and decoding are done by the ``sentencepiece`` library. With ``special=True`` the text
+    is cut at special-token strings and every text fragment is encoded separately, each getting
+    SentencePiece's dummy-prefix space (as Meta's reference code and llama.cpp do).
+
+    Args:
+        model: a path to a SentencePiece ``tokenizer.model`` file, its serialized bytes, or a
+            ``sentencepiece_model_pb2.ModelProto``.
+        source: name used in error messages (defaults to the path).
+        add_bos, add_eos: whether the model expects BOS/EOS around a prompt.
+        eos_id, bos_id, pad_id: override the ids recorded in the model's trainer spec.
+        extra_stop_ids: more ids that end generation (e.g. GGUF's end-of-turn id).
+        chat_template: Jinja chat template, if the checkpoint has one.
+
+    Raises:
+        ModelFileError: the file is missing or is not a SentencePiece model.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes | Any,
+        *,
+        source: str | None = None,
+        add_bos: bool = True,
+        add_eos: bool = False,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        extra_stop_ids: Sequence[int | None] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+        if isinstance(model, sp_pb2.ModelProto):
+            proto = model
+            source = source or "<SentencePiece model>"
+        elif isinstance(model, (bytes, bytearray)):
+            proto = _parse_sp_proto(bytes(model), source or "<SentencePiece model>")
+            source = source or "<SentencePiece model>"
+        else:
+            path = os.fspath(model)
+            source = source or path
+            if not os.path.isfile(path):
+                raise ModelFileError(f"{path}: no such file (expected a SentencePiece tokenizer.model)")
+            with open(path, "rb") as f:
+                proto = _parse_sp_proto(f.read(), path)
+
+        # The processor used for encoding sees user-defined pieces as UNUSED, so that it never
+        # matches them in text: with special=False they are plain text, with special=True the
+        # text is split at them before SentencePiece sees it.
+        Type = sp_pb2.ModelProto.SentencePiece.Type
+        user_defined = {i for i, p in enumerate(proto.pieces) if p.type == Type.USER_DEFINED}
+        self._sp = _sp_processor(proto, source)
+        if user_defined:
+            enc_proto = sp_pb2.ModelProto()
+            enc_proto.CopyFrom(proto)
+            for i in user_defined:
+                enc_proto.pieces[i].type = Type.UNUSED
+            self._sp_encode = _sp_processor(enc_proto, source)
+        else:
+            self._sp_encode = self._sp
+
+        def or_none(i: int) -> int | None:
+            return i if i >= 0 else None
+
+        self._init_common(
+            source=source,
+            pieces=[p.piece for p in proto.pieces],
+            control_ids={i for i, p in enumerate(proto.pieces) if p.type == Type.CONTROL},
+            user_defined_ids=user_defined,
+            bos_id=bos_id if bos_id is not None else or_none(self._sp.bos_id()),
+            eos_id=eos_id if eos_id is not None else or_none(self._sp.eos_id()),
+            pad_id=pad_id if pad_id is not None else or_none(self._sp.pad_id()),
+            unk_id=or_none(self._sp.unk_id()),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            extra_stop_ids=extra_stop_ids,
+            chat_template=chat_template,
+        )
+        if self.vocab_size != self._sp.get_piece_size():  # pragma: no cover - sentencepiece invariant
+            raise ModelFileError(f"{source}: SentencePiece reports {self._sp.get_piece_size()} pieces, "
+                                 f"expected {self.vocab_size}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> SentencePieceTokenizer:
+        """Load a SentencePiece ``tokenizer.model`` file (keyword arguments as for the constructor)."""
+        return cls(os.fspath(path), **kwargs)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> SentencePieceTokenizer:
+        """Build from GGUF ``tokenizer.ggml.*`` fields of a ``'llama'`` (SentencePiece) vocabulary.
+
+        Raises:
+            ModelFileError: a required field is missing or malformed (the message names it).
+        """
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+        tokens = _tokens(metadata, source)
+        n = len(tokens)
+        scores = _float_list(metadata, "tokenizer.ggml.scores", n, source, default=0.0)
+        types = _token_types(metadata, n, source)
+        unk_id = _token_id(metadata, "tokenizer.ggml.unknown_token_id", n, source)
+        bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", n, source)
+        eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", n, source)
+        pad_id = _token_id(metadata, "tokenizer.ggml.padding_token_id", n, source)
+
+        if unk_id is not None:
+            types[unk_id] = TOKEN_TYPE_UNKNOWN
+        unknown = [i for i, t in enumerate(types) if t == TOKEN_TYPE_UNKNOWN]
+        if not unknown:
+            raise ModelFileError(
+                f"{source}: SentencePiece vocabulary has no unknown token (no token of type 2 in "
+                "'tokenizer.ggml.token_type' and no 'tokenizer.ggml.unknown_token_id')"
+            )
+        for i in unknown[1:]:  # SentencePiece allows exactly one; llama.cpp ignores the type anyway
+            types[i] = TOKEN_TYPE_CONTROL
+        unk_id = unknown[0]
+        byte_ids = [i for i, t in enumerate(types) if t == TOKEN_TYPE_BYTE]
+        for i in byte_ids:
+            if not _BYTE_PIECE.match(tokens[i]):
+                raise ModelFileError(
+                    f"{source}: token {i} {tokens[i]!r} has type 6 (byte) in 'tokenizer.ggml.token_type' "
+                    "but is not of the form <0xXX>"
+                )
+
+        proto = sp_pb2.ModelProto()
+        for piece, score, typ in zip(tokens, scores, types):
+            if typ not in (1, 2, 3, 4, 5, 6):
+                typ = TOKEN_TYPE_NORMAL
+            proto.pieces.add(piece=piece, score=score, type=typ)
+        spec = proto.trainer_spec
+        spec.model_type = sp_pb2.TrainerSpec.ModelType.BPE
+        spec.vocab_size = n
+        spec.byte_fallback = len(byte_ids) == 256
+        spec.unk_id = unk_id
+        spec.unk_piece = tokens[unk_id]
+        # trainer_spec ids must be distinct and in range; we keep our own copies of bos/eos/pad.
+        used = {unk_id}
+        for field, i in (("bos", bos_id), ("eos", eos_id), ("pad", pad_id)):
+            if i is not None and i not in used:
+                setattr(spec, f"{field}_id", i)
+                setattr(spec, f"{field}_piece", tokens[i])
+                used.add(i)
+            else:
+                setattr(spec, f"{field}_id", -1)
+        norm = proto.normalizer_spec
+        norm.name = "identity"
+        norm.add_dummy_prefix = bool(_get(metadata, "tokenizer.ggml.add_space_prefix", bool, source, True))
+        norm.remove_extra_whitespaces = False
+        norm.escape_whitespaces = True
+
+        return cls(
+            proto,
+            source=source,
+            add_bos=_get(metadata, "tokenizer.ggml.add_bos_token", bool, source, True),
+            add_eos=_get(metadata, "tokenizer.ggml.add_eos_token", bool, source, False),
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            extra_stop_ids=_extra_stop_ids(metadata, n, source),
+            chat_template=_get(metadata, "tokenizer.chat_template", str, source, None),
+        )
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        if not special:
+            return list(self._sp_encode.encode(text))
+        ids: list[int] = []
+        for part in self._split_special(text):
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                ids.extend(self._sp_encode.encode(part))
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+def _parse_sp_proto(data: bytes, source: str) -> Any:
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as e:  # protobuf DecodeError
+        raise ModelFileError(
+            f"{source}: not a SentencePiece model (protobuf parse failed: {e}); "
+            "expected a SentencePiece tokenizer.model"
+        ) from e
+    if len(proto.pieces) == 0:
+        raise ModelFileError(
+            f"{source}: not a SentencePiece model (no pieces); expected a SentencePiece tokenizer.model"
+        )
+    return proto
+
+
+def _sp_processor(proto: Any, source: str) -> Any:
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    except Exception as e:  # RuntimeError / OSError from the C++ loader
+        raise ModelFileError(f"{source}: SentencePiece rejected the tokenizer model ({e})") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Byte-level BPE
+# ------------------------------------------------------------------------------------------------
+
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: GGUF ``tokenizer.ggml.pre`` values we know -> (regex family, ignore_merges), as in llama.cpp's
+#: llama-vocab.cpp ('gpt2' and 'default' are taken as plain GPT-2 byte-level BPE, like HF does).
+_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
+    **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "phi-2", "jina-es", "jina-de", "exaone4"],
+                    ("gpt2", False)),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+                    ("digits+gpt2", False)),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], ("llama3", True)),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], ("qwen2", False)),
+}
+#: Pre-tokenizers for which llama.cpp adds BOS when ``tokenizer.ggml.add_bos_token`` is absent.
+_PRE_ADD_BOS = frozenset(["llama3", "llama-v3", "llama-bpe", "falcon3"])
+
+
+def _bpe_pre_tokenizer(pre: str, source: str) -> tuple[Any, bool]:
+    """The ``tokenizers`` pre-tokenizer for GGUF ``tokenizer.ggml.pre`` and whether merges are
+    skipped for words already in the vocabulary (``ignore_merges``)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelFileError(
+            f"{source}: unsupported BPE pre-tokenizer {pre!r} in metadata field 'tokenizer.ggml.pre' "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    family, ignore_merges = _PRE_TOKENIZERS[pre]
+    if family == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), ignore_merges
+    if family == "digits+gpt2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]), ignore_merges
+    pattern = _LLAMA3_PATTERN if family == "llama3" else _QWEN2_PATTERN
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]), ignore_merges
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE vocabulary (GGUF ``tokenizer.ggml.model == 'gpt2'``), run by HF ``tokenizers``.
+
+    Control and user-defined tokens are added as special tokens that match atomically (only when
+    encoding with ``special=True``). Use :meth:`from_gguf_metadata` to build one.
+
+    Args:
+        tokens: the vocabulary; position = id. Regular tokens are byte-level strings ('Ġworld').
+        merges: BPE merges in priority order, as pairs of tokens.
+        token_types: GGUF token type per token (1 normal, 3 control, 4 user-defined, ...).
+        pre: GGUF ``tokenizer.ggml.pre``: which regex splits text before BPE.
+        source: name used in error messages.
+        bos_id, eos_id, pad_id, unk_id: special ids (None if absent).
+        add_bos, add_eos: whether the model expects BOS/EOS around a prompt.
+        extra_stop_ids: more ids that end generation (e.g. GGUF's end-of-turn id).
+        chat_template: Jinja chat template, if the checkpoint has one.
+
+    Raises:
+        ModelFileError: unknown pre-tokenizer, malformed merges.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[tuple[str, str]],
+        token_types: Sequence[int],
+        *,
+        pre: str = "default",
+        source: str = "<BPE vocabulary>",
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        extra_stop_ids: Sequence[int | None] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as HFTokenizer
+
+        pre_tokenizer, ignore_merges = _bpe_pre_tokenizer(pre, source)
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        try:
+            model = models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False,
+                               ignore_merges=ignore_merges)
+        except Exception as e:  # tokenizers raises Exception("... merges ...") for unknown tokens
+            raise ModelFileError(f"{source}: invalid 'tokenizer.ggml.merges' ({e})") from e
+        tok = HFTokenizer(model)
+        tok.pre_tokenizer = pre_tokenizer
+        tok.decoder = decoders.ByteLevel()
+        control = {i for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL}
+        user_defined = {i for i, t in enumerate(token_types) if t == TOKEN_TYPE_USER_DEFINED}
+        special_ids = sorted(i for i in control | user_defined if vocab[tokens[i]] == i and tokens[i])
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_ids])
+        for i in special_ids:
+            if tok.token_to_id(tokens[i]) != i:  # pragma: no cover - tokenizers reuses vocab ids
+                raise ModelFileError(f"{source}: special token {tokens[i]!r} did not keep its id {i}")
+        self._tok = tok
+        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object
+        self._init_common(
+            source=source,
+            pieces=tokens,
+            control_ids=control,
+            user_defined_ids=user_defined,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            unk_id=unk_id,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            extra_stop_ids=extra_stop_ids,
+            chat_template=chat_template,
+        )
+        self._raw_ids = frozenset(special_ids)  # decoded as their text, not through the ByteLevel map
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> BPETokenizer:
+        """Build from GGUF ``tokenizer.ggml.*`` fields of a ``'gpt2'`` (byte-level BPE) vocabulary.
+
+        Raises:
+            ModelFileError: a required field is missing or malformed (the message names it).
+        """
+        tokens = _tokens(metadata, source)
+        n = len(tokens)
+        raw_merges = _get(metadata, "tokenizer.ggml.merges", list, source)
+        merges: list[tuple[str, str]] = []
+        for k, m in enumerate(raw_merges):
+            # Like llama.cpp: split at the first space after the first character.
+            pos = m.find(" ", 1) if isinstance(m, str) else -1
+            if pos < 0:
+                raise ModelFileError(
+                    f"{source}: metadata field 'tokenizer.ggml.merges' entry {k} is {m!r}, "
+                    "expected two tokens separated by a space"
+                )
+            merges.append((m[:pos], m[pos + 1 :]))
+        pre = _get(metadata, "tokenizer.ggml.pre", str, source, "default")
+        return cls(
+            tokens,
+            merges,
+            _token_types(metadata, n, source),
+            pre=pre,
+            source=source,
+            bos_id=_token_id(metadata, "tokenizer.ggml.bos_token_id", n, source),
+            eos_id=_token_id(metadata, "tokenizer.ggml.eos_token_id", n, source),
+            pad_id=_token_id(metadata, "tokenizer.ggml.padding_token_id", n, source),
+            unk_id=_token_id(metadata, "tokenizer.ggml.unknown_token_id", n, source),
+            add_bos=_get(metadata, "tokenizer.ggml.add_bos_token", bool, source, pre in _PRE_ADD_BOS),
+            add_eos=_get(metadata, "tokenizer.ggml.add_eos_token", bool, source, False),
+            extra_stop_ids=_extra_stop_ids(metadata, n, source),
+            chat_template=_get(metadata, "tokenizer.chat_template", str, source, None),
+        )
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        with self._lock:
+            self._tok.encode_special_tokens = not special
+            return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _decode(self, ids: list[int]) -> str:
+        # Runs of regular ids go through the ByteLevel decoder (so multi-byte characters split
+        # across tokens are joined); special tokens are their literal text.
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._raw_ids:
+                if run:
+                    out.append(self._tok.decode(run, skip_special_tokens=False))
+                    run = []
+                out.append(self._pieces[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self._tok.decode(run, skip_special_tokens=False))
+        return "".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# GGUF metadata
+# ------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _get(metadata: Mapping[str, Any], key: str, typ: type, source: str, default: Any = _MISSING) -> Any:
+    if key not in metadata or metadata[key] is None:
+        if default is _MISSING:
+            raise ModelFileError(f"{source}: metadata field {key!r} is missing (expected {typ.__name__})")
+        return default
+    value = metadata[key]
+    if typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, typ)
+    if not ok:
+        raise ModelFileError(
+            f"{source}: metadata field {key!r} is a {type(value).__name__}, expected {typ.__name__}"
+        )
+    return value
+
+
+def _tokens(metadata: Mapping[str, Any], source: str) -> list[str]:
+    tokens = _get(metadata, "tokenizer.ggml.tokens", list, source)
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelFileError(
+            f"{source}: metadata field 'tokenizer.ggml.tokens' must be a non-empty list of strings"
+        )
+    return tokens
+
+
+def _float_list(metadata: Mapping[str, Any], key: str, n: int, source: str, default: float) -> list[float]:
+    values = _get(metadata, key, list, source, None)
+    if values is None:
+        return [default] * n
+    if len(values) != n:
+        raise ModelFileError(
+            f"{source}: metadata field {key!r} has {len(values)} entries, expected {n} (one per token)"
+        )
+    return [float(v) for v in values]
+
+
+def _token_types(metadata: Mapping[str, Any], n: int, source: str) -> list[int]:
+    key = "tokenizer.ggml.token_type"
+    types = _get(metadata, key, list, source, None)
+    if types is None:
+        return [TOKEN_TYPE_NORMAL] * n
+    if len(types) != n:
+        raise ModelFileError(
+            f"{source}: metadata field {key!r} has {len(types)} entries, expected {n} (one per token)"
+        )
+    return [int(t) for t in types]
+
+
+def _token_id(metadata: Mapping[str, Any], key: str, n: int, source: str) -> int | None:
+    i = _get(metadata, key, int, source, None)
+    if i is None or i == -1 or i == 0xFFFFFFFF:  # llama.cpp writes -1 / LLAMA_TOKEN_NULL for "none"
+        return None
+    if not 0 <= i < n:
+        raise ModelFileError(f"{source}: metadata field {key!r} is {i}, expected an id in 0..{n - 1}")
+    return i
+
+
+def _extra_stop_ids(metadata: Mapping[str, Any], n: int, source: str) -> list[int | None]:
+    return [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", n, source) for k in ("eot", "eom")]
+
+
+def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+    """Build the tokenizer described by GGUF metadata (the ``tokenizer.ggml.*`` fields).
+
+    Args:
+        metadata: as returned by :func:`torchllama.checkpoint.gguf.read_metadata`.
+        source: the file's path, for error messages.
+
+    Raises:
+        ModelFileError: the tokenizer fields are missing, malformed, or of an unsupported kind
+            (``tokenizer.ggml.model`` other than 'llama' or 'gpt2').
+    """
+    kind = _get(metadata, "tokenizer.ggml.model", str, source)
+    if kind == "llama":
+        return SentencePieceTokenizer.from_gguf_metadata(metadata, source)
+    if kind == "gpt2":
+        return BPETokenizer.from_gguf_metadata(metadata, source)
+    raise ModelFileError(
+        f"{source}: unsupported tokenizer {kind!r} in metadata field 'tokenizer.ggml.model' "
+        "(supported: 'llama' (SentencePiece), 'gpt2' (byte-level BPE))"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load the tokenizer of a GGUF file (model or vocab-only).
+
+    Raises:
+        ModelFileError: the file is missing, not GGUF, or lacks/malforms tokenizer fields.
+    """
+    from torchllama.checkpoint.gguf import open_gguf, read_metadata
+
+    path = os.fspath(path)
+    return tokenizer_from_gguf_metadata(read_metadata(open_gguf(path)), path)
