@@ -1,0 +1,212 @@
+"""GGUF checkpoints: metadata, hyperparameters and weights, read with the `gguf` library.
+
+GGUF (llama.cpp's file format) holds three things we need:
+
+- metadata key/values: hyperparameters under ``{arch}.*`` (``llama.block_count``, ...), the
+  tokenizer under ``tokenizer.ggml.*`` and the chat template under ``tokenizer.chat_template``;
+- tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``, each possibly
+  quantized (Q4_1, Q8_0, ...). ``gguf.quants.dequantize`` turns them back into float32 arrays.
+- q/k projection weights already in Meta's *interleaved* RoPE layout (llama.cpp's converter permutes
+  HF's rotate_half layout back), so they load into our model as they are.
+
+Shapes in GGUF are listed innermost-first (ggml order): a (out, in) matrix is listed as [in, out].
+The numpy arrays that ``GGUFReader`` exposes are already in row-major (out, in) order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gguf
+import torch
+
+from torchllama.errors import ModelFileError
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Open a GGUF file for reading (memory-mapped; nothing is copied).
+
+    Raises:
+        ModelFileError: the file is missing, unreadable, not GGUF, or truncated.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
+    if not os.access(path, os.R_OK):
+        raise ModelFileError(f"{path}: permission denied (cannot read the file)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the library raises ValueError/IndexError/... on truncated headers
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})"
+        ) from e
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All metadata key/values of a GGUF file as plain Python values (str, int, float, bool, list).
+
+    The tokenizer's large arrays (tokens, scores, merges) are decoded too; expect ~0.1 s for a
+    50k vocabulary.
+    """
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # header fields (version, counts), not metadata
+            continue
+        metadata[key] = field.contents()
+    return metadata
+
+
+# GGUF tensor name → ours. `{i}` is the block index.
+TENSOR_NAMES: dict[str, str] = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.attention_norm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.attention.wq.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.attention.wk.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.attention.wv.weight",
+    "blk.{i}.attn_output.weight": "layers.{i}.attention.wo.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.feed_forward.w1.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.feed_forward.w2.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.feed_forward.w3.weight",
+}
+
+# Tensor types we dequantize (with gguf.quants.dequantize) and test.
+SUPPORTED_TYPES = frozenset(
+    getattr(gguf.GGMLQuantizationType, name)
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def our_tensor_name(gguf_name: str) -> str | None:
+    """Our parameter name for a GGUF tensor name, or None if it is not one we know."""
+    if gguf_name in TENSOR_NAMES:
+        return TENSOR_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)          # "blk", "N", "attn_q.weight"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        template = TENSOR_NAMES.get(f"blk.{{i}}.{parts[2]}")
+        if template is not None:
+            return template.format(i=int(parts[1]))
+    return None
+
+
+def model_args_from_metadata(metadata: dict[str, Any], tensor_names: set[str], source: str):
+    """`ModelArgs` from a GGUF file's `{arch}.*` metadata.
+
+    Args:
+        metadata: from `read_metadata`.
+        tensor_names: names of the tensors in the file (an absent `output.weight` means tied
+            embeddings).
+        source: file path, for error messages.
+
+    Raises:
+        ModelFileError: unsupported architecture or RoPE scaling, a missing required key, or
+            values that do not form a valid model.
+    """
+    from torchllama.config import ModelArgs
+    from torchllama.errors import ArgumentError
+
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(
+            f"{source}: architecture {arch!r} (general.architecture) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def need(key: str):
+        full = f"{arch}.{key}"
+        if full not in metadata:
+            raise ModelFileError(f"{source}: metadata key {full!r} is missing")
+        return metadata[full]
+
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise ModelFileError(f"{source}: RoPE scaling ({scaling!r}) is not supported yet")
+
+    n_heads = need("attention.head_count")
+    n_vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+    if not n_vocab:
+        raise ModelFileError(
+            f"{source}: vocabulary size unknown ({arch}.vocab_size and tokenizer.ggml.tokens "
+            "are both missing)")
+    try:
+        args = ModelArgs(
+            dim=need("embedding_length"),
+            n_layers=need("block_count"),
+            n_heads=n_heads,
+            n_kv_heads=metadata.get(f"{arch}.attention.head_count_kv", n_heads),
+            vocab_size=n_vocab,
+            hidden_dim=need("feed_forward_length"),
+            norm_eps=need("attention.layer_norm_rms_epsilon"),
+            rope_theta=metadata.get(f"{arch}.rope.freq_base", 10000.0),
+            max_seq_len=need("context_length"),
+            tie_embeddings="output.weight" not in tensor_names,
+        )
+    except ArgumentError as e:
+        raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count", args.head_dim)
+    if rope_dims != args.head_dim:
+        raise ModelFileError(
+            f"{source}: partial RoPE ({arch}.rope.dimension_count={rope_dims}, head_dim="
+            f"{args.head_dim}) is not supported")
+    return args
+
+
+def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size],
+                         dtype: torch.dtype, source: str, progress: bool = True
+                         ) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor of a GGUF file into our names, shapes checked.
+
+    Args:
+        reader: an open GGUF file.
+        expected: our parameter name → shape (from the model built on the meta device).
+        dtype: dtype of the returned tensors.
+        source: file path, for error messages.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        our name → tensor (dtype). `output.weight` is absent for tied embeddings.
+
+    Raises:
+        ModelFileError: an unknown or missing tensor, a shape mismatch, an unsupported
+            quantization type, or tensor data cut short.
+    """
+    from tqdm import tqdm
+
+    state: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
+                  leave=False):
+        name = our_tensor_name(t.name)
+        if name is None or name not in expected:
+            raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{source}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which "
+                f"is not supported (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+        # ggml lists dims innermost first: (in, out) for a matrix whose rows are `out`.
+        shape = torch.Size(reversed([int(d) for d in t.shape]))
+        if shape != expected[name]:
+            raise ModelFileError(
+                f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
+                f"{tuple(expected[name])} for {name}")
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        except ValueError as e:
+            raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short ({e})") from e
+        if not array.flags.writeable:  # F32 data is a view of the read-only file mapping
+            array = array.copy()
+        state[name] = torch.from_numpy(array).to(dtype)
+    missing = [n for n in expected if n not in state and n != "output.weight"]
+    if missing:
+        raise ModelFileError(
+            f"{source}: missing tensors for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return state
