@@ -1,0 +1,24 @@
+"""torchllama: a from-scratch PyTorch implementation of Llama 2 and the decoder-only models around it.
+
+Python API::
+
+    import torchllama
+    model, tokenizer = torchllama.load()            # embedded SmolLM2-135M-Instruct (GGUF)
+    print(torchllama.generate(model, tokenizer, "The capital of France is", max_new_tokens=16))
+"""
+
+from torchllama.checkpoint import default_model_path, load
+from torchllama.config import PRESETS, ModelArgs, get_preset
+from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
+                               TorchLlamaError)
+from torchllama.generation import (SamplingParams, Session, StreamDecoder, encode_chat,
+                                   encode_prompt, generate, sample)
+from torchllama.model import Transformer
+from torchllama.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "load", "load_tokenizer", "default_model_path", "generate", "Session", "SamplingParams",
+    "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
+    "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
+    "ArgumentError", "ContextLengthError",
+]

@@ -1,0 +1,243 @@
+"""`torchllama <command>`: each subcommand is a plain typed function below.
+
+Options are derived from the function's signature (name → --kebab-name, type, default) and the
+help text from its docstring's Args section, so there is one definition of each option.
+
+Errors the user can fix (a `TorchLlamaError`: bad file, bad argument, prompt too long) print one
+line to stderr and exit 1; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import re
+import sys
+import typing
+from typing import Callable, Optional
+
+from torchllama.errors import TorchLlamaError
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
+             max_new_tokens: int = 256, temperature: float = 0.6, top_k: int = 0,
+             top_p: float = 0.9, seed: Optional[int] = None, chat: bool = False,
+             system: Optional[str] = None, dtype: str = "float32") -> int:
+    """Generate text from a prompt and stream it to stdout.
+
+    Args:
+        prompt: the prompt text. Without --chat it is continued as it is (and echoed first).
+        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        max_new_tokens: maximum number of tokens to generate (≥ 1).
+        temperature: sampling temperature (≥ 0; 0 = greedy). Default as Meta's example: 0.6.
+        top_k: sample among the k most likely tokens only (0 = off).
+        top_p: nucleus sampling threshold in (0, 1] (1 = off). Default as Meta's: 0.9.
+        seed: random seed for reproducible sampling.
+        chat: wrap the prompt in the model's chat template and print only the answer.
+        system: system prompt (with --chat).
+        dtype: weight dtype: float32, bfloat16 or float16.
+    """
+    from torchllama.checkpoint import load, resolve_dtype
+    from torchllama.errors import ArgumentError
+    from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed)   # validate before loading
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    resolve_dtype(dtype)
+    llm, tokenizer = load(model, dtype=dtype)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
+    session = Session(llm, tokenizer)
+    stream = StreamDecoder(tokenizer, prompt_ids)
+    new_ids = session.generate(prompt_ids, max_new_tokens, sampling)
+    first = next(new_ids, None)  # runs the prefill: a too-long prompt fails before any output
+    if not chat:
+        _write(prompt)
+    for token_id in itertools.chain([] if first is None else [first], new_ids):
+        _write(stream.push(token_id))
+    _write(stream.flush() + "\n")
+    print(session.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
+         temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
+         seed: Optional[int] = None, dtype: str = "float32") -> int:
+    """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
+    (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
+
+    Args:
+        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        system: system prompt.
+        max_new_tokens: maximum tokens per answer (≥ 1).
+        temperature: sampling temperature (≥ 0; 0 = greedy).
+        top_k: sample among the k most likely tokens only (0 = off).
+        top_p: nucleus sampling threshold in (0, 1] (1 = off).
+        seed: random seed for reproducible sampling.
+        dtype: weight dtype: float32, bfloat16 or float16.
+    """
+    from torchllama.checkpoint import load, resolve_dtype
+    from torchllama.errors import ArgumentError, ContextLengthError
+    from torchllama.generation import SamplingParams, Session, encode_chat
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    resolve_dtype(dtype)
+    llm, tokenizer = load(model, dtype=dtype)
+    if tokenizer.chat_template is None:
+        raise ArgumentError(f"{tokenizer.source}: the model has no chat template; "
+                            "use `torchllama generate` instead")
+    session = Session(llm, tokenizer)
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    interactive = sys.stdin.isatty()
+    print("torchllama chat: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            break
+        if text == "/reset":
+            messages = list(start)
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt_ids = encode_chat(tokenizer, messages)
+        try:
+            new_ids = list(_stream_answer(session, tokenizer, prompt_ids, max_new_tokens,
+                                          sampling))
+        except ContextLengthError as e:
+            messages.pop()
+            print(f"torchllama: {e}. Type /reset to start a new conversation.", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": tokenizer.decode(new_ids).strip()})
+        print(session.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
+    from torchllama.generation import StreamDecoder
+
+    stream = StreamDecoder(tokenizer, prompt_ids)
+    for token_id in session.generate(prompt_ids, max_new_tokens, sampling):
+        _write(stream.push(token_id))
+        yield token_id
+    _write(stream.flush() + "\n")
+
+
+def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: int = 512,
+          new_tokens: int = 128, repeats: int = 5, no_hf: bool = False) -> int:
+    """Prefill and decode tokens/s of torchllama and, side by side in the same run, HF
+    transformers on the same weights and dtype (when installed).
+
+    Args:
+        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        dtype: weight dtype: float32, bfloat16 or float16.
+        prompt_tokens: prompt length for the prefill figure.
+        new_tokens: tokens generated (batch 1, greedy) for the decode figure.
+        repeats: measurements per figure (the median is shown).
+        no_hf: skip transformers.
+    """
+    from torchllama.bench import run_bench
+    from torchllama.errors import ArgumentError
+
+    if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
+        raise ArgumentError("--prompt-tokens, --new-tokens and --repeats must be ≥ 1")
+    run_bench(model, dtype, prompt_tokens, new_tokens, repeats, with_hf=not no_hf)
+    return 0
+
+
+COMMANDS: dict[str, Callable[..., int]] = {"generate": generate, "chat": chat, "bench": bench}
+
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Signature → argparse
+# --------------------------------------------------------------------------------------------
+
+def _arg_help(doc: str) -> dict[str, str]:
+    """Map parameter name → help text from a Google-style docstring's Args section."""
+    helps: dict[str, str] = {}
+    section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
+    current = None
+    for line in section.splitlines():
+        m = re.match(r"\s{8}(\w+): (.*)", line)
+        if m:
+            current = m.group(1)
+            helps[current] = m.group(2).strip()
+        elif current and line.strip():
+            helps[current] += " " + line.strip()
+    return helps
+
+
+def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
+    doc = inspect.getdoc(fn) or ""
+    helps = _arg_help(doc)
+    parser = subparsers.add_parser(name, help=doc.splitlines()[0],
+                                   description=doc.split("Args:")[0].strip())
+    hints = typing.get_type_hints(fn)
+    for param in inspect.signature(fn).parameters.values():
+        flag = "--" + param.name.replace("_", "-")
+        hint = hints[param.name]
+        if hint is bool:
+            parser.add_argument(flag, action="store_true", help=helps.get(param.name))
+            continue
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        default_help = f" (default: {param.default})" if param.default is not None else ""
+        parser.add_argument(flag, type=base, default=param.default, metavar=param.name.upper(),
+                            help=(helps.get(param.name, "") + default_help))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.set_defaults(_command=fn)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchllama",
+        description="A from-scratch PyTorch Llama: generate, chat and benchmark on local "
+                    "checkpoints (default: the embedded SmolLM2-135M-Instruct).")
+    subparsers = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    for name, fn in COMMANDS.items():
+        _add_command(subparsers, name, fn)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `torchllama` command. Returns the exit status."""
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("_command")
+    debug = args.pop("debug")
+    try:
+        return command(**args)
+    except TorchLlamaError as e:
+        if debug:
+            raise
+        print(f"torchllama: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

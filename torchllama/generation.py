@@ -1,0 +1,350 @@
+"""Generation: sampling functions, prefill/decode with the KV cache, streaming text, stop tokens.
+
+    prompt ids ──prefill (one forward over the prompt, start_pos = cached prefix)──▶ logits
+    loop: sample(logits) ──▶ token ──stop id?──▶ decode_one_token(token, start_pos) ──▶ logits
+
+Sampling functions are pure: (logits, settings, torch.Generator) → token ids. The order is
+temperature → top-k → top-p, the order of HF's logits warpers and of Meta's generate (which has
+no top-k). `Session` keeps a conversation's KV cache between calls and re-uses the longest cached
+prefix of the next prompt, so a chat turn only prefills the new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from torchllama.errors import ArgumentError, ContextLengthError
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling (pure functions)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    Attributes:
+        temperature: 0 = greedy (argmax); > 0 divides the logits before softmax.
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: nucleus sampling, keep the smallest set of most likely tokens whose probability
+            mass reaches p (Holtzman et al. 2019); 1.0 = all. The top token is always kept.
+        seed: seed of the sampling RNG; None = nondeterministic.
+
+    Raises:
+        ArgumentError: temperature < 0, top_k < 0, top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ArgumentError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ArgumentError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A torch.Generator seeded with `seed` (or randomly when seed is None)."""
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit below the k-th largest of its row to -inf (ties at the k-th are kept).
+
+    Shapes: logits (B, V) → (B, V). k ≤ 0 or k ≥ V returns logits unchanged.
+    """
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]          # (B, 1) k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))      # (B, V)
+
+
+def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None
+                 ) -> torch.Tensor:
+    """Nucleus sampling exactly as Meta's `sample_top_p` (llama/generation.py).
+
+    Sort probabilities descending, take the cumulative sum, drop every token whose *preceding*
+    mass already exceeds p (so the top token always survives), renormalise, sample.
+
+    Args:
+        probs: (B, V) probabilities (rows sum to 1).
+        p: top-p threshold in (0, 1].
+        generator: RNG for torch.multinomial.
+
+    Returns:
+        (B,) int64 sampled token ids.
+    """
+    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)   # (B, V) each
+    probs_sum = torch.cumsum(probs_sort, dim=-1)                          # (B, V)
+    mask = probs_sum - probs_sort > p                                     # mass before token > p
+    probs_sort = probs_sort.masked_fill(mask, 0.0)
+    probs_sort = probs_sort / probs_sort.sum(dim=-1, keepdim=True)        # renormalise
+    choice = torch.multinomial(probs_sort, num_samples=1, generator=generator)  # (B, 1)
+    return torch.gather(probs_idx, -1, choice).squeeze(-1)                # (B,)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Pick the next token of each row: temperature → top-k → top-p → multinomial.
+
+    Args:
+        logits: (B, V) float32 logits of the next token.
+        params: temperature, top_k, top_p. temperature == 0 means argmax (no division).
+        generator: RNG (see SamplingParams.make_generator).
+
+    Returns:
+        (B,) int64 token ids.
+    """
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)                                      # (B,)
+    logits = top_k_filter(logits / params.temperature, params.top_k)      # (B, V)
+    probs = torch.softmax(logits, dim=-1)                                 # (B, V)
+    if params.top_p < 1.0:
+        return sample_top_p(probs, params.top_p, generator)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill and decode
+# --------------------------------------------------------------------------------------------
+
+def prefill(model, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    """Run the prompt through the model once, filling the KV cache from start_pos.
+
+    Shapes: tokens (B, T) int64 → logits of the token after the last one, (B, V) float32.
+    """
+    return model(tokens, start_pos, last_only=True)[:, -1]             # (B, V)
+
+
+def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
+    """One decode step: feed the last sampled token at position pos.
+
+    Shapes: token (B, 1) int64 → next-token logits (B, V) float32.
+    Static shapes for a given (B, pos): the step torch.compile can take later.
+    """
+    return model(token, pos)[:, -1]                                     # (B, V)
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one `Session.generate` call (seconds, tokens)."""
+
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0      # prompt tokens actually run (the rest came from the cache)
+    new_tokens: int = 0            # tokens yielded (stop token excluded)
+    decode_steps: int = 0          # forward passes of one token
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""        # "stop" (stop token) or "length" (max_new_tokens/context)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode rate: one-token forward passes (+ sampling) per second."""
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+    def summary(self) -> str:
+        return (f"[{self.prompt_tokens} prompt tokens ({self.prefilled_tokens} prefilled) at "
+                f"{self.prefill_tokens_per_s:.1f} tok/s; {self.new_tokens} new tokens at "
+                f"{self.decode_tokens_per_s:.1f} tok/s decode; finish: {self.finish_reason}]")
+
+
+class Session:
+    """A model, its tokenizer and one KV cache (batch 1) that persists between calls.
+
+    Each `generate` call re-uses the longest prefix of the new prompt that is already in the
+    cache (a chat REPL re-renders the whole conversation each turn; only the new turn is
+    prefilled).
+
+    Args:
+        model: a `Transformer` (eval mode).
+        tokenizer: its `Tokenizer`.
+        max_seq_len: length of the KV cache (default: the model's context).
+    """
+
+    def __init__(self, model, tokenizer, max_seq_len: Optional[int] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len or model.args.max_seq_len
+        self.cached_ids: list[int] = []       # tokens whose keys/values are in the cache
+        self.stats = GenerationStats()
+        self._device = model.tok_embeddings.weight.device
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+        self.cached_ids = []
+
+    def _ensure_cache(self) -> None:
+        if self.model.cache_shape != (1, self.max_seq_len):
+            self.model.setup_caches(1, self.max_seq_len)
+            self.cached_ids = []
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
+                 sampling: SamplingParams = SamplingParams(),
+                 stop_ids: Optional[frozenset[int]] = None) -> Iterator[int]:
+        """Yield new token ids one at a time; the stop token itself is not yielded.
+
+        Args:
+            prompt_ids: full prompt (BOS included if wanted).
+            max_new_tokens: at most this many tokens (≥ 1); fewer if the context fills up.
+            sampling: temperature, top-k, top-p, seed.
+            stop_ids: token ids that end generation (default: tokenizer.stop_ids).
+
+        Raises:
+            ArgumentError: empty prompt or max_new_tokens < 1.
+            ContextLengthError: the prompt leaves no room in the context for a new token.
+
+        After the iterator is exhausted, `self.stats` holds counts, timings and finish_reason.
+        """
+        if max_new_tokens < 1:
+            raise ArgumentError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if len(prompt_ids) == 0:
+            raise ArgumentError("the prompt is empty (no tokens)")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                f"{self.max_seq_len}; shorten it to at most {self.max_seq_len - 1} tokens")
+        stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
+        generator = sampling.make_generator(self._device)
+        self._ensure_cache()
+
+        # Longest cached prefix we can keep (at least one prompt token must be run to get logits).
+        n = 0
+        limit = min(len(self.cached_ids), len(prompt_ids) - 1)
+        while n < limit and self.cached_ids[n] == prompt_ids[n]:
+            n += 1
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
+                                             prefilled_tokens=len(prompt_ids) - n)
+        self.cached_ids = list(prompt_ids[:n])
+
+        t0 = time.perf_counter()
+        tokens = torch.tensor([prompt_ids[n:]], dtype=torch.long, device=self._device)
+        logits = prefill(self.model, tokens, start_pos=n)                # (1, V)
+        self.cached_ids = list(prompt_ids)
+        next_id = int(sample(logits, sampling, generator)[0])
+        stats.prefill_s = time.perf_counter() - t0
+
+        budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
+        stats.finish_reason = "length"
+        while next_id not in stop_ids:
+            stats.new_tokens += 1
+            yield next_id
+            if stats.new_tokens >= budget:
+                break
+            t1 = time.perf_counter()
+            token = torch.tensor([[next_id]], dtype=torch.long, device=self._device)
+            logits = decode_one_token(self.model, token, len(self.cached_ids))  # (1, V)
+            self.cached_ids.append(next_id)
+            next_id = int(sample(logits, sampling, generator)[0])
+            stats.decode_steps += 1
+            stats.decode_s += time.perf_counter() - t1
+        else:
+            stats.finish_reason = "stop"
+
+
+# --------------------------------------------------------------------------------------------
+# Text in, text out
+# --------------------------------------------------------------------------------------------
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text pieces, safe to print as they come.
+
+    Decoding tokens one at a time drops SentencePiece's leading spaces and cuts multi-byte
+    characters in half. Instead (as text-generation-inference's incremental detokenizer): keep a
+    few tokens of left context, decode context+new tokens and context alone, and emit the
+    difference, but only once it no longer ends in an incomplete character (U+FFFD).
+
+    Args:
+        tokenizer: has decode(ids) -> str.
+        context_ids: tokens before the generated ones (the end of the prompt), for spacing.
+    """
+
+    def __init__(self, tokenizer, context_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(context_ids[-6:])
+        self.prefix_offset = 0                  # start of the left context window
+        self.read_offset = len(self.ids)        # tokens before this are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ('' while a character is incomplete)."""
+        self.ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end (e.g. an incomplete character)."""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):]
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False,
+                  system: Optional[str] = None) -> list[int]:
+    """Token ids of a prompt, with BOS when the model expects it (exactly once).
+
+    Args:
+        tokenizer: a torchllama Tokenizer.
+        prompt: user text. Special-token strings in it are treated as plain text unless `chat`
+            wraps it in the template (the template's own markers are parsed as special tokens).
+        chat: wrap the prompt in the model's chat template as one user turn (+ optional system
+            prompt) with the assistant's turn opened.
+        system: optional system prompt (with chat=True).
+    """
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+        return encode_chat(tokenizer, messages)
+    ids = tokenizer.encode(prompt)
+    return _with_bos(tokenizer, ids)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True
+                ) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template (BOS added once)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return _with_bos(tokenizer, tokenizer.encode(text, special=True))
+
+
+def _with_bos(tokenizer, ids: list[int]) -> list[int]:
+    if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        return [tokenizer.bos_id] + ids
+    return ids
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 256, *,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: Optional[int] = None, chat: bool = False) -> str:
+    """Generate a continuation of `prompt` (or, with chat=True, the assistant's answer to it).
+
+    Returns the new text only (no prompt). See `Session.generate` for the errors raised.
+    """
+    session = Session(model, tokenizer)
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    new_ids = list(session.generate(ids, max_new_tokens,
+                                    SamplingParams(temperature, top_k, top_p, seed)))
+    stream = StreamDecoder(tokenizer, ids)
+    return "".join(stream.push(i) for i in new_ids) + stream.flush()
