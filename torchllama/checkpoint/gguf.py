@@ -35,14 +35,17 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise ModelFileError(f"{path}: no such file")
     if os.path.isdir(path):
         raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    if not os.access(path, os.R_OK):
-        raise ModelFileError(f"{path}: permission denied (cannot read the file)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:  # permission denied, I/O error, ...
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
     try:
         return gguf.GGUFReader(path, "r")
+    except OSError as e:  # mapping the file failed: not a truncation
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
     except Exception as e:  # the library raises ValueError/IndexError/... on truncated headers
         raise ModelFileError(
             f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})"
@@ -85,6 +88,18 @@ SUPPORTED_TYPES = frozenset(
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def gguf_tensor_name(our_name: str) -> str:
+    """The GGUF name of one of our parameters (inverse of `our_tensor_name`)."""
+    for gguf_template, our_template in TENSOR_NAMES.items():
+        parts = our_name.split(".")
+        if "{i}" in our_template and len(parts) > 2 and parts[1].isdigit():
+            if our_template.format(i=parts[1]) == our_name:
+                return gguf_template.format(i=parts[1])
+        elif our_template == our_name:
+            return gguf_template
+    return our_name
 
 
 def our_tensor_name(gguf_name: str) -> str | None:
@@ -204,7 +219,8 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
         if not array.flags.writeable:  # F32 data is a view of the read-only file mapping
             array = array.copy()
         state[name] = torch.from_numpy(array).to(dtype)
-    missing = [n for n in expected if n not in state and n != "output.weight"]
+    missing = [f"{gguf_tensor_name(n)} ({n})" for n in expected
+               if n not in state and n != "output.weight"]
     if missing:
         raise ModelFileError(
             f"{source}: missing tensors for {', '.join(missing[:5])}"

@@ -1,0 +1,182 @@
+"""The model against independent oracles: HF transformers' LlamaForCausalLM on random tiny
+configs (weights converted with the q/k permutation), and the invariants the seeds check
+(KV-cached decoding = full recompute, RoPE norms and relative positions)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchllama.checkpoint.hf import (hf_to_meta_state_dict, permute_hf_to_meta,
+                                      permute_meta_to_hf)
+from torchllama.config import ModelArgs
+from torchllama.errors import ArgumentError, ContextLengthError
+from torchllama.model import (Transformer, apply_rotary_emb, precompute_freqs_cis, repeat_kv,
+                              set_weight_layout)
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_pair(n_heads=4, n_kv_heads=2, tie=False, dim=64, layers=3, vocab=300, hidden=176,
+            theta=5000.0, seed=0):
+    """A random HF LlamaForCausalLM and our Transformer holding the same weights."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5,
+        rope_theta=theta, max_position_embeddings=128, tie_word_embeddings=tie,
+        attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(config).eval()
+    args = ModelArgs(dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                     vocab_size=vocab, hidden_dim=hidden, norm_eps=1e-5, rope_theta=theta,
+                     max_seq_len=128, tie_embeddings=tie)
+    ours = Transformer(args).eval()
+    ours.load_state_dict(hf_to_meta_state_dict(hf.state_dict(), args), strict=True)
+    return hf, ours
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, tie", [
+    (4, 4, False),   # multi-head attention
+    (4, 2, False),   # grouped-query attention
+    (4, 1, True),    # multi-query attention, tied embeddings
+    (8, 2, False),   # 4 query heads per KV head
+])
+def test_logits_equal_hf_llama(n_heads, n_kv_heads, tie):
+    hf, ours = hf_pair(n_heads, n_kv_heads, tie)
+    tokens = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+    assert got.dtype == torch.float32 and got.shape == (2, 40, 300)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_wrong_kv_head_count_in_permutation_breaks_parity():
+    # The trap the design notes warn about: un-permuting wk with n_heads instead of n_kv_heads.
+    hf, ours = hf_pair(4, 2)
+    sd = hf_to_meta_state_dict(hf.state_dict(), ours.args)
+    sd["layers.0.attention.wk.weight"] = permute_hf_to_meta(
+        hf.state_dict()["model.layers.0.self_attn.k_proj.weight"], 4)
+    ours.load_state_dict(sd)
+    tokens = torch.randint(0, 300, (1, 20))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() > 1e-3
+
+
+def test_permutations_are_inverse():
+    w = torch.randn(6 * 8, 16)
+    assert torch.equal(permute_hf_to_meta(permute_meta_to_hf(w, 6), 6), w)
+    assert not torch.equal(permute_meta_to_hf(w, 6), w)
+
+
+def test_column_major_weights_give_the_same_logits():
+    _, ours = hf_pair()
+    tokens = torch.randint(0, 300, (2, 30))
+    with torch.no_grad():
+        row = ours(tokens)
+        set_weight_layout(ours, "column")
+        assert ours.layers[0].attention.wq.weight.stride() == (1, 64)
+        col = ours(tokens)
+    torch.testing.assert_close(col, row, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ArgumentError):
+        set_weight_layout(ours, "diagonal")
+
+
+def test_tied_embeddings_share_one_parameter():
+    _, ours = hf_pair(tie=True)
+    assert ours.output.weight is ours.tok_embeddings.weight
+
+
+@pytest.mark.parametrize("splits", [[40], [1] * 40, [17, 1, 1, 5, 16], [20, 20]])
+def test_kv_cached_decoding_equals_full_recompute(splits):
+    _, ours = hf_pair(4, 2)
+    tokens = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        full = ours(tokens)                                   # no cache: causal over all 40
+        ours.setup_caches(max_batch_size=2, max_seq_len=64)
+        pieces, pos = [], 0
+        for n in splits:                                      # prefill, chunks, single tokens
+            pieces.append(ours(tokens[:, pos:pos + n], pos))
+            pos += n
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_last_only_returns_the_last_position():
+    _, ours = hf_pair()
+    tokens = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens, last_only=True), ours(tokens)[:, -1:])
+
+
+def test_context_and_cache_limits():
+    _, ours = hf_pair()
+    with torch.no_grad():
+        with pytest.raises(ContextLengthError, match="exceed the context of 128"):
+            ours(torch.zeros(1, 129, dtype=torch.long))
+        with pytest.raises(ArgumentError, match="needs a KV cache"):
+            ours(torch.zeros(1, 2, dtype=torch.long), start_pos=3)
+        ours.setup_caches(1, 16)
+        with pytest.raises(ContextLengthError, match="exceed the context of 16"):
+            ours(torch.zeros(1, 4, dtype=torch.long), start_pos=14)
+        with pytest.raises(ArgumentError, match="batch size 2"):
+            ours(torch.zeros(2, 4, dtype=torch.long))
+        with pytest.raises(ArgumentError):
+            ours.setup_caches(1, 1000)
+
+
+def test_bfloat16_model_runs_and_returns_float32_logits():
+    hf, ours = hf_pair()
+    ours = ours.to(torch.bfloat16)
+    tokens = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        got = ours(tokens)
+        expected = hf(tokens).logits
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max() < 0.1
+
+
+# ---- RoPE: the seeds' own checks ---------------------------------------------------------------
+
+def test_freqs_cis_matches_meta_complex_form():
+    # Meta: freqs_cis = polar(1, outer(t, 1/theta^(2i/d))) as complex64.
+    d, end, theta = 16, 10, 10000.0
+    freqs = 1.0 / (theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
+    meta = torch.polar(torch.ones(end, d // 2), torch.outer(torch.arange(end).float(), freqs))
+    ours = precompute_freqs_cis(d, end, theta)
+    torch.testing.assert_close(torch.view_as_real(meta), ours)
+
+
+def test_rope_matches_meta_complex_multiplication():
+    x = torch.randn(2, 7, 3, 16)
+    fc = precompute_freqs_cis(16, 7)
+    x_complex = torch.view_as_complex(x.reshape(2, 7, 3, 8, 2))        # Meta's formulation
+    meta = torch.view_as_real(x_complex * torch.view_as_complex(fc)[None, :, None, :]).flatten(3)
+    torch.testing.assert_close(apply_rotary_emb(x, fc), meta)
+
+
+def test_rope_preserves_norms():
+    x = torch.randn(1, 50, 4, 32)
+    rotated = apply_rotary_emb(x, precompute_freqs_cis(32, 50))
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+    assert not torch.allclose(rotated[:, 1:], x[:, 1:])                # it did rotate
+
+
+def test_rotated_dot_products_depend_only_on_relative_position():
+    q, k = torch.randn(32), torch.randn(32)
+    fc = precompute_freqs_cis(32, 100)
+
+    def rot(v, pos):
+        return apply_rotary_emb(v.view(1, 1, 1, 32), fc[pos:pos + 1]).flatten()
+
+    base = rot(q, 10) @ rot(k, 3)                                      # distance 7
+    for m in (7, 20, 50, 92):
+        torch.testing.assert_close(rot(q, m) @ rot(k, m - 7), base, atol=1e-4, rtol=1e-4)
+    assert abs(rot(q, 10) @ rot(k, 5) - base) > 1e-3                  # distance 5 differs
+
+
+def test_gqa_attention_equals_repeat_kv():
+    q = torch.randn(2, 8, 5, 16)
+    k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    expected = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)
+    got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(repeat_kv(k, 4)[:, 5], k[:, 1])                 # head 5 uses KV head 1
