@@ -36,9 +36,9 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         prompt: the prompt text. Without --chat it is continued as it is (and echoed first).
         model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
         max_new_tokens: maximum number of tokens to generate (≥ 1).
-        temperature: sampling temperature (≥ 0; 0 = greedy). Default as Meta's example: 0.6.
+        temperature: sampling temperature ≥ 0 (0 = greedy); the default is Meta's.
         top_k: sample among the k most likely tokens only (0 = off).
-        top_p: nucleus sampling threshold in (0, 1] (1 = off). Default as Meta's: 0.9.
+        top_p: nucleus sampling threshold in (0, 1] (1 = off); the default is Meta's.
         seed: random seed for reproducible sampling.
         chat: wrap the prompt in the model's chat template and print only the answer.
         system: system prompt (with --chat).
@@ -180,7 +180,7 @@ def _arg_help(doc: str) -> dict[str, str]:
     section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
     current = None
     for line in section.splitlines():
-        m = re.match(r"\s{8}(\w+): (.*)", line)
+        m = re.match(r" {4}(\w+): (.*)", line)   # inspect.getdoc dedents the docstring
         if m:
             current = m.group(1)
             helps[current] = m.group(2).strip()

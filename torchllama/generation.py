@@ -173,6 +173,9 @@ class Session:
     cache (a chat REPL re-renders the whole conversation each turn; only the new turn is
     prefilled).
 
+    The cache lives in the model (`Transformer.setup_caches`), as in gpt-fast: use one Session
+    per model at a time, and don't run the model elsewhere between its calls.
+
     Args:
         model: a `Transformer` (eval mode).
         tokenizer: its `Tokenizer`.
@@ -193,7 +196,8 @@ class Session:
 
     def _ensure_cache(self) -> None:
         if self.model.cache_shape != (1, self.max_seq_len):
-            self.model.setup_caches(1, self.max_seq_len)
+            with torch.inference_mode(False):   # normal tensors: usable outside inference mode
+                self.model.setup_caches(1, self.max_seq_len)
             self.cached_ids = []
 
     @torch.inference_mode()

@@ -1,0 +1,7 @@
+"""`python -m torchllama` = the `torchllama` command."""
+
+import sys
+
+from torchllama.cli import main
+
+sys.exit(main())
