@@ -23,7 +23,7 @@ setup: $(VENV)/.base
 setup-test: $(VENV)/.test
 
 demo: setup
-	$(VENV)/bin/torchllama generate --prompt "The capital of France is" --temperature 0 --max-new-tokens 48
+	$(VENV)/bin/torchllama generate --prompt "Once upon a time, a little robot" --temperature 0 --max-new-tokens 60
 	$(VENV)/bin/torchllama generate --chat --prompt "Give me three tips for learning to cook." --seed 0 --max-new-tokens 200
 
 test: setup-test

@@ -136,21 +136,37 @@ def test_bfloat16_model_runs_and_returns_float32_logits():
 
 # ---- RoPE: the seeds' own checks ---------------------------------------------------------------
 
-def test_freqs_cis_matches_meta_complex_form():
-    # Meta: freqs_cis = polar(1, outer(t, 1/theta^(2i/d))) as complex64.
-    d, end, theta = 16, 10, 10000.0
-    freqs = 1.0 / (theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
-    meta = torch.polar(torch.ones(end, d // 2), torch.outer(torch.arange(end).float(), freqs))
-    ours = precompute_freqs_cis(d, end, theta)
-    torch.testing.assert_close(torch.view_as_real(meta), ours)
+def test_freqs_cis_angles():
+    # e^{i·m·θ_i} with θ_i = theta^(-2i/d): check a few entries against the formula directly.
+    d, theta = 16, 10000.0
+    fc = precompute_freqs_cis(d, 10, theta)
+    assert fc.shape == (10, 8) and fc.dtype == torch.complex64
+    for m, i in [(0, 0), (1, 0), (3, 5), (9, 7)]:
+        angle = m * theta ** (-2 * i / d)
+        assert abs(fc[m, i].real - torch.tensor(angle).cos()) < 1e-6
+        assert abs(fc[m, i].imag - torch.tensor(angle).sin()) < 1e-6
 
 
-def test_rope_matches_meta_complex_multiplication():
-    x = torch.randn(2, 7, 3, 16)
-    fc = precompute_freqs_cis(16, 7)
-    x_complex = torch.view_as_complex(x.reshape(2, 7, 3, 8, 2))        # Meta's formulation
-    meta = torch.view_as_real(x_complex * torch.view_as_complex(fc)[None, :, None, :]).flatten(3)
-    torch.testing.assert_close(apply_rotary_emb(x, fc), meta)
+def test_rope_equals_explicit_rotation_matrices():
+    # Independent oracle: rotate each interleaved pair (x[2i], x[2i+1]) by a 2x2 matrix.
+    d, T = 16, 7
+    x = torch.randn(2, T, 3, d)
+    theta_i = 10000.0 ** (-torch.arange(0, d, 2).double() / d)               # (d/2,)
+    expected = torch.empty_like(x, dtype=torch.float64)
+    for m in range(T):
+        c, s = torch.cos(m * theta_i), torch.sin(m * theta_i)                # (d/2,)
+        rotation = torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
+        pairs = x[:, m].double().reshape(2, 3, d // 2, 2, 1)                 # (B, H, d/2, 2, 1)
+        expected[:, m] = (rotation @ pairs).reshape(2, 3, d)
+    got = apply_rotary_emb(x, precompute_freqs_cis(d, T))
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_model_to_bfloat16_keeps_exact_rope():
+    _, ours = hf_pair()
+    ours = ours.to(torch.bfloat16)
+    assert ours.freqs_cis.dtype == torch.complex64                      # not cast to bf16
+    torch.testing.assert_close(ours.freqs_cis, precompute_freqs_cis(16, 128, 5000.0))
 
 
 def test_rope_preserves_norms():

@@ -100,7 +100,6 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    model.init_buffers()
     if torch_dtype == torch.float32:
         set_weight_layout(model, "column")  # faster float32 matmuls with MKL (see its docstring)
     return model.eval().requires_grad_(False), tokenizer
