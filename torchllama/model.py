@@ -193,7 +193,7 @@ class Attention(nn.Module):
         xq = apply_rotary_emb(xq, freqs_cis)                          # (B, T, H, hd)
         xk = apply_rotary_emb(xk, freqs_cis)                          # (B, T, KV, hd)
 
-        xq = xq.transpose(1, 2).contiguous()                          # (B, H, T, hd)
+        xq = xq.transpose(1, 2).contiguous()   # (B, H, T, hd); contiguous: faster CPU SDPA
         xk = xk.transpose(1, 2)                                       # (B, KV, T, hd)
         xv = xv.transpose(1, 2)                                       # (B, KV, T, hd)
         if self.kv_cache is not None:
@@ -203,8 +203,9 @@ class Attention(nn.Module):
         # Grouped-query attention: query head h uses KV head h // n_rep. SDPA's enable_gqa does
         # what Meta's repeat_kv does (see `repeat_kv`) without copying keys/values n_rep times:
         # the copies cost more than the attention itself during decode.
-        out = F.scaled_dot_product_attention(                         # (B, H, T, hd)
-            xq, keys, values, attn_mask=mask, is_causal=(mask is None and T > 1),
+        causal = True if mask is None and T > 1 else False           # a plain bool, also for
+        out = F.scaled_dot_product_attention(                         # torch.compile's SymInt T
+            xq, keys, values, attn_mask=mask, is_causal=causal,       # (B, H, T, hd)
             enable_gqa=self.n_rep > 1)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
         return self.wo(out)                                           # (B, T, D)
