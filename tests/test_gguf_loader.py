@@ -25,6 +25,7 @@ from torchllama.checkpoint import gguf as gguf_format
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.model import Transformer
+from conftest import byte_level_alphabet
 
 Q = gguf.GGMLQuantizationType
 
@@ -57,22 +58,8 @@ SMALL = Tiny(dim=64, hidden=160)
 KQUANT = Tiny(dim=256, hidden=512)
 
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 # A tiny byte-level BPE vocabulary ('gpt2'): 256 byte tokens, two merges, one control token.
-TOKENS = _byte_level_alphabet() + ["12", "34", "<|endoftext|>"]
+TOKENS = byte_level_alphabet() + ["12", "34", "<|endoftext|>"]
 VOCAB = len(TOKENS)  # 259, deliberately not a round number
 MERGES = ["1 2", "3 4"]
 

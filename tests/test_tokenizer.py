@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from torchllama.errors import ArgumentError, ModelFileError, TorchLlamaError
+from conftest import LLAMA_SPM_VOCAB, byte_level_alphabet
 from torchllama.tokenizer import (
     BPETokenizer,
     SentencePieceTokenizer,
@@ -25,7 +26,7 @@ from torchllama.tokenizer import (
     tokenizer_from_gguf_metadata,
 )
 
-SPM_GGUF = Path(__file__).resolve().parents[1].parent / "shared" / "testdata" / "ggml-vocab-llama-spm.gguf"
+SPM_GGUF = LLAMA_SPM_VOCAB
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -317,22 +318,9 @@ def test_smollm_chat_template_matches_hf(smol, hf_smol, system, add_generation_p
 # ------------------------------------------------------------------------------------------------
 
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def _tiny_bpe_metadata(**overrides) -> dict:
     specials = ["<|endoftext|>", "<|eot_id|>", "<think>"]
-    tokens = specials + _byte_level_alphabet() + ["12", "34"]
+    tokens = specials + byte_level_alphabet() + ["12", "34"]
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",

@@ -429,9 +429,8 @@ class SentencePieceTokenizer(Tokenizer):
         scores = _float_list(metadata, "tokenizer.ggml.scores", n, source, default=0.0)
         types = _token_types(metadata, n, source)
         unk_id = _token_id(metadata, "tokenizer.ggml.unknown_token_id", n, source)
-        bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", n, source)
-        eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", n, source)
-        pad_id = _token_id(metadata, "tokenizer.ggml.padding_token_id", n, source)
+        common = _common_fields(metadata, n, source)
+        bos_id, eos_id, pad_id = common["bos_id"], common["eos_id"], common["pad_id"]
 
         if unk_id is not None:
             types[unk_id] = TOKEN_TYPE_UNKNOWN
@@ -482,12 +481,7 @@ class SentencePieceTokenizer(Tokenizer):
             proto,
             source=source,
             add_bos=_get(metadata, "tokenizer.ggml.add_bos_token", bool, source, True),
-            add_eos=_get(metadata, "tokenizer.ggml.add_eos_token", bool, source, False),
-            bos_id=bos_id,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            extra_stop_ids=_extra_stop_ids(metadata, n, source),
-            chat_template=_get(metadata, "tokenizer.chat_template", str, source, None),
+            **common,
         )
 
     def _encode(self, text: str, special: bool) -> list[int]:
@@ -691,14 +685,9 @@ class BPETokenizer(Tokenizer):
             _token_types(metadata, n, source),
             pre=pre,
             source=source,
-            bos_id=_token_id(metadata, "tokenizer.ggml.bos_token_id", n, source),
-            eos_id=_token_id(metadata, "tokenizer.ggml.eos_token_id", n, source),
-            pad_id=_token_id(metadata, "tokenizer.ggml.padding_token_id", n, source),
             unk_id=_token_id(metadata, "tokenizer.ggml.unknown_token_id", n, source),
             add_bos=_get(metadata, "tokenizer.ggml.add_bos_token", bool, source, pre in _PRE_ADD_BOS),
-            add_eos=_get(metadata, "tokenizer.ggml.add_eos_token", bool, source, False),
-            extra_stop_ids=_extra_stop_ids(metadata, n, source),
-            chat_template=_get(metadata, "tokenizer.chat_template", str, source, None),
+            **_common_fields(metadata, n, source),
         )
 
     def _encode(self, text: str, special: bool) -> list[int]:
@@ -793,6 +782,18 @@ def _token_id(metadata: Mapping[str, Any], key: str, n: int, source: str) -> int
 
 def _extra_stop_ids(metadata: Mapping[str, Any], n: int, source: str) -> list[int | None]:
     return [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", n, source) for k in ("eot", "eom")]
+
+
+def _common_fields(metadata: Mapping[str, Any], n: int, source: str) -> dict[str, Any]:
+    """Constructor arguments both tokenizer kinds read the same way from GGUF metadata."""
+    return dict(
+        bos_id=_token_id(metadata, "tokenizer.ggml.bos_token_id", n, source),
+        eos_id=_token_id(metadata, "tokenizer.ggml.eos_token_id", n, source),
+        pad_id=_token_id(metadata, "tokenizer.ggml.padding_token_id", n, source),
+        add_eos=_get(metadata, "tokenizer.ggml.add_eos_token", bool, source, False),
+        extra_stop_ids=_extra_stop_ids(metadata, n, source),
+        chat_template=_get(metadata, "tokenizer.chat_template", str, source, None),
+    )
 
 
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str) -> Tokenizer:
