@@ -95,3 +95,15 @@ def test_help_lists_options_from_signatures():
                  "--top-p", "--seed", "--chat", "--dtype"):
         assert flag in result.stdout
     assert "nucleus sampling" in result.stdout                 # help text from the docstring
+
+
+def test_seed_makes_sampling_reproducible(smollm2_gguf, capsys):
+    def sample(seed):
+        args = ["generate", "--prompt", "My favourite animal is", "--temperature", "1.0",
+                "--top-k", "50", "--top-p", "0.95", "--max-new-tokens", "24", "--seed", seed]
+        assert main(args) == 0
+        return capsys.readouterr().out
+
+    first, again, other = sample("7"), sample("7"), sample("8")
+    assert first == again and first != other
+    assert first.startswith("My favourite animal is")
