@@ -351,7 +351,11 @@ def test_missing_file(tmp_path):
 
 
 def test_directory(tmp_path):
-    assert_model_file_error(tmp_path, "is a directory")
+    # A folder that is no checkpoint: load() says what a checkpoint folder holds...
+    assert_model_file_error(tmp_path, "not a checkpoint folder", "params.json", "config.json")
+    # ...and the GGUF reader itself refuses folders.
+    with pytest.raises(ModelFileError, match="is a directory"):
+        gguf_format.open_gguf(tmp_path)
 
 
 def test_not_gguf(tmp_path):

@@ -72,3 +72,10 @@ def hf_to_meta_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs
         out[q + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[q + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     return out
+
+
+def read_hf(path, dtype, progress=True):
+    """(args, state dict, tokenizer) of a Hugging Face checkpoint folder."""
+    from torchllama.errors import ModelFileError
+
+    raise ModelFileError(f"{path}: Hugging Face checkpoints are not supported yet")
