@@ -85,14 +85,14 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     """
     from torchllama.checkpoint import load, resolve_dtype
     from torchllama.errors import ArgumentError, ContextLengthError
-    from torchllama.generation import SamplingParams, Session, encode_chat
+    from torchllama.generation import SamplingParams, Session, chat_format, encode_chat
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     resolve_dtype(dtype)
     llm, tokenizer = load(model, dtype=dtype)
-    if tokenizer.chat_template is None:
+    if chat_format(tokenizer) is None:
         raise ArgumentError(f"{tokenizer.source}: the model has no chat template; "
                             "use `torchllama generate` instead")
     session = Session(llm, tokenizer)

@@ -328,9 +328,87 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False,
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True
                 ) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template (BOS added once)."""
+    """Token ids of a conversation, ending with the assistant's turn opened.
+
+    The checkpoint's own jinja chat template when it has one (BOS added once); otherwise, for a
+    SentencePiece vocabulary with BOS and EOS (Llama 2 chat), Meta's format
+    (`llama2_chat_ids`).
+
+    Raises:
+        TorchLlamaError: no template and no known format; malformed messages; Llama 2 format
+            rules (see `llama2_chat_ids`).
+    """
+    if chat_format(tokenizer) == "llama2":
+        return llama2_chat_ids(tokenizer, messages)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     return _with_bos(tokenizer, tokenizer.encode(text, special=True))
+
+
+def chat_format(tokenizer) -> Optional[str]:
+    """How `encode_chat` formats conversations for this tokenizer: "template" (the checkpoint's
+    jinja chat template), "llama2" (no template, a SentencePiece vocabulary with BOS and EOS:
+    Meta's Llama 2 chat format) or None (no chat format known)."""
+    from torchllama.tokenizer import SentencePieceTokenizer
+
+    if tokenizer.chat_template is not None:
+        return "template"
+    if isinstance(tokenizer, SentencePieceTokenizer) and tokenizer.bos_id is not None \
+            and tokenizer.eos_id is not None:
+        return "llama2"
+    return None
+
+
+# Llama 2 chat format, as Meta's reference builds it (llama/generation.py, chat_completion).
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+LLAMA2_SPECIAL_TAGS = (B_INST, E_INST, "<<SYS>>", "<</SYS>>")
+
+
+def llama2_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a dialog in Llama 2's chat format, exactly as Meta's `chat_completion`.
+
+    Each finished (user, assistant) pair is `BOS [INST] {user} [/INST] {answer} EOS`; the last
+    user message is `BOS [INST] {user} [/INST]`, left open for the answer. A leading system
+    message is folded into the first user message as `<<SYS>>\n{system}\n<</SYS>>\n\n`.
+    Contents are stripped; BOS/EOS are token ids, never text.
+
+    Args:
+        tokenizer: a SentencePiece tokenizer with BOS and EOS (Llama 2's).
+        messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]: an optional
+            system message, then user/assistant alternating, ending with a user message.
+
+    Raises:
+        ArgumentError: roles out of order, last message not from the user, or content holding
+            the special tags [INST], [/INST], <<SYS>>, <</SYS>> (Meta refuses such requests).
+    """
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise ArgumentError("messages must be a non-empty list of {'role': ..., 'content': str}")
+    for m in messages:
+        if any(tag in m["content"] for tag in LLAMA2_SPECIAL_TAGS):
+            raise ArgumentError("special tags are not allowed as part of the prompt "
+                                f"({', '.join(LLAMA2_SPECIAL_TAGS)}), as in Meta's Llama 2")
+    dialog = list(messages)
+    if dialog[0].get("role") == "system":
+        if len(dialog) < 2:
+            raise ArgumentError("a system message must be followed by a user message")
+        dialog = [{"role": dialog[1]["role"],
+                   "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}] \
+            + dialog[2:]
+    if not (all(m.get("role") == "user" for m in dialog[::2])
+            and all(m.get("role") == "assistant" for m in dialog[1::2])):
+        raise ArgumentError("Llama 2 chat supports 'system', 'user' and 'assistant' roles, "
+                            "starting with 'system' (optional), then 'user' and alternating "
+                            "(u/a/u/a/u...)")
+    if dialog[-1]["role"] != "user":
+        raise ArgumentError(f"the last message must be from the user, got {dialog[-1]['role']!r}")
+    ids: list[int] = []
+    for prompt, answer in zip(dialog[::2], dialog[1::2]):
+        ids += tokenizer.encode(
+            f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} ",
+            bos=True, eos=True)
+    ids += tokenizer.encode(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", bos=True)
+    return ids
 
 
 def _with_bos(tokenizer, ids: list[int]) -> list[int]:
