@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from torchllama.errors import ModelFileError
@@ -226,3 +227,110 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
             f"{source}: missing tensors for {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+# Tensor types we write: float types, and Q8_0 for the matrices (norms stay F32, as llama.cpp).
+WRITE_TYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
+               "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+# GGUF tokenizer key → GGUFWriter method (each writes the value with the type llama.cpp expects).
+_TOKENIZER_WRITERS = {
+    "tokenizer.ggml.model": "add_tokenizer_model",
+    "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list",
+    "tokenizer.ggml.scores": "add_token_scores",
+    "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.merges": "add_token_merges",
+    "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+    "tokenizer.ggml.eos_token_id": "add_eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "add_unk_token_id",
+    "tokenizer.ggml.padding_token_id": "add_pad_token_id",
+    "tokenizer.ggml.eot_token_id": "add_eot_token_id",
+    "tokenizer.ggml.eom_token_id": "add_eom_token_id",
+    "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.ggml.add_eos_token": "add_add_eos_token",
+    "tokenizer.chat_template": "add_chat_template",
+}
+
+
+def gguf_tensor_type(name: str, shape: torch.Size, qtype: str) -> gguf.GGMLQuantizationType:
+    """The tensor type to write `name` with: `qtype` for matrices whose rows fit its blocks,
+    F32 for norms (1-D) and for rows that do not divide into blocks."""
+    t = WRITE_TYPES[qtype]
+    block, _ = gguf.GGML_QUANT_SIZES[t]
+    if len(shape) == 1 or shape[-1] % block:
+        return gguf.GGMLQuantizationType.F32
+    return t
+
+
+def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
+              qtype: str = "F32", name: str = "torchllama", progress: bool = True) -> None:
+    """Write our model as a llama.cpp GGUF file (architecture 'llama').
+
+    Hyperparameters go to `llama.*` metadata, the tokenizer to `tokenizer.*`, tensors under
+    llama.cpp's names. q/k weights are written as they are: GGUF uses Meta's interleaved RoPE
+    layout. A tied output projection is not written (llama.cpp ties when `output` is absent).
+
+    Args:
+        model: a `Transformer`.
+        tokenizer_fields: GGUF `tokenizer.*` keys → values (`Tokenizer.gguf_fields()`).
+        path: output file; written directly (callers write to a temporary path and rename).
+        qtype: 'F32', 'F16', 'BF16' or 'Q8_0' for the matrices (quantized with the `gguf`
+            library); 1-D norms are always F32.
+        name: general.name.
+        progress: show a progress bar.
+
+    Raises:
+        ArgumentError: unknown qtype.
+        TorchLlamaError: the model has RoPE scaling (not representable yet).
+    """
+    from tqdm import tqdm
+
+    from torchllama.errors import ArgumentError
+
+    if qtype not in WRITE_TYPES:
+        raise ArgumentError(f"GGUF tensor type {qtype!r} is not supported for writing; "
+                            f"use one of {', '.join(WRITE_TYPES)}")
+    args = model.args
+    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    writer.add_name(name)
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                          "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    for key, value in tokenizer_fields.items():
+        if key == "tokenizer.ggml.add_space_prefix":
+            writer.add_bool(key, bool(value))
+        elif value is not None and key in _TOKENIZER_WRITERS:
+            getattr(writer, _TOKENIZER_WRITERS[key])(value)
+
+    state = model.state_dict()
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    for ours, tensor in tqdm(state.items(), desc="writing GGUF", unit="tensor",
+                             disable=not progress, leave=False):
+        t = gguf_tensor_type(ours, tensor.shape, qtype)
+        data = tensor.detach().float().contiguous().numpy()
+        if t == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_tensor_name(ours), data)
+        elif t == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_tensor_name(ours), data.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_tensor_name(ours), gguf.quants.quantize(data, t), raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
