@@ -367,6 +367,11 @@ class Transformer(nn.Module):
         return self.output(h).float()                        # (B, T, V) fp32
 
 
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """The same (out, in) matrix stored as the transpose of a contiguous (in, out) tensor."""
+    return w.t().contiguous().t()                               # (out, in), strides (1, out)
+
+
 def set_weight_layout(model: nn.Module, layout: str) -> nn.Module:
     """Choose how every nn.Linear weight is laid out in memory; values, shapes (out, in), names
     and ties are unchanged.
@@ -389,7 +394,7 @@ def set_weight_layout(model: nn.Module, layout: str) -> nn.Module:
         if isinstance(module, nn.Linear):
             w = module.weight.data                              # (out, in)
             if layout == "column":
-                module.weight.data = w.t().contiguous().t()     # (out, in), strides (1, out)
+                module.weight.data = column_major(w)
             else:
                 module.weight.data = w.contiguous()             # (out, in), strides (in, 1)
     return model

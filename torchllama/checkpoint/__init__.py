@@ -62,11 +62,12 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     The model is created on the meta device (no memory), the tensors are checked against its
     parameter names and shapes, then assigned (`load_state_dict(strict=True, assign=True)`).
     A tied model may omit `output.weight`. float32 weights get the column-major layout that is
-    faster on CPU (see `set_weight_layout`).
+    faster on CPU (see `set_weight_layout`), converted tensor by tensor.
 
     Args:
         args: the model's hyperparameters.
-        state: our (Meta's) parameter name → tensor, already in the target dtype.
+        state: our (Meta's) parameter name → tensor, already in the target dtype. Consumed:
+            entries are replaced as they are converted.
         source: the checkpoint's path, for error messages.
 
     Returns:
@@ -75,13 +76,13 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     Raises:
         ModelFileError: a missing or unexpected tensor, or a shape that does not match args.
     """
-    from torchllama.model import Transformer, set_weight_layout
+    from torchllama.model import Transformer, column_major
 
     with torch.device("meta"):
         model = Transformer(args)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
-        state = {**state, "output.weight": state["tok_embeddings.weight"]}
+        state["output.weight"] = state["tok_embeddings.weight"]
     missing = [n for n in expected if n not in state]
     unexpected = [n for n in state if n not in expected]
     if missing or unexpected:
@@ -95,10 +96,18 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
         if state[name].shape != shape:
             raise ModelFileError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
                                  f"expected {tuple(shape)}")
+    if state["tok_embeddings.weight"].dtype == torch.float32:
+        # Faster float32 matmuls with MKL (see set_weight_layout), converted one tensor at a
+        # time in the caller's dict so that the row-major original is freed right away.
+        linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        for name in linear:
+            if name != "output.weight" or not args.tie_embeddings:
+                state[name] = column_major(state[name])
+        if args.tie_embeddings:
+            state["tok_embeddings.weight"] = state["output.weight"] = \
+                column_major(state["tok_embeddings.weight"])
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    if model.tok_embeddings.weight.dtype == torch.float32:
-        set_weight_layout(model, "column")  # faster float32 matmuls with MKL (see its docstring)
     return model.eval().requires_grad_(False)
 
 

@@ -1,8 +1,494 @@
-"""Meta's checkpoint format: params.json + consolidated.NN.pth (+ tokenizer.model). (In progress.)"""
+"""Meta's checkpoint format (meta-llama/llama): ``params.json`` + ``consolidated.NN.pth`` + ``tokenizer.model``.
 
-from torchllama.errors import ModelFileError
+A Meta download is a folder per model::
+
+    llama-2-13b/
+        params.json            {"dim": 5120, "multiple_of": 256, "n_heads": 40, "n_layers": 40,
+                                "norm_eps": 1e-05, "vocab_size": -1}
+        consolidated.00.pth    model-parallel shard 0 (a torch.save'd dict: name -> tensor)
+        consolidated.01.pth    model-parallel shard 1
+    tokenizer.model            SentencePiece model, in the folder or (as Meta ships it) its parent
+
+**params.json** holds the fields of Meta's ``ModelArgs``, which ours keeps one to one: dim,
+n_layers, n_heads, n_kv_heads (absent = n_heads), vocab_size (-1 = the tokenizer's), multiple_of,
+ffn_dim_multiplier (absent/null = none), norm_eps, rope_theta (absent = 10000), use_scaled_rope
+(Llama 3.1; refused, no RoPE scaling yet). There is no hidden size: the SwiGLU width follows Meta's
+rule (`ModelArgs.ffn_hidden_dim`) and is checked against the weights. Nor is there usually a context
+length: ``max_seq_len`` is taken from params.json when present, else `DEFAULT_MAX_SEQ_LEN` (4096,
+Llama 2's); `torchllama.load(max_seq_len=...)` overrides either. Fields known to change the
+architecture in ways we do not implement (`UNSUPPORTED_FIELDS`: MoE, quantization, LoRA, vision,
+QK-norm, ...) are refused when set; fields that do not affect the weights (`IGNORED_FIELDS`) are
+ignored; any other field is ignored with a `UserWarning` naming it.
+
+**Shards.** Llama 2 7B ships 1 shard, 13B 2, 70B 8: the ranks of fairscale's model parallelism,
+each holding its slice of every parallel layer under the full model's names. Merging undoes the
+split each layer type makes:
+
+- ``ColumnParallelLinear`` splits the output features, dim 0 of the (out, in) weight:
+  ``attention.wq/wk/wv``, ``feed_forward.w1/w3``, ``output`` → concatenate along dim 0;
+- ``RowParallelLinear`` splits the input features, dim 1: ``attention.wo``, ``feed_forward.w2``
+  → concatenate along dim 1;
+- ``ParallelEmbedding`` splits the embedding dimension, dim 1 of (vocab, dim):
+  ``tok_embeddings`` → concatenate along dim 1;
+- RMSNorm gains (``attention_norm``, ``ffn_norm``, ``norm``) are replicated: every shard holds the
+  whole vector. We take shard 0's after checking the others agree (within 1 %, so a one-ulp
+  difference passes but shards from different checkpoints do not);
+- ``rope.freqs`` (RoPE inverse frequencies, replicated, recomputed by the model) is dropped.
+
+All shards hold the same names with the same shapes (fairscale splits evenly); anything else is
+reported. Because wk/wv are split by rows, n_kv_heads must be a multiple of the shard count
+(70B: 8 kv heads over 8 shards, one each).
+
+**Safety and memory.** Shards are read with ``torch.load(weights_only=True, mmap=True)`` only: a
+pickle that would call anything but tensor constructors is refused, never run. Memory-mapping
+makes loading a shard cheap (its tensors stay in the file until touched), so names and shapes are
+all checked before any data is read. Tensors are then produced one at a time in the target dtype:
+a single shard already in that dtype is used as it is (the file's pages, no copy); otherwise each
+merged tensor is allocated once and the shards' slices are converted straight into it. Peak memory
+is one copy of the model plus file pages the OS can drop.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from torchllama.config import ModelArgs
+from torchllama.errors import ArgumentError, ModelFileError
+
+#: Context length used when params.json has no ``max_seq_len`` (Llama 2's; Meta's params.json
+#: leaves it to the caller).
+DEFAULT_MAX_SEQ_LEN = 4096
+
+#: params.json fields that must be present.
+REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "norm_eps")
+
+#: Optional params.json fields we read.
+OPTIONAL_FIELDS = ("n_kv_heads", "ffn_dim_multiplier", "rope_theta", "max_seq_len",
+                   "use_scaled_rope")
+
+#: Fields of Meta's reference ModelArgs that do not describe the weights (runtime settings);
+#: ignored without a warning.
+IGNORED_FIELDS = ("max_batch_size",)
+
+#: Fields (of Meta's llama-models ModelArgs) that change the architecture in ways torchllama does
+#: not implement: refused when set to anything but null/false/0/{}.
+UNSUPPORTED_FIELDS = {
+    "use_scaled_rope": "RoPE scaling (Llama 3.1+)",
+    "rope_scaling": "RoPE scaling",
+    "moe_args": "mixture of experts",
+    "quantization_args": "quantized weights",
+    "lora_args": "LoRA adapters",
+    "vision_chunk_size": "a vision encoder",
+    "vision_max_num_chunks": "a vision encoder",
+    "vision_num_cross_attention_layers": "vision cross-attention layers",
+    "use_qk_norm": "QK-norm",
+    "attention_chunk_size": "chunked attention",
+    "nope_layer_interval": "layers without RoPE",
+}
+
+# Model-parallel split dimension of each tensor, by the name after "layers.N." (see the module
+# docstring); None = replicated on every shard.
+SHARD_DIMS: dict[str, Optional[int]] = {
+    "tok_embeddings.weight": 1,        # ParallelEmbedding: (vocab, dim) split by columns
+    "attention.wq.weight": 0,          # ColumnParallelLinear: (out, in) split by rows
+    "attention.wk.weight": 0,
+    "attention.wv.weight": 0,
+    "attention.wo.weight": 1,          # RowParallelLinear: split by columns
+    "feed_forward.w1.weight": 0,
+    "feed_forward.w2.weight": 1,
+    "feed_forward.w3.weight": 0,
+    "output.weight": 0,
+    "attention_norm.weight": None,     # RMSNorm gains: replicated
+    "ffn_norm.weight": None,
+    "norm.weight": None,
+}
+
+DROPPED_TENSORS = ("rope.freqs",)
+
+_SHARD_NAME = re.compile(r"consolidated\.(\d+)\.pth\Z")
+_LAYER_PREFIX = re.compile(r"\Alayers\.\d+\.")
 
 
-def read_meta(path, dtype, progress=True):
-    """(args, state dict, tokenizer) of a Meta checkpoint folder."""
-    raise ModelFileError(f"{path}: Meta checkpoints are not supported yet")
+def shard_dim(name: str) -> Optional[int]:
+    """Dimension along which Meta's model parallelism splits tensor `name` (0 or 1), or None for
+    a replicated tensor (norms) or a name we do not know."""
+    return SHARD_DIMS.get(_LAYER_PREFIX.sub("", name, count=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# params.json
+# ------------------------------------------------------------------------------------------------
+
+
+def read_params(path: Path) -> dict[str, Any]:
+    """The JSON object in a params.json file.
+
+    Raises:
+        ModelFileError: unreadable file, invalid JSON, or not a JSON object.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e})") from e
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(params, dict):
+        raise ModelFileError(f"{path}: expected a JSON object of hyperparameters, found a "
+                             f"{type(params).__name__}")
+    return params
+
+
+_MISSING = object()
+
+
+def _field(params: dict[str, Any], name: str, kind: type, source: str,
+           default: Any = _MISSING) -> Any:
+    """params[name] checked to be of `kind` (int, float or bool); null counts as absent."""
+    value = params.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise ModelFileError(f"{source}: required field {name!r} is missing")
+        return default
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        wanted = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise ModelFileError(f"{source}: field {name!r} is {json.dumps(value)}, expected {wanted}")
+    return float(value) if kind is float else value
+
+
+def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Optional[int],
+                           source: str, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> ModelArgs:
+    """`ModelArgs` from the fields of a Meta params.json.
+
+    Args:
+        params: the parsed JSON object.
+        vocab_size_from_tokenizer: the tokenizer's vocabulary size, used when vocab_size is -1
+            (Llama 1/2 write -1) and checked against an explicit vocab_size (the model may have
+            more rows than the tokenizer has ids, never fewer); None if unknown.
+        source: the params.json path, for error messages.
+        max_seq_len: context length when params has no ``max_seq_len``.
+
+    Returns:
+        ModelArgs with hidden_dim None (Meta's rule), tie_embeddings False, rope_scaling None.
+
+    Raises:
+        ModelFileError: a missing required field or a value of the wrong type (both name the
+            field), use_scaled_rope or another unsupported feature set, vocab_size -1 with no
+            tokenizer size, or values that do not form a valid model.
+    """
+    for name, feature in UNSUPPORTED_FIELDS.items():
+        value = params.get(name)
+        if value not in (None, False, 0, {}, []):
+            raise ModelFileError(f"{source}: {name}={json.dumps(value)} asks for {feature}, which "
+                                 "is not supported yet")
+    known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS) | set(IGNORED_FIELDS) | set(UNSUPPORTED_FIELDS)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        warnings.warn(f"{source}: ignoring unknown field(s) {', '.join(map(repr, unknown))}",
+                      UserWarning, stacklevel=2)
+
+    dim = _field(params, "dim", int, source)
+    n_layers = _field(params, "n_layers", int, source)
+    n_heads = _field(params, "n_heads", int, source)
+    vocab_size = _field(params, "vocab_size", int, source)
+    multiple_of = _field(params, "multiple_of", int, source)
+    norm_eps = _field(params, "norm_eps", float, source)
+    n_kv_heads = _field(params, "n_kv_heads", int, source, None)
+    ffn_dim_multiplier = _field(params, "ffn_dim_multiplier", float, source, None)
+    rope_theta = _field(params, "rope_theta", float, source, 10000.0)
+    max_seq_len = _field(params, "max_seq_len", int, source, max_seq_len)
+
+    if vocab_size == -1:
+        if vocab_size_from_tokenizer is None:
+            raise ModelFileError(f"{source}: vocab_size is -1 (the tokenizer's) but no tokenizer "
+                                 "vocabulary size is known")
+        vocab_size = vocab_size_from_tokenizer
+    elif vocab_size_from_tokenizer is not None and 0 < vocab_size < vocab_size_from_tokenizer:
+        raise ModelFileError(
+            f"{source}: vocab_size is {vocab_size} but the tokenizer has "
+            f"{vocab_size_from_tokenizer} tokens (the model needs a row for every token id)")
+    try:
+        return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                         vocab_size=vocab_size, multiple_of=multiple_of,
+                         ffn_dim_multiplier=ffn_dim_multiplier, norm_eps=norm_eps,
+                         rope_theta=rope_theta, max_seq_len=max_seq_len)
+    except ArgumentError as e:
+        raise ModelFileError(f"{source}: does not describe a valid model: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def find_tokenizer(folder: Path) -> Path:
+    """The tokenizer.model of a Meta checkpoint folder: in the folder, else in its parent (Meta's
+    download puts one tokenizer.model next to the llama-2-7b/, llama-2-13b/ ... folders).
+
+    Raises:
+        ModelFileError: neither exists (also when only an HF tokenizer.json is there).
+    """
+    for candidate in (folder / "tokenizer.model", folder.parent / "tokenizer.model"):
+        if candidate.is_file():
+            return candidate
+    hint = ""
+    if (folder / "tokenizer.json").is_file():
+        hint = (" (there is a tokenizer.json, the Hugging Face format, but a Meta checkpoint is "
+                "read with its SentencePiece tokenizer.model)")
+    raise ModelFileError(f"{folder}: no tokenizer.model in {folder} or its parent{hint}")
+
+
+def load_meta_tokenizer(path: Path):
+    """`SentencePieceTokenizer` of a Meta tokenizer.model (BOS/EOS from the model; add_bos True,
+    as Meta's reference prepends BOS to every prompt).
+
+    Raises:
+        ModelFileError: not a SentencePiece model (Llama 3's tiktoken file gets its own message).
+    """
+    from torchllama.tokenizer import SentencePieceTokenizer
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    if re.match(rb"[A-Za-z0-9+/=]+ \d+\r?\n", head):
+        raise ModelFileError(f"{path}: a tiktoken BPE vocabulary (Llama 3), which is not "
+                             "supported yet; expected a SentencePiece tokenizer.model")
+    return SentencePieceTokenizer.from_file(path, add_bos=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shards
+# ------------------------------------------------------------------------------------------------
+
+
+def find_shards(folder: Path) -> list[Path]:
+    """consolidated.00.pth ... consolidated.NN.pth of a folder, in rank order.
+
+    Raises:
+        ModelFileError: none, or a gap in the numbering (a missing shard is named).
+    """
+    found: dict[int, Path] = {}
+    for p in folder.iterdir():
+        m = _SHARD_NAME.match(p.name)
+        if m and p.is_file():
+            found[int(m.group(1))] = p
+    if not found:
+        raise ModelFileError(f"{folder}: no consolidated.*.pth weight files (a Meta checkpoint "
+                             "folder has params.json and consolidated.00.pth ...)")
+    missing = [i for i in range(max(found) + 1) if i not in found]
+    if missing:
+        raise ModelFileError(
+            f"{folder}: shard consolidated.{missing[0]:02d}.pth is missing (found "
+            f"{len(found)} shards numbered up to {max(found):02d})")
+    return [found[i] for i in sorted(found)]
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    """name → tensor of one consolidated.NN.pth, memory-mapped (no data read yet).
+
+    Only ``torch.load(weights_only=True, mmap=True)`` is used: pickles that reference anything
+    but tensors and plain containers are refused without running them.
+
+    Raises:
+        ModelFileError: empty, truncated or non-zip file, a refused pickle, or content that is
+            not a dict of tensors.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    if not magic:
+        raise ModelFileError(f"{path}: empty file")
+    if magic != b"PK\x03\x04":
+        raise ModelFileError(
+            f"{path}: not a PyTorch checkpoint in torch.save's zip format (the format of Meta's "
+            f"checkpoints; starts with {magic!r}, expected b'PK\\x03\\x04')")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise ModelFileError(
+            f"{path}: refused to load: the pickle references objects other than tensors (loading "
+            f"it would run code / not plain tensors): {str(e).splitlines()[-1][:300]}") from e
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    except Exception as e:  # torch raises RuntimeError for a zip archive cut short
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ModelFileError(f"{path}: truncated or corrupt checkpoint ({first})") from e
+    if not isinstance(state, dict):
+        raise ModelFileError(f"{path}: expected a dict of tensor name → tensor, found a "
+                             f"{type(state).__name__}")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ModelFileError(f"{path}: entry {name!r} is not a tensor under a str name "
+                                 f"(found {type(value).__name__})")
+    return state
+
+
+def _shape(t: torch.Size | tuple) -> tuple[int, ...]:
+    return tuple(int(d) for d in t)
+
+
+def _merged_shape(name: str, shards: list[dict[str, torch.Tensor]], files: list[Path]
+                  ) -> tuple[int, ...]:
+    """Shape of tensor `name` once its shards are merged; checks the shards agree."""
+    shapes = [_shape(s[name].shape) for s in shards]
+    for f, shape in zip(files[1:], shapes[1:]):
+        if shape != shapes[0]:
+            raise ModelFileError(
+                f"shards of different sizes: tensor {name} has shape {shapes[0]} in "
+                f"{files[0]} but {shape} in {f}")
+    dim = shard_dim(name)
+    if len(shards) == 1 or dim is None:
+        return shapes[0]
+    if dim >= len(shapes[0]):
+        raise ModelFileError(f"{files[0]}: tensor {name} has shape {shapes[0]}, but shards are "
+                             f"merged along its dim {dim}")
+    merged = list(shapes[0])
+    merged[dim] *= len(shards)
+    return tuple(merged)
+
+
+def _check_names(shards: list[dict[str, torch.Tensor]], files: list[Path],
+                 expected: dict[str, torch.Size], source: str) -> None:
+    names = [set(s) - set(DROPPED_TENSORS) for s in shards]
+    for f, n in zip(files[1:], names[1:]):
+        if n != names[0]:
+            only0, onlyf = sorted(names[0] - n), sorted(n - names[0])
+            parts = ([f"{_names(only0)} only in {files[0].name}"] if only0 else []) + \
+                    ([f"{_names(onlyf)} only in {f.name}"] if onlyf else [])
+            raise ModelFileError(f"{f.parent}: shards hold different tensors: {'; '.join(parts)}")
+    missing = [n for n in expected if n not in names[0]]
+    unexpected = sorted(n for n in names[0] if n not in expected)
+    if missing or unexpected:
+        parts = ([f"missing tensors {_names(missing)}"] if missing else []) + \
+                ([f"unexpected tensors {_names(unexpected)}"] if unexpected else [])
+        raise ModelFileError(f"{source}: {'; '.join(parts)}")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _check_shapes(shards: list[dict[str, torch.Tensor]], files: list[Path],
+                  expected: dict[str, torch.Size], args: ModelArgs, params_source: str,
+                  source: str) -> None:
+    for name, want in expected.items():
+        got = _merged_shape(name, shards, files)
+        want = _shape(want)
+        if got == want:
+            continue
+        merged = f" (merged from {len(shards)} shards)" if len(shards) > 1 else ""
+        if name.endswith("feed_forward.w1.weight") and got[1:] == want[1:]:
+            raise ModelFileError(
+                f"{source}: tensor {name} has {got[0]} rows{merged}, but {params_source} gives a "
+                f"SwiGLU hidden size of {want[0]} (Meta's rule from dim={args.dim}, "
+                f"multiple_of={args.multiple_of}, ffn_dim_multiplier={args.ffn_dim_multiplier}): "
+                "params.json does not match the weights")
+        raise ModelFileError(
+            f"{source}: tensor {name} has shape {got}{merged}, expected {want} from "
+            f"{params_source}: params.json does not match the weights")
+
+
+def merge_tensor(name: str, pieces: list[torch.Tensor], dtype: torch.dtype,
+                 files: list[Path]) -> torch.Tensor:
+    """One tensor of the full model from its model-parallel pieces, in `dtype`.
+
+    A single piece already in `dtype` is returned as it is (no copy). Replicated tensors are
+    taken from shard 0 after checking the others agree within 1 %. Split tensors are written
+    into one new tensor, each piece converted as it is copied (no temporaries).
+
+    Raises:
+        ModelFileError: replicated pieces that disagree.
+    """
+    dim = shard_dim(name)
+    if len(pieces) == 1 or dim is None:
+        first = pieces[0]
+        if len(pieces) > 1:
+            ref = first.float()
+            for f, p in zip(files[1:], pieces[1:]):
+                if not torch.allclose(p.float(), ref, rtol=1e-2, atol=1e-6):
+                    raise ModelFileError(
+                        f"replicated tensor {name} differs between {files[0]} and {f} (by up to "
+                        f"{(p.float() - ref).abs().max().item():.3g}): the shards are not from "
+                        "the same checkpoint")
+        return first if first.dtype == dtype else first.to(dtype)
+    size = pieces[0].shape[dim]
+    shape = list(pieces[0].shape)
+    shape[dim] *= len(pieces)
+    out = torch.empty(shape, dtype=dtype)
+    for i, p in enumerate(pieces):
+        out.narrow(dim, i * size, size).copy_(p)
+    return out
+
+
+def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
+              ) -> tuple[ModelArgs, dict[str, torch.Tensor], Any]:
+    """(args, state dict, tokenizer) of a Meta checkpoint folder.
+
+    Reads params.json, the tokenizer.model (folder or parent), and merges the model-parallel
+    shards consolidated.00.pth ... into one state dict (see the module docstring for the rules).
+
+    Args:
+        path: the folder holding params.json and consolidated.*.pth.
+        dtype: dtype of the returned tensors (float32, bfloat16, float16); Meta's weights are
+            bfloat16 on disk and are cast exactly as ``tensor.to(dtype)`` casts.
+        progress: show a tqdm progress bar while producing the tensors.
+
+    Returns:
+        args: `ModelArgs` (hidden size by Meta's rule, max_seq_len from params.json or
+            `DEFAULT_MAX_SEQ_LEN`, vocab_size -1 resolved from the tokenizer).
+        state: Meta's parameter names (those of `torchllama.model.Transformer`) → tensors in
+            `dtype` with the full model's shapes, e.g. ``tok_embeddings.weight`` (vocab, dim),
+            ``layers.N.attention.wq.weight`` (n_heads·head_dim, dim); ``rope.freqs`` dropped.
+            A single shard already in `dtype` yields the memory-mapped tensors themselves.
+        tokenizer: a `SentencePieceTokenizer` (add_bos True).
+
+    Raises:
+        ModelFileError: naming the file and the problem: params.json unreadable, invalid, missing
+            a field or asking for an unsupported feature; no tokenizer.model; no or missing
+            shards; a shard truncated, not a torch zip file, or holding a pickle that would run
+            code (refused, never executed); shards with different tensors or sizes; a missing
+            or unexpected tensor; a shape that does not match params.json.
+    """
+    from tqdm import tqdm
+
+    from torchllama.model import Transformer
+
+    folder = Path(path)
+    params_path = folder / "params.json"
+    params = read_params(params_path)
+    tokenizer = load_meta_tokenizer(find_tokenizer(folder))
+    args = model_args_from_params(params, tokenizer.vocab_size, str(params_path))
+
+    files = find_shards(folder)
+    shards = [load_shard(f) for f in files]
+    source = str(files[0]) if len(files) == 1 else \
+        f"{folder} (consolidated.00.pth ... {files[-1].name})"
+    with torch.device("meta"):
+        expected = {n: p.shape for n, p in Transformer(args).state_dict().items()}
+    _check_names(shards, files, expected, source)
+    _check_shapes(shards, files, expected, args, str(params_path), source)
+
+    state: dict[str, torch.Tensor] = {}
+    for name in tqdm(expected, desc="loading weights", unit="tensor", disable=not progress,
+                     leave=False):
+        pieces = [s.pop(name) for s in shards]   # drop the shards' references as we go
+        state[name] = merge_tensor(name, pieces, dtype, files)
+    return args, state, tokenizer
