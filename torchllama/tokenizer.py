@@ -10,7 +10,12 @@ Two kinds of vocabulary occur in the checkpoints we load, named by GGUF's ``toke
   :class:`BPETokenizer` builds a HF ``tokenizers`` pipeline from the GGUF tokens and merges, with
   the pre-tokenizer (regex split) named by ``tokenizer.ggml.pre``.
 
-Both share the :class:`Tokenizer` interface: :meth:`~Tokenizer.encode`, :meth:`~Tokenizer.decode`,
+Hugging Face model folders carry a ``tokenizer.json``: :class:`HFTokenizer` wraps it (``BPETokenizer``
+is an ``HFTokenizer`` built from GGUF fields) and :func:`load_hf_tokenizer` reads the special tokens,
+BOS flag and chat template from the files around it. A folder with only a SentencePiece
+``tokenizer.model`` gets a :class:`SentencePieceTokenizer`.
+
+All share the :class:`Tokenizer` interface: :meth:`~Tokenizer.encode`, :meth:`~Tokenizer.decode`,
 special token ids (BOS/EOS/PAD, :attr:`~Tokenizer.stop_ids`) and
 :meth:`~Tokenizer.apply_chat_template`, which renders the checkpoint's Jinja chat template the way
 HF ``transformers`` does.
@@ -235,8 +240,9 @@ class Tokenizer(ABC):
         """
         if self.chat_template is None:
             raise TorchLlamaError(
-                f"{self.source}: the tokenizer has no chat template (metadata field "
-                "'tokenizer.chat_template' is absent); pass a raw prompt instead"
+                f"{self.source}: the tokenizer has no chat template (GGUF metadata field "
+                "'tokenizer.chat_template', or tokenizer_config.json / chat_template.jinja in a "
+                "Hugging Face folder); pass a raw prompt instead"
             )
         _validate_messages(messages)
         template = self._get_compiled_template()
@@ -580,7 +586,111 @@ def _bpe_pre_tokenizer(pre: str, source: str) -> tuple[Any, bool]:
     ]), ignore_merges
 
 
-class BPETokenizer(Tokenizer):
+class HFTokenizer(Tokenizer):
+    """A vocabulary run by the HF ``tokenizers`` library, e.g. a Hugging Face ``tokenizer.json``.
+
+    The wrapped ``tokenizers.Tokenizer`` does all the work (normalizer, pre-tokenizer, model,
+    decoder, added tokens with their lstrip/rstrip/normalized flags), so ids match HF transformers'
+    fast tokenizers. Added tokens marked ``special`` are control tokens: matched in text only with
+    ``encode(special=True)`` and skipped by :meth:`~Tokenizer.decode`. Other added tokens are
+    user-defined: decoded as their text and, as in HF, matched in text either way.
+    :class:`BPETokenizer` (GGUF byte-level BPE) is an ``HFTokenizer`` built from GGUF fields.
+
+    Args:
+        tokenizer: the ``tokenizers.Tokenizer`` to wrap (not copied; do not change it afterwards).
+        source: name used in error messages.
+        bos_id, eos_id, pad_id, unk_id: special ids (None if absent).
+        add_bos, add_eos: whether the model expects BOS/EOS around a prompt.
+        extra_stop_ids: more ids that end generation (e.g. generation_config.json's eos ids).
+        chat_template: Jinja chat template, if the checkpoint has one.
+
+    Raises:
+        ModelFileError: the tokenizer has an empty vocabulary.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        source: str = "<tokenizers.Tokenizer>",
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        extra_stop_ids: Sequence[int | None] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise ModelFileError(f"{source}: the tokenizer has an empty vocabulary")
+        pieces = [""] * (max(vocab.values()) + 1)  # ids are contiguous in practice; gaps stay ""
+        for piece, i in vocab.items():
+            pieces[i] = piece
+        added = tokenizer.get_added_tokens_decoder()
+        control = {i for i, t in added.items() if t.special}
+        self._setup(tokenizer, source=source, pieces=pieces, control_ids=control,
+                    user_defined_ids=set(added) - control, raw_ids=set(added), bos_id=bos_id,
+                    eos_id=eos_id, pad_id=pad_id, unk_id=unk_id, add_bos=add_bos, add_eos=add_eos,
+                    extra_stop_ids=extra_stop_ids, chat_template=chat_template)
+
+    def _setup(self, tok: Any, *, raw_ids: set[int], **common: Any) -> None:
+        self._tok = tok
+        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object
+        self._init_common(**common)
+        self._raw_ids = frozenset(raw_ids)  # decoded as their text, not through the decoder
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> HFTokenizer:
+        """Load a Hugging Face ``tokenizer.json`` (keyword arguments as for the constructor).
+
+        Special ids, add_bos and the chat template live in other files of a model folder; use
+        :func:`load_hf_tokenizer` to read them all.
+
+        Raises:
+            ModelFileError: the file is missing or is not a valid ``tokenizer.json``.
+        """
+        path = os.fspath(path)
+        kwargs.setdefault("source", path)
+        return HFTokenizer(_read_tokenizer_json(path), **kwargs)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        with self._lock:
+            self._tok.encode_special_tokens = not special
+            return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _decode(self, ids: list[int]) -> str:
+        # Runs of regular ids go through the decoder (so multi-byte characters split across
+        # tokens are joined); added tokens are their literal text.
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._raw_ids:
+                if run:
+                    out.append(self._tok.decode(run, skip_special_tokens=False))
+                    run = []
+                out.append(self._pieces[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self._tok.decode(run, skip_special_tokens=False))
+        return "".join(out)
+
+
+def _read_tokenizer_json(path: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` file."""
+    from tokenizers import Tokenizer as _Tokenizers
+
+    if not os.path.isfile(path):
+        raise ModelFileError(f"{path}: no such file (expected a Hugging Face tokenizer.json)")
+    try:
+        return _Tokenizers.from_file(path)
+    except Exception as e:  # tokenizers raises Exception("... at line 1 column 2") and friends
+        raise ModelFileError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from e
+
+
+class BPETokenizer(HFTokenizer):
     """A byte-level BPE vocabulary (GGUF ``tokenizer.ggml.model == 'gpt2'``), run by HF ``tokenizers``.
 
     Control and user-defined tokens are added as special tokens that match atomically (only when
@@ -619,7 +729,7 @@ class BPETokenizer(Tokenizer):
         chat_template: str | None = None,
     ) -> None:
         from tokenizers import AddedToken, decoders, models
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as _Tokenizers
 
         pre_tokenizer, ignore_merges = _bpe_pre_tokenizer(pre, source)
         vocab: dict[str, int] = {}
@@ -630,7 +740,7 @@ class BPETokenizer(Tokenizer):
                                ignore_merges=ignore_merges)
         except Exception as e:  # tokenizers raises Exception("... merges ...") for unknown tokens
             raise ModelFileError(f"{source}: invalid 'tokenizer.ggml.merges' ({e})") from e
-        tok = HFTokenizer(model)
+        tok = _Tokenizers(model)
         tok.pre_tokenizer = pre_tokenizer
         tok.decoder = decoders.ByteLevel()
         control = {i for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL}
@@ -640,23 +750,10 @@ class BPETokenizer(Tokenizer):
         for i in special_ids:
             if tok.token_to_id(tokens[i]) != i:  # pragma: no cover - tokenizers reuses vocab ids
                 raise ModelFileError(f"{source}: special token {tokens[i]!r} did not keep its id {i}")
-        self._tok = tok
-        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object
-        self._init_common(
-            source=source,
-            pieces=tokens,
-            control_ids=control,
-            user_defined_ids=user_defined,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            unk_id=unk_id,
-            add_bos=add_bos,
-            add_eos=add_eos,
-            extra_stop_ids=extra_stop_ids,
-            chat_template=chat_template,
-        )
-        self._raw_ids = frozenset(special_ids)  # decoded as their text, not through the ByteLevel map
+        self._setup(tok, source=source, pieces=tokens, control_ids=control,
+                    user_defined_ids=user_defined, raw_ids=set(special_ids), bos_id=bos_id,
+                    eos_id=eos_id, pad_id=pad_id, unk_id=unk_id, add_bos=add_bos, add_eos=add_eos,
+                    extra_stop_ids=extra_stop_ids, chat_template=chat_template)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str) -> BPETokenizer:
@@ -689,28 +786,6 @@ class BPETokenizer(Tokenizer):
             add_bos=_get(metadata, "tokenizer.ggml.add_bos_token", bool, source, pre in _PRE_ADD_BOS),
             **_common_fields(metadata, n, source),
         )
-
-    def _encode(self, text: str, special: bool) -> list[int]:
-        with self._lock:
-            self._tok.encode_special_tokens = not special
-            return self._tok.encode(text, add_special_tokens=False).ids
-
-    def _decode(self, ids: list[int]) -> str:
-        # Runs of regular ids go through the ByteLevel decoder (so multi-byte characters split
-        # across tokens are joined); special tokens are their literal text.
-        out: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if i in self._raw_ids:
-                if run:
-                    out.append(self._tok.decode(run, skip_special_tokens=False))
-                    run = []
-                out.append(self._pieces[i])
-            else:
-                run.append(i)
-        if run:
-            out.append(self._tok.decode(run, skip_special_tokens=False))
-        return "".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -818,8 +893,162 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str) -> To
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# Hugging Face tokenizer files
+# ------------------------------------------------------------------------------------------------
+
+
+def _read_json_object(path: str, optional: bool = True) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None if the file is absent and ``optional``."""
+    if not os.path.isfile(path):
+        if optional:
+            return None
+        raise ModelFileError(f"{path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def _hf_token_text(value: Any, key: str, where: str) -> str | None:
+    """A special token as written in tokenizer_config.json: a string, an AddedToken dict with
+    'content', or null."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"] or None
+    raise ModelFileError(f"{where}: {key!r} is {value!r}, expected a string or a dict with 'content'")
+
+
+def _hf_chat_template(folder: str, config: Mapping[str, Any], config_path: str) -> str | None:
+    """The default chat template, found where HF transformers looks: chat_template.jinja (written
+    by transformers ≥ 4.50) wins over tokenizer_config.json's 'chat_template' (a string, or a list
+    of {'name', 'template'} of which 'default' is used); chat_template.json as a last resort."""
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{jinja_path}: not a readable text file ({e})") from e
+    where, value = config_path, config.get("chat_template")
+    if value is None:
+        json_path = os.path.join(folder, "chat_template.json")
+        value = (_read_json_object(json_path) or {}).get("chat_template")
+        where = json_path
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+            isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value):
+        return {t["name"]: t["template"] for t in value}.get("default")
+    raise ModelFileError(
+        f"{where}: 'chat_template' must be a string or a list of {{'name', 'template'}} dicts")
+
+
+def _hf_id_list(value: Any, key: str, where: str, n: int) -> list[int]:
+    """A token id field of config/generation_config (an int, a list of ints, or null)."""
+    values = value if isinstance(value, list) else [value] if value is not None else []
+    for i in values:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ModelFileError(f"{where}: {key!r} is {value!r}, expected token ids in 0..{n - 1}")
+    return values
+
+
+def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
+    """Load the tokenizer of a Hugging Face model folder, the way HF transformers reads it.
+
+    Files used:
+
+    - ``tokenizer.json`` (preferred, as transformers' fast tokenizers are) → :class:`HFTokenizer`;
+      else ``tokenizer.model`` (SentencePiece) → :class:`SentencePieceTokenizer`.
+    - ``tokenizer_config.json`` (else ``special_tokens_map.json``): ``bos_token``, ``eos_token``,
+      ``pad_token``, ``unk_token`` (strings or dicts with 'content'; null means none),
+      ``add_bos_token``, ``add_eos_token`` and ``chat_template``. When ``add_bos_token`` is absent
+      it is read off ``tokenizer.json``'s post-processor (does it prepend BOS?); a SentencePiece
+      tokenizer adds BOS by default, as HF's ``LlamaTokenizer``.
+    - ``chat_template.jinja`` (overrides the config's template, as in transformers).
+    - ``generation_config.json``: ``eos_token_id`` (an id or a list, e.g. Llama 3.1's three) are
+      stop ids; its ``bos/eos/pad_token_id`` also stand in for special tokens the tokenizer
+      files do not name.
+
+    Raises:
+        ModelFileError: no tokenizer file, a malformed file, or a special token that is not in the
+            vocabulary (the message names the file).
+    """
+    folder = os.fspath(folder)
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    map_path = os.path.join(folder, "special_tokens_map.json")
+    gen_path = os.path.join(folder, "generation_config.json")
+    config = _read_json_object(config_path) or {}
+    special_map = _read_json_object(map_path) or {}
+    gen = _read_json_object(gen_path) or {}
+    chat_template = _hf_chat_template(folder, config, config_path)
+
+    json_path = os.path.join(folder, "tokenizer.json")
+    sp_path = os.path.join(folder, "tokenizer.model")
+    if os.path.isfile(json_path):
+        tok = _read_tokenizer_json(json_path)
+        tok_path, n = json_path, max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        lookup = tok.token_to_id
+    elif os.path.isfile(sp_path):
+        with open(sp_path, "rb") as f:
+            proto = _parse_sp_proto(f.read(), sp_path)
+        first_id: dict[str, int] = {}
+        for i, p in enumerate(proto.pieces):
+            first_id.setdefault(p.piece, i)
+        tok, tok_path, n, lookup = None, sp_path, len(proto.pieces), first_id.get
+    else:
+        raise ModelFileError(
+            f"{folder}: no tokenizer (expected tokenizer.json or a SentencePiece tokenizer.model)")
+
+    ids: dict[str, int | None] = {}
+    for name in ("bos", "eos", "pad", "unk"):
+        key = f"{name}_token"
+        where = config_path if key in config else map_path if key in special_map else None
+        if where is None:  # not named by the tokenizer files: generation_config's id, if any
+            found = _hf_id_list(gen.get(f"{key}_id"), f"{key}_id", gen_path, n)
+            ids[name] = found[0] if found else None
+            continue
+        text = _hf_token_text((config if where == config_path else special_map)[key], key, where)
+        ids[name] = None if text is None else lookup(text)
+        if text is not None and ids[name] is None:
+            raise ModelFileError(f"{where}: {key} {text!r} is not in the vocabulary of {tok_path}")
+    if tok is not None and ids["unk"] is None and getattr(tok.model, "unk_token", None):
+        ids["unk"] = tok.token_to_id(tok.model.unk_token)
+    stop_ids = _hf_id_list(gen.get("eos_token_id"), "eos_token_id", gen_path, n)
+
+    flags: dict[str, bool] = {}
+    for name, position in (("bos", 0), ("eos", -1)):
+        key = f"add_{name}_token"
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelFileError(f"{config_path}: {key!r} is {value!r}, expected true or false")
+        if value is None:
+            if tok is None:  # HF LlamaTokenizer (SentencePiece): add_bos_token=True, add_eos_token=False
+                value = name == "bos"
+            else:  # does the post-processor add it?
+                with_special = tok.encode("a", add_special_tokens=True).ids
+                without = tok.encode("a", add_special_tokens=False).ids
+                value = (ids[name] is not None and len(with_special) > len(without)
+                         and with_special[position] == ids[name])
+        flags[name] = value
+
+    common = dict(bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=flags["bos"],
+                  add_eos=flags["eos"], extra_stop_ids=stop_ids, chat_template=chat_template)
+    if tok is None:
+        return SentencePieceTokenizer(proto, source=sp_path, **common)
+    return HFTokenizer(tok, source=json_path, unk_id=ids["unk"], **common)
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load the tokenizer of a GGUF file (model or vocab-only).
+    """Load the tokenizer of a GGUF file (model or vocab-only), or of a model folder holding
+    Hugging Face tokenizer files or a SentencePiece ``tokenizer.model`` (see
+    :func:`load_hf_tokenizer`).
 
     Raises:
         ModelFileError: the file is missing, not GGUF, or lacks/malforms tokenizer fields.
@@ -827,4 +1056,6 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     from torchllama.checkpoint.gguf import open_gguf, read_metadata
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
     return tokenizer_from_gguf_metadata(read_metadata(open_gguf(path)), path)
