@@ -492,3 +492,50 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
         pieces = [s.pop(name) for s in shards]   # drop the shards' references as we go
         state[name] = merge_tensor(name, pieces, dtype, files)
     return args, state, tokenizer
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+
+def meta_params(args: ModelArgs) -> dict[str, Any]:
+    """params.json fields describing `args`, readable by Meta's code and by `read_meta`.
+
+    Meta's format has no hidden size: it is derived from dim, multiple_of and ffn_dim_multiplier.
+    When `args.hidden_dim` is not what Meta's rule gives for args' own multiple_of and
+    ffn_dim_multiplier, we choose multiple_of = hidden_dim, plus ffn_dim_multiplier < 1 when
+    the rule's unrounded size 8·dim/3 is larger, so that the rule rounds up to exactly
+    hidden_dim.
+    """
+    hidden = args.ffn_hidden_dim
+    multiple_of, multiplier = args.multiple_of, args.ffn_dim_multiplier
+    rule = ModelArgs(dim=args.dim, n_heads=args.n_heads, multiple_of=multiple_of,
+                     ffn_dim_multiplier=multiplier).ffn_hidden_dim
+    if rule != hidden:
+        base = int(2 * (4 * args.dim) / 3)
+        multiple_of, multiplier = hidden, (hidden / base if base > hidden else None)
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
+              "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
+              "multiple_of": multiple_of, "ffn_dim_multiplier": multiplier,
+              "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+              "max_seq_len": args.max_seq_len}
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def save_meta(model, folder: Path, dtype: Optional[torch.dtype] = None) -> None:
+    """Write `model` as Meta's format: params.json and a single consolidated.00.pth.
+
+    Tied embeddings are written as a separate `output.weight` (Meta's format has no tying).
+    The tokenizer is written by the caller (`Tokenizer.save`).
+
+    Args:
+        model: a `Transformer`.
+        folder: an existing, empty folder (callers write to a temporary folder and rename).
+        dtype: dtype of the saved tensors (default: the model's).
+    """
+    folder = Path(folder)
+    (folder / "params.json").write_text(json.dumps(meta_params(model.args), indent=2) + "\n")
+    state = {name: t.detach().to(dtype or t.dtype).contiguous()
+             for name, t in model.state_dict().items()}
+    torch.save(state, folder / "consolidated.00.pth")
