@@ -454,8 +454,9 @@ def test_no_tokenizer(checkpoint):
     folder, _, _ = checkpoint
     (folder / "tokenizer.model").unlink()
     assert load_error(folder) == f"{folder}: no tokenizer.model in {folder} or its parent"
+    # A tokenizer.json (what convert --to meta writes for BPE vocabularies) is read instead.
     (folder / "tokenizer.json").write_text("{}")
-    assert "there is a tokenizer.json" in load_error(folder)
+    assert "not a valid Hugging Face tokenizer.json" in load_error(folder)
 
 
 def test_llama3_tiktoken_tokenizer_is_explained(checkpoint):

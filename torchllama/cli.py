@@ -161,7 +161,27 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
     return 0
 
 
-COMMANDS: dict[str, Callable[..., int]] = {"generate": generate, "chat": chat, "bench": bench}
+def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
+            force: bool = False) -> int:
+    """Convert a checkpoint between formats: GGUF, Meta (params.json + consolidated.*.pth) and
+    Hugging Face (config.json + safetensors). The output is written atomically.
+
+    Args:
+        src: the checkpoint to read (a .gguf file, a Meta folder or a Hugging Face folder).
+        dst: the output: a folder for meta and hf, a file for gguf. Must not exist unless --force.
+        to: output format: meta, hf or gguf.
+        dtype: output dtype: float32, bfloat16 or float16 (default: float32), or q8_0 for gguf.
+        force: replace an existing output.
+    """
+    from torchllama.checkpoint import convert as convert_checkpoint
+
+    out = convert_checkpoint(src, dst, to, dtype, force=force)
+    print(f"wrote {out} ({to})", file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, Callable[..., int]] = {"generate": generate, "chat": chat, "convert": convert,
+                                           "bench": bench}
 
 
 def _write(text: str) -> None:
@@ -202,6 +222,14 @@ def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
             parser.add_argument(flag, action="store_true", help=helps.get(param.name))
             continue
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if param.default is inspect.Parameter.empty:
+            if param.kind == param.KEYWORD_ONLY:                # required option: --to FORMAT
+                parser.add_argument(flag, type=base, required=True, metavar=param.name.upper(),
+                                    help=helps.get(param.name))
+            else:                                               # required: a positional argument
+                parser.add_argument(param.name, type=base, metavar=param.name.upper(),
+                                    help=helps.get(param.name))
+            continue
         default_help = f" (default: {param.default})" if param.default is not None else ""
         parser.add_argument(flag, type=base, default=param.default, metavar=param.name.upper(),
                             help=(helps.get(param.name, "") + default_help))

@@ -270,6 +270,49 @@ class Tokenizer(ABC):
             self._compiled_template = cached
         return cached[1]
 
+    # ---- export -------------------------------------------------------------------------------
+
+    def gguf_fields(self) -> dict[str, Any]:
+        """This tokenizer as GGUF ``tokenizer.*`` metadata (what `load_tokenizer` reads back).
+
+        Raises:
+            TorchLlamaError: the vocabulary cannot be expressed in GGUF.
+        """
+        raise TorchLlamaError(f"{self.source}: this tokenizer cannot be written to GGUF")
+
+    def save_hf(self, folder: str | os.PathLike) -> None:
+        """Write Hugging Face tokenizer files into ``folder``: the vocabulary (``tokenizer.json``
+        or ``tokenizer.model``) and ``tokenizer_config.json`` (special tokens, add_bos_token,
+        chat_template), which `load_hf_tokenizer` and transformers read."""
+        raise NotImplementedError
+
+    def _gguf_common_fields(self) -> dict[str, Any]:
+        return {
+            "tokenizer.ggml.bos_token_id": self.bos_id,
+            "tokenizer.ggml.eos_token_id": self.eos_id,
+            "tokenizer.ggml.unknown_token_id": self.unk_id,
+            "tokenizer.ggml.padding_token_id": self.pad_id,
+            "tokenizer.ggml.add_bos_token": self.add_bos,
+            "tokenizer.ggml.add_eos_token": self.add_eos,
+            "tokenizer.chat_template": self.chat_template,
+        }
+
+    def _write_hf_config(self, folder: str | os.PathLike, tokenizer_class: str) -> None:
+        def text(i: int | None) -> str | None:
+            return None if i is None else self._pieces[i]
+
+        config = {
+            "tokenizer_class": tokenizer_class,
+            "bos_token": text(self.bos_id), "eos_token": text(self.eos_id),
+            "unk_token": text(self.unk_id), "pad_token": text(self.pad_id),
+            "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(source={self.source!r}, vocab_size={self.vocab_size}, "
@@ -415,6 +458,32 @@ class SentencePieceTokenizer(Tokenizer):
         if self.vocab_size != self._sp.get_piece_size():  # pragma: no cover - sentencepiece invariant
             raise ModelFileError(f"{source}: SentencePiece reports {self._sp.get_piece_size()} pieces, "
                                  f"expected {self.vocab_size}")
+
+    def serialized_model_proto(self) -> bytes:
+        """The SentencePiece model as the bytes of a ``tokenizer.model`` file."""
+        return self._sp.serialized_model_proto()
+
+    def gguf_fields(self) -> dict[str, Any]:
+        """GGUF ``'llama'`` vocabulary fields: pieces, scores and types of the SentencePiece model."""
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+        proto = sp_pb2.ModelProto()
+        proto.ParseFromString(self.serialized_model_proto())
+        return {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": [p.piece for p in proto.pieces],
+            "tokenizer.ggml.scores": [p.score for p in proto.pieces],
+            "tokenizer.ggml.token_type": [int(p.type) for p in proto.pieces],
+            "tokenizer.ggml.add_space_prefix": proto.normalizer_spec.add_dummy_prefix,
+            **self._gguf_common_fields(),
+        }
+
+    def save_hf(self, folder: str | os.PathLike) -> None:
+        """``tokenizer.model`` and ``tokenizer_config.json`` (``LlamaTokenizer``)."""
+        with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
+            f.write(self.serialized_model_proto())
+        self._write_hf_config(folder, "LlamaTokenizer")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> SentencePieceTokenizer:
@@ -586,6 +655,22 @@ def _bpe_pre_tokenizer(pre: str, source: str) -> tuple[Any, bool]:
     ]), ignore_merges
 
 
+def _gguf_pre_name(pre_tokenizer_json: Any, ignore_merges: bool) -> str | None:
+    """The first GGUF ``tokenizer.ggml.pre`` name whose pre-tokenizer serializes to the given
+    ``tokenizer.json`` pre_tokenizer (and has the same ignore_merges), or None."""
+    from tokenizers import Tokenizer as _Tokenizers
+    from tokenizers import models
+
+    for name, (_, name_ignore_merges) in _PRE_TOKENIZERS.items():
+        if name_ignore_merges != ignore_merges:
+            continue
+        probe = _Tokenizers(models.BPE())
+        probe.pre_tokenizer, _ = _bpe_pre_tokenizer(name, "<probe>")
+        if json.loads(probe.to_str())["pre_tokenizer"] == pre_tokenizer_json:
+            return name
+    return None
+
+
 class HFTokenizer(Tokenizer):
     """A vocabulary run by the HF ``tokenizers`` library, e.g. a Hugging Face ``tokenizer.json``.
 
@@ -654,6 +739,40 @@ class HFTokenizer(Tokenizer):
         path = os.fspath(path)
         kwargs.setdefault("source", path)
         return HFTokenizer(_read_tokenizer_json(path), **kwargs)
+
+    def save_hf(self, folder: str | os.PathLike) -> None:
+        """``tokenizer.json`` (the wrapped ``tokenizers`` pipeline) and ``tokenizer_config.json``."""
+        self._tok.save(os.path.join(folder, "tokenizer.json"))
+        self._write_hf_config(folder, "PreTrainedTokenizerFast")
+
+    def gguf_fields(self) -> dict[str, Any]:
+        """GGUF ``'gpt2'`` fields of a byte-level BPE vocabulary: tokens, types, merges, and the
+        ``tokenizer.ggml.pre`` name whose pre-tokenizer equals this one's.
+
+        Raises:
+            TorchLlamaError: not a byte-level BPE, or a pre-tokenizer llama.cpp has no name for.
+        """
+        spec = json.loads(self._tok.to_str())
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+            raise TorchLlamaError(f"{self.source}: only byte-level BPE tokenizers can be written "
+                                  "to GGUF (as tokenizer.ggml.model 'gpt2')")
+        pre = _gguf_pre_name(spec.get("pre_tokenizer"), bool(model.get("ignore_merges")))
+        if pre is None:
+            raise TorchLlamaError(f"{self.source}: its pre-tokenizer matches none that GGUF names "
+                                  f"(tokenizer.ggml.pre: {', '.join(sorted(_PRE_TOKENIZERS))})")
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        types = [TOKEN_TYPE_CONTROL if i in self._control_ids else
+                 TOKEN_TYPE_USER_DEFINED if i in self._user_defined_ids else TOKEN_TYPE_NORMAL
+                 for i in range(self.vocab_size)]
+        return {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": list(self._pieces),
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges,
+            **self._gguf_common_fields(),
+        }
 
     def _encode(self, text: str, special: bool) -> list[int]:
         with self._lock:

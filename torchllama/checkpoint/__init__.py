@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -188,3 +189,120 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     if max_seq_len is not None:
         args = args.replace(max_seq_len=max_seq_len)
     return build_model(args, state, str(path)), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and converting
+# ---------------------------------------------------------------------------------------------
+
+FORMATS = ("meta", "hf", "gguf")
+# --dtype of a GGUF output → the tensor type its matrices are written with.
+GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
+
+
+@contextmanager
+def atomic_output(dst: Path, *, folder: bool, force: bool = False) -> Iterator[Path]:
+    """Write an output file or folder so that `dst` is either untouched or complete.
+
+    Yields a temporary path next to `dst` (same filesystem) to write into; on success it is
+    renamed to `dst`, on any error it is removed and `dst` is left as it was. An existing `dst`
+    is replaced only with force=True (the old one is moved aside and removed after the rename).
+
+    Raises:
+        ArgumentError: `dst` exists and force is False; its parent folder does not exist.
+    """
+    import shutil
+    import tempfile
+
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")
+    if not dst.parent.is_dir():
+        raise ArgumentError(f"{dst.parent}: no such folder for the output")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)                  # mkdtemp makes it private; outputs are not
+    target = tmp if folder else tmp / dst.name
+    try:
+        yield target
+        if dst.exists():
+            old = tmp.with_suffix(".old")
+            os.replace(dst, old)
+            os.replace(target, dst)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            os.replace(target, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str] = None, *,
+         force: bool = False, progress: bool = True) -> Path:
+    """Write a model and its tokenizer in one of our formats, atomically.
+
+    Args:
+        model: a `Transformer`.
+        tokenizer: its `Tokenizer`.
+        dst: output path: a folder for 'meta' and 'hf', a file for 'gguf'.
+        to: 'meta' (params.json, consolidated.00.pth, tokenizer.model or tokenizer.json),
+            'hf' (config.json, model.safetensors, tokenizer files) or 'gguf'.
+        dtype: 'float32', 'bfloat16' or 'float16' (default: the model's); for GGUF also
+            'q8_0' (matrices quantized to Q8_0, norms in float32).
+        force: replace an existing dst.
+        progress: show progress bars.
+
+    Returns:
+        dst as a Path.
+
+    Raises:
+        ArgumentError: unknown format or dtype, dst exists without force.
+        TorchLlamaError: the tokenizer cannot be written in that format.
+    """
+    from torchllama.checkpoint import gguf as gguf_format
+    from torchllama.checkpoint import hf, meta
+
+    if to not in FORMATS:
+        raise ArgumentError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}")
+    dst = Path(dst)
+    model_dtype = model.tok_embeddings.weight.dtype
+    if to == "gguf":
+        name = dtype or {v: k for k, v in DTYPES.items()}[model_dtype]
+        if name not in GGUF_TYPES:
+            raise ArgumentError(f"--dtype {name!r} is not supported for GGUF; use one of "
+                                f"{', '.join(GGUF_TYPES)}")
+        fields = tokenizer.gguf_fields()          # fails early if the tokenizer can't be written
+        with atomic_output(dst, folder=False, force=force) as tmp:
+            gguf_format.save_gguf(model, fields, tmp, GGUF_TYPES[name], name=dst.stem,
+                                  progress=progress)
+        return dst
+    torch_dtype = resolve_dtype(dtype) if dtype is not None else model_dtype
+    with atomic_output(dst, folder=True, force=force) as tmp:
+        if to == "hf":
+            hf.save_hf(model, tmp, torch_dtype, tokenizer.bos_id, tokenizer.eos_id)
+            tokenizer.save_hf(tmp)
+        else:
+            meta.save_meta(model, tmp, torch_dtype)
+            if hasattr(tokenizer, "serialized_model_proto"):
+                (tmp / "tokenizer.model").write_bytes(tokenizer.serialized_model_proto())
+            else:                                  # Meta's format has no BPE tokenizer file
+                tokenizer.save_hf(tmp)
+    return dst
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, dtype: Optional[str] = None,
+            *, force: bool = False, progress: bool = True) -> Path:
+    """Load any checkpoint (`load`) and write it in another format (`save`).
+
+    The model is loaded in float32, or in `dtype` when that is a torch dtype, so that nothing is
+    rounded twice. Raises what `load` and `save` raise.
+    """
+    if to not in FORMATS:
+        raise ArgumentError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}")
+    dst = Path(dst)
+    if dst.exists() and not force:              # fail before the (slow) load
+        raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")
+    load_dtype = dtype if dtype in DTYPES else "float32"
+    model, tokenizer = load(src, dtype=load_dtype, progress=progress)
+    return save(model, tokenizer, dst, to, dtype, force=force, progress=progress)

@@ -435,3 +435,72 @@ def read_hf(path: Path, dtype: torch.dtype, progress: bool = True):
             f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but "
             f"{config_path} says vocab_size {args.vocab_size}")
     return args, load_hf_state_dict(files, args, dtype, progress), tokenizer
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: Optional[int],
+              eos_id: Optional[int]) -> dict[str, Any]:
+    """config.json of a `LlamaForCausalLM` with our hyperparameters (transformers' names)."""
+    return {
+        "architectures": [SUPPORTED_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def save_hf(model, folder: Path, dtype: Optional[torch.dtype] = None, bos_id: Optional[int] = None,
+            eos_id: Optional[int] = None) -> None:
+    """Write `model` as a Hugging Face `LlamaForCausalLM` folder: config.json,
+    generation_config.json and model.safetensors (HF names, q/k permuted to HF's rotate_half
+    layout with n_heads and n_kv_heads). A tied output projection is not written, as
+    transformers does. The tokenizer is written by the caller (`Tokenizer.save_hf`).
+
+    Args:
+        model: a `Transformer`.
+        folder: an existing, empty folder (callers write to a temporary folder and rename).
+        dtype: dtype of the saved tensors (default: the model's).
+        bos_id, eos_id: the tokenizer's, for config.json and generation_config.json.
+    """
+    from safetensors.torch import save_file
+
+    args = model.args
+    dtype = dtype or model.tok_embeddings.weight.dtype
+    folder = Path(folder)
+    (folder / "config.json").write_text(
+        json.dumps(hf_config(args, dtype, bos_id, eos_id), indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        t = t.detach().to(dtype)
+        if name.endswith("attention.wq.weight"):
+            t = permute_meta_to_hf(t, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            t = permute_meta_to_hf(t, args.n_kv_heads)
+        tensors[hf_name(name)] = t.contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

@@ -236,31 +236,32 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
 
 
 def find_tokenizer(folder: Path) -> Path:
-    """The tokenizer.model of a Meta checkpoint folder: in the folder, else in its parent (Meta's
-    download puts one tokenizer.model next to the llama-2-7b/, llama-2-13b/ ... folders).
+    """The tokenizer of a Meta checkpoint folder: tokenizer.model in the folder, else in its
+    parent (Meta's download puts one tokenizer.model next to the llama-2-7b/, llama-2-13b/ ...
+    folders); else the folder's tokenizer.json, which `torchllama convert --to meta` writes for
+    byte-level BPE vocabularies (Meta's format has no file for those).
 
     Raises:
-        ModelFileError: neither exists (also when only an HF tokenizer.json is there).
+        ModelFileError: none exists.
     """
-    for candidate in (folder / "tokenizer.model", folder.parent / "tokenizer.model"):
+    for candidate in (folder / "tokenizer.model", folder.parent / "tokenizer.model",
+                      folder / "tokenizer.json"):
         if candidate.is_file():
             return candidate
-    hint = ""
-    if (folder / "tokenizer.json").is_file():
-        hint = (" (there is a tokenizer.json, the Hugging Face format, but a Meta checkpoint is "
-                "read with its SentencePiece tokenizer.model)")
-    raise ModelFileError(f"{folder}: no tokenizer.model in {folder} or its parent{hint}")
+    raise ModelFileError(f"{folder}: no tokenizer.model in {folder} or its parent")
 
 
 def load_meta_tokenizer(path: Path):
     """`SentencePieceTokenizer` of a Meta tokenizer.model (BOS/EOS from the model; add_bos True,
-    as Meta's reference prepends BOS to every prompt).
+    as Meta's reference prepends BOS to every prompt), or the HF tokenizer of a tokenizer.json.
 
     Raises:
         ModelFileError: not a SentencePiece model (Llama 3's tiktoken file gets its own message).
     """
-    from torchllama.tokenizer import SentencePieceTokenizer
+    from torchllama.tokenizer import SentencePieceTokenizer, load_hf_tokenizer
 
+    if path.name == "tokenizer.json":
+        return load_hf_tokenizer(path.parent)
     try:
         with open(path, "rb") as f:
             head = f.read(64)
