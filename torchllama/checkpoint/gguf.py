@@ -15,6 +15,7 @@ The numpy arrays that ``GGUFReader`` exposes are already in row-major (out, in) 
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -67,6 +68,21 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return metadata
 
 
+def _release_file_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
+    """Drop the file pages of a tensor we have copied out of the read-only file mapping.
+
+    Touched pages of a memory-mapped file count in the process's resident memory until unmapped;
+    without this, loading would peak at the file's size plus the loaded weights. The mapping is
+    read-only and shared with the page cache, so MADV_DONTNEED loses nothing: a later read of
+    those bytes faults them in again.
+    """
+    file_map = getattr(reader.data, "_mmap", None)      # numpy.memmap's mmap.mmap
+    if file_map is None or not hasattr(file_map, "madvise"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+
+
 # GGUF tensor name → ours. `{i}` is the block index.
 TENSOR_NAMES: dict[str, str] = {
     "token_embd.weight": "tok_embeddings.weight",
@@ -89,6 +105,13 @@ SUPPORTED_TYPES = frozenset(
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Unquantized tensor types: numpy dtype of the stored bytes and the torch dtype they hold.
+_FLOAT_TYPES = {
+    gguf.GGMLQuantizationType.F32: (np.float32, torch.float32),
+    gguf.GGMLQuantizationType.F16: (np.float16, torch.float16),
+    gguf.GGMLQuantizationType.BF16: (np.uint16, torch.bfloat16),
+}
 
 
 def gguf_tensor_name(our_name: str) -> str:
@@ -214,12 +237,18 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
                 f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
                 f"{tuple(expected[name])} for {name}")
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            if t.tensor_type in _FLOAT_TYPES:   # F32/F16/BF16: the stored values, no fp32 detour
+                np_dtype, stored = _FLOAT_TYPES[t.tensor_type]
+                raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+                values = raw.view(np_dtype).reshape(shape).copy()     # out of the file mapping
+                tensor = torch.from_numpy(values).view(stored)
+            else:
+                tensor = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)
+                                          .reshape(shape))
         except ValueError as e:
             raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short ({e})") from e
-        if not array.flags.writeable:  # F32 data is a view of the read-only file mapping
-            array = array.copy()
-        state[name] = torch.from_numpy(array).to(dtype)
+        state[name] = tensor.to(dtype)
+        _release_file_pages(reader, t)
     missing = [f"{gguf_tensor_name(n)} ({n})" for n in expected
                if n not in state and n != "output.weight"]
     if missing:
