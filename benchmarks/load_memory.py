@@ -7,7 +7,8 @@ pass would: memory-mapped weights cost memory only once touched), and reports th
 set size (VmHWM, which counts anonymous memory and touched file-mapped pages) against the
 weights' size in the target dtype.
 
-    .venv/bin/python benchmarks/load_memory.py [--dtype bfloat16] [--workdir /tmp/tl-mem]
+    .venv/bin/python benchmarks/load_memory.py [--dtype bfloat16] [--preset tinyllama-1.1b]
+        [--formats meta,hf,gguf] [--workdir /tmp/torchllama-load-memory]
 
 Target (issue 3): peak RSS while loading ≤ 1.3 × the weights' bytes.
 """
@@ -46,22 +47,24 @@ print(json.dumps({"base": base, "peak": peak(), "weights": weights, "seconds": s
 """
 
 
-def write_checkpoints(workdir: Path, dtype: str) -> dict[str, Path]:
+def write_checkpoints(workdir: Path, dtype: str, preset: str, formats: list[str]
+                      ) -> dict[str, Path]:
     import torch
 
     import torchllama
     from torchllama.checkpoint import save
 
     paths = {"meta": workdir / "meta", "hf": workdir / "hf", "gguf": workdir / "model.gguf"}
+    paths = {fmt: p for fmt, p in paths.items() if fmt in formats}
     if all(p.exists() for p in paths.values()):
         return paths
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = torchllama.load_tokenizer(VOCAB)
-    args = torchllama.get_preset("tinyllama-1.1b")
+    args = torchllama.get_preset(preset)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = torchllama.Transformer(args)
-    model = model.to_empty(device="cpu").to(getattr(torch, dtype))
+    model = model.to(getattr(torch, dtype)).to_empty(device="cpu")   # allocate in dtype only
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model.tie_weights()
@@ -80,9 +83,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--workdir", default="/tmp/torchllama-load-memory")
+    parser.add_argument("--preset", default="tinyllama-1.1b")
+    parser.add_argument("--formats", default="meta,hf,gguf")
     args = parser.parse_args()
-    paths = write_checkpoints(Path(args.workdir) / args.dtype, args.dtype)
-    print(f"random tinyllama-1.1b checkpoint, saved and loaded as {args.dtype}")
+    paths = write_checkpoints(Path(args.workdir) / f"{args.preset}-{args.dtype}", args.dtype,
+                              args.preset, args.formats.split(","))
+    print(f"random {args.preset} checkpoint, saved and loaded as {args.dtype}")
     print(f"{'format':8}{'weights GB':>12}{'peak RSS GB':>13}{'peak/weights':>14}"
           f"{'(peak-start)/weights':>22}{'anon/file GB after':>20}{'load s':>8}")
     for fmt, path in paths.items():

@@ -7,17 +7,18 @@ Python API::
     print(torchllama.generate(model, tokenizer, "The capital of France is", max_new_tokens=16))
 """
 
-from torchllama.checkpoint import default_model_path, load
+from torchllama.checkpoint import convert, default_model_path, load, save
 from torchllama.config import PRESETS, ModelArgs, get_preset
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError)
 from torchllama.generation import (SamplingParams, Session, StreamDecoder, encode_chat,
-                                   encode_prompt, generate, sample)
+                                   encode_prompt, generate, llama2_chat_ids, sample)
 from torchllama.model import Transformer
 from torchllama.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
-    "load", "load_tokenizer", "default_model_path", "generate", "Session", "SamplingParams",
+    "load", "save", "convert", "load_tokenizer", "default_model_path", "generate",
+    "llama2_chat_ids", "Session", "SamplingParams",
     "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
     "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
     "ArgumentError", "ContextLengthError",
