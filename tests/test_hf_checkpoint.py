@@ -237,7 +237,7 @@ def test_config_defaults_follow_llama_config():
     ({"architectures": _DELETE, "model_type": "qwen2"}, r"unsupported architecture model_type 'qwen2'"),
     ({"hidden_size": _DELETE}, r"config\.json: required key 'hidden_size' is missing"),
     ({"intermediate_size": _DELETE}, r"config\.json: required key 'intermediate_size' is missing"),
-    ({"num_hidden_layers": "2"}, r"config\.json: 'num_hidden_layers' is '2', expected int"),
+    ({"num_hidden_layers": "2"}, r"config\.json: key 'num_hidden_layers' is \"2\", expected an integer"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
      r"config\.json: rope_parameters of type 'llama3' is not supported yet"),
     ({"rope_parameters": _DELETE, "rope_scaling": {"type": "linear", "factor": 2.0}},

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from torchllama.errors import ArgumentError, ModelFileError, TorchLlamaError
+from torchllama.errors import MISSING, checked_field, ArgumentError, ModelFileError, TorchLlamaError
 
 # GGUF token types (llama.cpp's llama_token_type), identical to SentencePiece's piece types.
 TOKEN_TYPE_NORMAL = 1
@@ -911,26 +911,8 @@ class BPETokenizer(HFTokenizer):
 # GGUF metadata
 # ------------------------------------------------------------------------------------------------
 
-_MISSING = object()
-
-
-def _get(metadata: Mapping[str, Any], key: str, typ: type, source: str, default: Any = _MISSING) -> Any:
-    if key not in metadata or metadata[key] is None:
-        if default is _MISSING:
-            raise ModelFileError(f"{source}: metadata field {key!r} is missing (expected {typ.__name__})")
-        return default
-    value = metadata[key]
-    if typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif typ is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, typ)
-    if not ok:
-        raise ModelFileError(
-            f"{source}: metadata field {key!r} is a {type(value).__name__}, expected {typ.__name__}"
-        )
-    return value
+def _get(metadata: Mapping[str, Any], key: str, typ: type, source: str, default: Any = MISSING) -> Any:
+    return checked_field(metadata, key, typ, source, default, what="metadata field")
 
 
 def _tokens(metadata: Mapping[str, Any], source: str) -> list[str]:

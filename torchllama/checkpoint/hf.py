@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from torchllama.config import ModelArgs
-from torchllama.errors import ArgumentError, ModelFileError
+from torchllama.errors import MISSING, checked_field, ArgumentError, ModelFileError
 
 
 def permute_meta_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -144,25 +144,9 @@ def hf_name(our_name: str) -> str:
 
 # ---- config.json ---------------------------------------------------------------------------------
 
-_MISSING = object()
-
-
 def _config_value(config: dict[str, Any], key: str, typ: type, source: str,
-                  default: Any = _MISSING) -> Any:
-    if key not in config or config[key] is None:
-        if default is _MISSING:
-            raise ModelFileError(f"{source}: required key {key!r} is missing")
-        return default
-    value = config[key]
-    if typ is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, typ)
-    if not ok:
-        raise ModelFileError(f"{source}: {key!r} is {value!r}, expected {typ.__name__}")
-    return typ(value) if typ is float else value
+                  default: Any = MISSING) -> Any:
+    return checked_field(config, key, typ, source, default, what="key")
 
 
 def _rope_theta(config: dict[str, Any], source: str) -> float:

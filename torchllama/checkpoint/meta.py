@@ -60,7 +60,7 @@ from typing import Any, Optional
 import torch
 
 from torchllama.config import ModelArgs
-from torchllama.errors import ArgumentError, ModelFileError
+from torchllama.errors import MISSING, checked_field, ArgumentError, ModelFileError
 
 #: Context length used when params.json has no ``max_seq_len`` (Llama 2's; Meta's params.json
 #: leaves it to the caller).
@@ -147,27 +147,10 @@ def read_params(path: Path) -> dict[str, Any]:
     return params
 
 
-_MISSING = object()
-
-
 def _field(params: dict[str, Any], name: str, kind: type, source: str,
-           default: Any = _MISSING) -> Any:
-    """params[name] checked to be of `kind` (int, float or bool); null counts as absent."""
-    value = params.get(name)
-    if value is None:
-        if default is _MISSING:
-            raise ModelFileError(f"{source}: required field {name!r} is missing")
-        return default
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        wanted = {int: "an integer", float: "a number", bool: "true or false"}[kind]
-        raise ModelFileError(f"{source}: field {name!r} is {json.dumps(value)}, expected {wanted}")
-    return float(value) if kind is float else value
+           default: Any = MISSING) -> Any:
+    """params[name] checked to be of `kind`; null counts as absent."""
+    return checked_field(params, name, kind, source, default, what="field")
 
 
 def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Optional[int],
