@@ -29,11 +29,15 @@ DEFAULT_PROMPT = "The capital of France is"
 def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              max_new_tokens: int = 256, temperature: float = 0.6, top_k: int = 0,
              top_p: float = 0.9, seed: Optional[int] = None, chat: bool = False,
-             system: Optional[str] = None, dtype: str = "float32") -> int:
+             system: Optional[str] = None, dtype: str = "float32",
+             prompt_file: Optional[str] = None, batch_size: int = 8) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
         prompt: the prompt text. Without --chat it is continued as it is (and echoed first).
+        prompt_file: a text file with one prompt per line, generated in batches; prints one
+            JSON object per prompt (prompt, text, finish_reason, token counts) instead.
+        batch_size: prompts per batch with --prompt-file.
         model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
         max_new_tokens: maximum number of tokens to generate (≥ 1).
         temperature: sampling temperature ≥ 0 (0 = greedy); the default is Meta's.
@@ -51,8 +55,14 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     sampling = SamplingParams(temperature, top_k, top_p, seed)   # validate before loading
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
     resolve_dtype(dtype)
+    prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
     llm, tokenizer = load(model, dtype=dtype)
+    if prompts is not None:
+        return _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
+                              batch_size)
     prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
     session = Session(llm, tokenizer)
     stream = StreamDecoder(tokenizer, prompt_ids)
@@ -64,6 +74,54 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         _write(stream.push(token_id))
     _write(stream.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _read_prompt_file(path: str) -> list[str]:
+    from torchllama.errors import ArgumentError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+        raise ArgumentError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise ArgumentError(f"--prompt-file {path}: not UTF-8 text ({e.reason})") from e
+    if not prompts:
+        raise ArgumentError(f"--prompt-file {path}: no prompts (one per line expected)")
+    return prompts
+
+
+def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
+                   batch_size) -> int:
+    """Batched generation for --prompt-file: one JSON line per prompt, in order."""
+    import dataclasses
+    import json
+    import time
+
+    from torchllama.generation import StreamDecoder, encode_prompt, generate_batch
+
+    t0, new_tokens = time.perf_counter(), 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids = [encode_prompt(tokenizer, p, chat=chat, system=system) for p in chunk]
+        # One seed per prompt (seed + index): reproducible whatever the batch size.
+        params = [dataclasses.replace(sampling, seed=None if sampling.seed is None
+                                      else sampling.seed + start + i) for i in range(len(chunk))]
+        results = generate_batch(llm, ids, max_new_tokens, params, tokenizer.stop_ids,
+                                 tokenizer.pad_id or 0)
+        for i, (prompt, prompt_ids, result) in enumerate(zip(chunk, ids, results)):
+            stream = StreamDecoder(tokenizer, prompt_ids)
+            text = "".join(stream.push(t) for t in result.token_ids) + stream.flush()
+            new_tokens += len(result.token_ids)
+            _write(json.dumps({"index": start + i, "prompt": prompt, "text": text,
+                               "finish_reason": result.finish_reason,
+                               "prompt_tokens": result.prompt_tokens,
+                               "completion_tokens": len(result.token_ids)},
+                              ensure_ascii=False) + "\n")
+    seconds = time.perf_counter() - t0
+    print(f"[{len(prompts)} prompts, {new_tokens} new tokens in {seconds:.1f} s: "
+          f"{new_tokens / seconds:.1f} tok/s]", file=sys.stderr)
     return 0
 
 

@@ -264,6 +264,93 @@ class Session:
             stats.finish_reason = "stop"
 
 
+@dataclass
+class Completion:
+    """One sequence of a batch: its new token ids (stop token excluded) and why it ended."""
+
+    token_ids: list[int]
+    finish_reason: str             # "stop" (a stop token) or "length" (max_new_tokens/context)
+    prompt_tokens: int
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256,
+                   sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                   stop_ids: frozenset[int] = frozenset(), pad_id: int = 0) -> list[Completion]:
+    """Generate for several prompts at once: one left-padded prefill, then one decode step per
+    token for the whole batch; each sequence stops on its own.
+
+    Prompts are left-padded to the longest; the model is told how much padding each row has
+    (`Transformer.forward(pad=...)`), so padded slots are never attended and every row gets the
+    RoPE positions it would have alone: at temperature 0 each sequence equals what `Session`
+    generates for its prompt alone. Rows that have finished keep being fed `pad_id` (static
+    shapes) and their outputs are ignored.
+
+    Args:
+        model: a `Transformer`; its KV caches are (re)allocated for this batch.
+        prompts: B lists of token ids (BOS included if wanted), each non-empty.
+        max_new_tokens: at most this many new tokens per sequence (≥ 1); fewer where the
+            context (model.args.max_seq_len slots for the longest prompt) runs out.
+        sampling: one SamplingParams for all, or one per prompt (own seed each).
+        stop_ids: token ids that end a sequence (not included in its output).
+        pad_id: token id fed into padding slots (any valid id: they are never attended).
+
+    Returns:
+        One `Completion` per prompt, in order.
+
+    Raises:
+        ArgumentError: no prompts, an empty prompt, max_new_tokens < 1, or a sampling list of
+            another length.
+        ContextLengthError: the longest prompt leaves no room for a new token.
+    """
+    B = len(prompts)
+    if B == 0:
+        raise ArgumentError("generate_batch needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ArgumentError("a prompt is empty (no tokens)")
+    if max_new_tokens < 1:
+        raise ArgumentError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    params = [sampling] * B if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != B:
+        raise ArgumentError(f"{len(params)} sampling settings for {B} prompts")
+    T = max(len(p) for p in prompts)
+    context = model.args.max_seq_len
+    if T >= context:
+        raise ContextLengthError(f"a prompt has {T} tokens but the context holds {context}; "
+                                 f"shorten it to at most {context - 1} tokens")
+    budget = min(max_new_tokens, context - T)
+    device = model.tok_embeddings.weight.device
+    generators = [p.make_generator(device) for p in params]
+    pad = torch.tensor([T - len(p) for p in prompts], device=device)           # (B,)
+    tokens = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts],
+                          device=device)                                        # (B, T)
+    with torch.inference_mode(False):
+        model.setup_caches(B, T + budget)
+    logits = model(tokens, 0, pad=pad, last_only=True)[:, -1]                  # (B, V)
+
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    reasons: list[Optional[str]] = [None] * B
+    for step in range(budget):
+        next_ids = []
+        for b in range(B):
+            token = pad_id
+            if reasons[b] is None:
+                token = int(sample(logits[b:b + 1], params[b], generators[b])[0])
+                if token in stop_ids:
+                    reasons[b], token = "stop", pad_id
+                else:
+                    outputs[b].append(token)
+                    if len(outputs[b]) == budget:
+                        reasons[b] = "length"
+            next_ids.append(token)
+        if all(r is not None for r in reasons):
+            break
+        step_tokens = torch.tensor(next_ids, device=device)[:, None]           # (B, 1)
+        logits = model(step_tokens, T + step, pad=pad)[:, -1]                   # (B, V)
+    return [Completion(out, reason or "length", len(p))
+            for out, reason, p in zip(outputs, reasons, prompts)]
+
+
 # --------------------------------------------------------------------------------------------
 # Text in, text out
 # --------------------------------------------------------------------------------------------

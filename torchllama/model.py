@@ -90,15 +90,16 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: (B, T, n_heads, head_dim) queries or keys.
-        freqs_cis: (T, head_dim // 2) complex64 rotations of the T positions of x
-            (a slice of `precompute_freqs_cis`).
+        freqs_cis: (T, head_dim // 2) complex64 rotations of the T positions of x (a slice of
+            `precompute_freqs_cis`), or (B, T, head_dim // 2) when rows have their own positions
+            (left-padded batches).
 
     Returns:
         Tensor of x's shape and dtype.
     """
     B, T, H, hd = x.shape
     pairs = torch.view_as_complex(x.float().reshape(B, T, H, hd // 2, 2))   # (B, T, H, hd/2) c64
-    rotated = pairs * freqs_cis.view(1, T, 1, hd // 2)                     # broadcast B and H
+    rotated = pairs * freqs_cis.view(-1, T, 1, hd // 2)                    # broadcast (B) and H
     return torch.view_as_real(rotated).flatten(3).type_as(x)               # (B, T, H, hd)
 
 
@@ -177,10 +178,10 @@ class Attention(nn.Module):
             x: (B, T, dim) normalised hidden states of the T new tokens.
             start_pos: position of x's first token (number of tokens already cached).
             freqs_cis: (T, head_dim // 2) complex64 RoPE rotations of positions
-                start_pos..start_pos+T-1.
-            mask: (T, S) bool, True where query t may attend key s; None means causal
-                attention among the T tokens when nothing is cached before them, or no mask for
-                a single token (it may see every cached position).
+                start_pos..start_pos+T-1, or (B, T, head_dim // 2) per row.
+            mask: (T, S) or (B, 1, T, S) bool, True where query t may attend key s; None means
+                causal attention among the T tokens when nothing is cached before them, or no
+                mask for a single token (it may see every cached position).
 
         Returns:
             (B, T, dim).
@@ -313,15 +314,18 @@ class Transformer(nn.Module):
             return None
         return cache.k_cache.shape[0], cache.k_cache.shape[2]
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False,
+                pad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits of the next token after each of the given tokens.
 
         Args:
-            tokens: (B, T) int64 token ids at positions start_pos..start_pos+T-1.
-            start_pos: number of tokens already in the KV cache (0 without a cache).
+            tokens: (B, T) int64 token ids in cache slots start_pos..start_pos+T-1.
+            start_pos: number of slots already in the KV cache (0 without a cache).
             last_only: compute logits for the last position only (what generation needs after
                 a prefill; saves a (T, dim)×(dim, V) matmul).
+            pad: (B,) int64, for left-padded batches: the first pad[b] slots of row b hold
+                padding. They are never attended, and slot s of row b is RoPE position
+                s − pad[b], so each row computes exactly what it would alone. None: no padding.
 
         Returns:
             float32 logits (B, T, vocab_size), or (B, 1, vocab_size) with last_only.
@@ -352,7 +356,9 @@ class Transformer(nn.Module):
         freqs_cis = self.freqs_cis[start_pos:end]            # (T, hd/2) complex64
 
         mask = None                                          # causal (T>1, nothing cached) or T=1
-        if T > 1 and start_pos > 0:
+        if pad is not None:
+            freqs_cis, mask = self._padded_rope_and_mask(pad, start_pos, end)
+        elif T > 1 and start_pos > 0:
             # New tokens see the whole cached prefix and, causally, each other:
             # query t (position start_pos + t) may attend key s iff s ≤ start_pos + t.
             q_pos = torch.arange(start_pos, end, device=tokens.device)   # (T,)
@@ -365,6 +371,22 @@ class Transformer(nn.Module):
             h = h[:, -1:, :]                                 # (B, 1, D)
         h = self.norm(h)                                     # (B, T, D)
         return self.output(h).float()                        # (B, T, V) fp32
+
+    def _padded_rope_and_mask(self, pad: torch.Tensor, start_pos: int, end: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row RoPE rotations (B, T, hd/2) and attention mask (B, 1, T, S) of a left-padded
+        batch whose row b starts with pad[b] padding slots."""
+        q_slot = torch.arange(start_pos, end, device=pad.device)          # (T,)
+        k_slot = torch.arange(end, device=pad.device)                     # (S,)
+        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0)         # (B, T)
+        freqs_cis = self.freqs_cis[positions]                             # (B, T, hd/2) c64
+        causal = k_slot[None, None, :] <= q_slot[None, :, None]           # (1, T, S)
+        real = k_slot[None, None, :] >= pad[:, None, None]                # (B, 1, S)
+        # A padding query would see nothing (an all -inf softmax row gives NaN): let it see
+        # itself. Its output is never used, since no real query attends a padding slot.
+        itself = k_slot[None, None, :] == q_slot[None, :, None]           # (1, T, S)
+        mask = (causal & real) | itself                                   # (B, T, S) bool
+        return freqs_cis, mask[:, None]                                   # (B, 1, T, S)
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
