@@ -136,19 +136,21 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.empty(shape, dtype=dtype, device=device),
                              persistent=False)
 
-    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
+               rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write xk, xv (B, KV, T, hd) at positions start_pos..start_pos+T-1 and return all keys
         and values written so far, (B, KV, S, hd) with S = start_pos + T (views, no copy).
 
         Returning only the filled part means decode attends over S positions, not max_seq_len:
         decode is bound by memory bandwidth, so reading the empty rest would cost time.
+        `rows` selects the cache rows of the B sequences (default: rows 0..B-1).
         """
         B, _, T, _ = xk.shape
+        rows = rows if rows is not None else slice(0, B)
         end = start_pos + T
-        self.k_cache[:B, :, start_pos:end] = xk   # (B, KV, T, hd) into (B, KV, S_max, hd)
-        self.v_cache[:B, :, start_pos:end] = xv
-        return self.k_cache[:B, :, :end], self.v_cache[:B, :, :end]  # (B, KV, S, hd)
+        self.k_cache[rows, :, start_pos:end] = xk  # (B, KV, T, hd) into (B, KV, S_max, hd)
+        self.v_cache[rows, :, start_pos:end] = xv
+        return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
 
 class Attention(nn.Module):
@@ -172,7 +174,7 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
+                mask: Optional[torch.Tensor], cache_rows: Optional[slice] = None) -> torch.Tensor:
         """
         Args:
             x: (B, T, dim) normalised hidden states of the T new tokens.
@@ -182,6 +184,7 @@ class Attention(nn.Module):
             mask: (T, S) or (B, 1, T, S) bool, True where query t may attend key s; None means
                 causal attention among the T tokens when nothing is cached before them, or no
                 mask for a single token (it may see every cached position).
+            cache_rows: KV cache rows of the B sequences (default 0..B-1).
 
         Returns:
             (B, T, dim).
@@ -198,7 +201,7 @@ class Attention(nn.Module):
         xk = xk.transpose(1, 2)                                       # (B, KV, T, hd)
         xv = xv.transpose(1, 2)                                       # (B, KV, T, hd)
         if self.kv_cache is not None:
-            keys, values = self.kv_cache.update(start_pos, xk, xv)   # (B, KV, S, hd)
+            keys, values = self.kv_cache.update(start_pos, xk, xv, cache_rows)  # (B,KV,S,hd)
         else:
             keys, values = xk, xv                                     # (B, KV, T, hd), S = T
         # Grouped-query attention: query head h uses KV head h // n_rep. SDPA's enable_gqa does
@@ -242,9 +245,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
+                mask: Optional[torch.Tensor], cache_rows: Optional[slice] = None) -> torch.Tensor:
         # x: (B, T, D) → (B, T, D)
-        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
+        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -315,7 +318,8 @@ class Transformer(nn.Module):
         return cache.k_cache.shape[0], cache.k_cache.shape[2]
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False,
-                pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+                pad: Optional[torch.Tensor] = None,
+                cache_rows: Optional[slice] = None) -> torch.Tensor:
         """Logits of the next token after each of the given tokens.
 
         Args:
@@ -326,6 +330,8 @@ class Transformer(nn.Module):
             pad: (B,) int64, for left-padded batches: the first pad[b] slots of row b hold
                 padding. They are never attended, and slot s of row b is RoPE position
                 s − pad[b], so each row computes exactly what it would alone. None: no padding.
+            cache_rows: the KV cache rows these B sequences use (default: rows 0..B-1), e.g.
+                slice(b, b + 1) to prefill one sequence into row b of a running batch.
 
         Returns:
             float32 logits (B, T, vocab_size), or (B, 1, vocab_size) with last_only.
@@ -343,7 +349,8 @@ class Transformer(nn.Module):
                 raise ArgumentError("start_pos > 0 needs a KV cache: call setup_caches() first")
             max_len = self.args.max_seq_len
         else:
-            if B > cache_shape[0]:
+            first = (cache_rows.start or 0) if cache_rows is not None else 0
+            if first + B > cache_shape[0]:
                 raise ArgumentError(f"batch size {B} exceeds the KV cache's {cache_shape[0]}")
             max_len = cache_shape[1]
         if end > max_len:
@@ -366,7 +373,7 @@ class Transformer(nn.Module):
             mask = k_pos[None, :] <= q_pos[:, None]                      # (T, S) bool
 
         for layer in self.layers:
-            h = layer(h, start_pos, freqs_cis, mask)         # (B, T, D)
+            h = layer(h, start_pos, freqs_cis, mask, cache_rows)  # (B, T, D)
         if last_only:
             h = h[:, -1:, :]                                 # (B, 1, D)
         h = self.norm(h)                                     # (B, T, D)
