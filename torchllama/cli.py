@@ -52,7 +52,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     from torchllama.errors import ArgumentError
     from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)   # validate before loading
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=seed)                     # validate before loading
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     if batch_size < 1:
@@ -145,7 +146,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     from torchllama.errors import ArgumentError, ContextLengthError
     from torchllama.generation import SamplingParams, Session, chat_format, encode_chat
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     resolve_dtype(dtype)
@@ -238,8 +239,37 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
     return 0
 
 
+def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
+          api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
+          max_queue: int = 64) -> int:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health), batching concurrent requests.
+
+    Args:
+        model: checkpoint to serve (default: the embedded SmolLM2-135M-Instruct).
+        host: address to bind (loopback by default).
+        port: TCP port.
+        api_key: require `Authorization: Bearer KEY` on every request.
+        dtype: weight dtype: float32, bfloat16 or float16.
+        max_batch_size: requests decoded together.
+        max_queue: requests that may wait for a free slot (more get HTTP 429).
+    """
+    from torchllama.checkpoint import resolve_dtype
+    from torchllama.errors import ArgumentError
+
+    resolve_dtype(dtype)
+    if not 0 < port < 65536:
+        raise ArgumentError(f"--port must be in 1..65535, got {port}")
+    if max_batch_size < 1 or max_queue < 1:
+        raise ArgumentError("--max-batch-size and --max-queue must be ≥ 1")
+    from torchllama.serve import serve as run_server
+
+    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue)
+    return 0
+
+
 COMMANDS: dict[str, Callable[..., int]] = {"generate": generate, "chat": chat, "convert": convert,
-                                           "bench": bench}
+                                           "serve": serve, "bench": bench}
 
 
 def _write(text: str) -> None:

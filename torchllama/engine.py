@@ -249,14 +249,17 @@ class Engine:
                         self._finish(b, "length")
                 return
             self._shift(-d)
+        # Rows are filled lowest first, so the active ones sit in rows 0..B-1: decode just those
+        # (B = last active row + 1), idle rows among them fed padding.
+        B = max(b for b, row in enumerate(self._rows) if row is not None) + 1
         for b, row in enumerate(self._rows):        # idle rows stay all padding
             if row is None:
                 self._pad[b] = self._cur
         tokens = torch.tensor([[row.pending if row is not None else self.pad_id]
-                               for row in self._rows], device=self.device)      # (B, 1)
-        logits = self.model(tokens, self._cur, pad=self._pad)[:, -1]             # (B, V)
+                               for row in self._rows[:B]], device=self.device)  # (B, 1)
+        logits = self.model(tokens, self._cur, pad=self._pad[:B])[:, -1]         # (B, V)
         self._cur += 1
         self.steps += 1
-        for b, row in enumerate(self._rows):
+        for b, row in enumerate(self._rows[:B]):
             if row is not None:
                 self._take(b, logits[b:b + 1])

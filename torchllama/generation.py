@@ -3,119 +3,21 @@
     prompt ids ──prefill (one forward over the prompt, start_pos = cached prefix)──▶ logits
     loop: sample(logits) ──▶ token ──stop id?──▶ decode_one_token(token, start_pos) ──▶ logits
 
-Sampling functions are pure: (logits, settings, torch.Generator) → token ids. The order is
-temperature → top-k → top-p, the order of HF's logits warpers and of Meta's generate (which has
-no top-k). `Session` keeps a conversation's KV cache between calls and re-uses the longest cached
+Sampling (torchllama.sampling) is pure functions: (logits, settings, torch.Generator, the ids so
+far) → token ids. `Session` keeps a conversation's KV cache between calls and re-uses the longest cached
 prefix of the next prompt, so a chat turn only prefills the new tokens.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
-
-
-# --------------------------------------------------------------------------------------------
-# Sampling (pure functions)
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token.
-
-    Attributes:
-        temperature: 0 = greedy (argmax); > 0 divides the logits before softmax.
-        top_k: keep the k most likely tokens (0 = all).
-        top_p: nucleus sampling, keep the smallest set of most likely tokens whose probability
-            mass reaches p (Holtzman et al. 2019); 1.0 = all. The top token is always kept.
-        seed: seed of the sampling RNG; None = nondeterministic.
-
-    Raises:
-        ArgumentError: temperature < 0, top_k < 0, top_p outside (0, 1].
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ArgumentError(f"temperature must be ≥ 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ArgumentError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A torch.Generator seeded with `seed` (or randomly when seed is None)."""
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set every logit below the k-th largest of its row to -inf (ties at the k-th are kept).
-
-    Shapes: logits (B, V) → (B, V). k ≤ 0 or k ≥ V returns logits unchanged.
-    """
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[:, -1:]          # (B, 1) k-th largest
-    return logits.masked_fill(logits < kth, float("-inf"))      # (B, V)
-
-
-def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None
-                 ) -> torch.Tensor:
-    """Nucleus sampling exactly as Meta's `sample_top_p` (llama/generation.py).
-
-    Sort probabilities descending, take the cumulative sum, drop every token whose *preceding*
-    mass already exceeds p (so the top token always survives), renormalise, sample.
-
-    Args:
-        probs: (B, V) probabilities (rows sum to 1).
-        p: top-p threshold in (0, 1].
-        generator: RNG for torch.multinomial.
-
-    Returns:
-        (B,) int64 sampled token ids.
-    """
-    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)   # (B, V) each
-    probs_sum = torch.cumsum(probs_sort, dim=-1)                          # (B, V)
-    mask = probs_sum - probs_sort > p                                     # mass before token > p
-    probs_sort = probs_sort.masked_fill(mask, 0.0)
-    probs_sort = probs_sort / probs_sort.sum(dim=-1, keepdim=True)        # renormalise
-    choice = torch.multinomial(probs_sort, num_samples=1, generator=generator)  # (B, 1)
-    return torch.gather(probs_idx, -1, choice).squeeze(-1)                # (B,)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Pick the next token of each row: temperature → top-k → top-p → multinomial.
-
-    Args:
-        logits: (B, V) float32 logits of the next token.
-        params: temperature, top_k, top_p. temperature == 0 means argmax (no division).
-        generator: RNG (see SamplingParams.make_generator).
-
-    Returns:
-        (B,) int64 token ids.
-    """
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)                                      # (B,)
-    logits = top_k_filter(logits / params.temperature, params.top_k)      # (B, V)
-    probs = torch.softmax(logits, dim=-1)                                 # (B, V)
-    if params.top_p < 1.0:
-        return sample_top_p(probs, params.top_p, generator)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+from torchllama.sampling import SamplingParams, sample, sample_top_p, top_k_filter  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +145,8 @@ class Session:
         tokens = torch.tensor([prompt_ids[n:]], dtype=torch.long, device=self._device)
         logits = prefill(self.model, tokens, start_pos=n)                # (1, V)
         self.cached_ids = list(prompt_ids)
-        next_id = int(sample(logits, sampling, generator)[0])
+        generated: list[int] = []
+        next_id = int(sample(logits, sampling, generator, [list(prompt_ids)], [generated])[0])
         stats.prefill_s = time.perf_counter() - t0
 
         budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
@@ -257,7 +160,8 @@ class Session:
             token = torch.tensor([[next_id]], dtype=torch.long, device=self._device)
             logits = decode_one_token(self.model, token, len(self.cached_ids))  # (1, V)
             self.cached_ids.append(next_id)
-            next_id = int(sample(logits, sampling, generator)[0])
+            generated.append(next_id)
+            next_id = int(sample(logits, sampling, generator, [self.cached_ids], [generated])[0])
             stats.decode_steps += 1
             stats.decode_s += time.perf_counter() - t1
         else:
@@ -335,7 +239,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
         for b in range(B):
             token = pad_id
             if reasons[b] is None:
-                token = int(sample(logits[b:b + 1], params[b], generators[b])[0])
+                token = int(sample(logits[b:b + 1], params[b], generators[b],
+                                   [list(prompts[b]) + outputs[b]], [outputs[b]])[0])
                 if token in stop_ids:
                     reasons[b], token = "stop", pad_id
                 else:
@@ -514,6 +419,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 256, *,
     session = Session(model, tokenizer)
     ids = encode_prompt(tokenizer, prompt, chat=chat)
     new_ids = list(session.generate(ids, max_new_tokens,
-                                    SamplingParams(temperature, top_k, top_p, seed)))
+                                    SamplingParams(temperature=temperature, top_k=top_k,
+                                                   top_p=top_p, seed=seed)))
     stream = StreamDecoder(tokenizer, ids)
     return "".join(stream.push(i) for i in new_ids) + stream.flush()

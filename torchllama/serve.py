@@ -1,0 +1,424 @@
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching engine.
+
+    GET  /health                 liveness
+    GET  /v1/models              the one model served
+    POST /v1/completions         text completion (OpenAI's legacy API), stream or not
+    POST /v1/chat/completions    chat completion with the model's chat template, stream or not
+
+Every request is tokenized here and handed to `torchllama.engine.Engine`, which decodes all
+running requests together; tokens come back to the request's handler through an asyncio queue.
+Streaming responses are server-sent events ending with `data: [DONE]`. Errors use OpenAI's body,
+`{"error": {"message", "type", "param", "code"}}`: 400 for invalid fields (naming them) and prompts
+that do not fit, 401 without the API key, 429 when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+from torchllama.engine import Engine, QueueFull, Request, TokenEvent
+from torchllama.errors import ArgumentError, TorchLlamaError
+from torchllama.generation import StreamDecoder, encode_chat, encode_prompt
+from torchllama.sampling import SamplingParams
+from torchllama.stopping import StopStrings
+
+log = logging.getLogger("torchllama.serve")
+
+try:  # the server's own dependencies; the rest of torchllama works without them
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, Field
+except ImportError as e:  # pragma: no cover - fastapi is a dependency of the package
+    raise ImportError("torchllama serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
+        from e
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies (OpenAI's fields; top_k, min_p and repetition_penalty are extensions)
+# --------------------------------------------------------------------------------------------
+
+class _Sampling(BaseModel):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = Field(1, ge=1, le=16)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str
+    max_tokens: Optional[int] = Field(16, ge=1)          # OpenAI's default for completions
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _error_response(status: int, message: str, param: Optional[str] = None,
+                    kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={
+        "error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+# --------------------------------------------------------------------------------------------
+# One choice: engine events → text, stop strings, logprobs
+# --------------------------------------------------------------------------------------------
+
+class _Choice:
+    """Collects one generated sequence: its engine request and what the client sees of it."""
+
+    def __init__(self, index: int, tokenizer, prompt_ids: list[int], stops: Optional[StopStrings],
+                 loop: asyncio.AbstractEventLoop):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.stream = StreamDecoder(tokenizer, prompt_ids)
+        self.stops = stops
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.token_ids: list[int] = []
+        self.token_events: list[TokenEvent] = []
+        self.finish_reason: Optional[str] = None
+        self.request: Optional[Request] = None
+
+    # called from the engine thread
+    def on_token(self, event: TokenEvent) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", event))
+
+    def on_finish(self, reason: str) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ("finish", reason))
+
+    async def pieces(self) -> AsyncIterator[tuple[str, Optional[TokenEvent]]]:
+        """Yield (text, event) as tokens arrive; sets finish_reason at the end."""
+        while True:
+            kind, value = await self.events.get()
+            if kind == "finish":
+                tail = self.stream.flush()
+                if self.stops is not None:
+                    tail = self.stops.push(tail) + (self.stops.flush()
+                                                    if not self.stops.stopped else "")
+                if tail:
+                    yield tail, None
+                self.finish_reason = "length" if value == "length" else "stop"
+                return
+            self.token_ids.append(value.token_id)
+            self.token_events.append(value)
+            text = self.stream.push(value.token_id)
+            if self.stops is not None:
+                text = self.stops.push(text)
+                if self.stops.stopped:                 # a stop string: never emitted, end here
+                    self.request.cancel()
+                    if text:
+                        yield text, value
+                    await self._drain()
+                    self.finish_reason = "stop"
+                    return
+            yield text, value
+
+    async def _drain(self) -> None:
+        while True:
+            kind, _ = await self.events.get()
+            if kind == "finish":
+                return
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+# --------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------
+
+def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
+               max_batch_size: int = 8, max_queue: int = 64) -> FastAPI:
+    """The FastAPI application serving `model` (engine started and stopped with the app).
+
+    Args:
+        model, tokenizer: what `torchllama.load` returns.
+        model_name: the id reported by /v1/models and in responses.
+        api_key: when set, requests need `Authorization: Bearer <api_key>` (else 401).
+        max_batch_size: requests decoded together.
+        max_queue: requests that may wait for a free row (beyond: 429).
+    """
+    from contextlib import asynccontextmanager
+
+    engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0)
+    context = model.args.max_seq_len
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="torchllama", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return _error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                               param)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return _error_response(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.middleware("http")
+    async def authorize(request: HTTPRequest, call_next):
+        if api_key is not None and request.url.path != "/health":
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error_response(401, "invalid or missing API key (Authorization: Bearer "
+                                       "...)", kind="authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "active": engine.active}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "torchllama"}]}
+
+    def sampling_of(body: _Sampling, index: int, top_logprobs: int) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", "logit_bias") from None
+        try:
+            return SamplingParams(
+                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                logit_bias=bias or None, logprobs=top_logprobs,
+                seed=None if body.seed is None else body.seed + index)
+        except ArgumentError as e:
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param) from None
+
+    async def run(http: HTTPRequest, body: _Sampling, prompt_ids: list[int], chat: bool,
+                  max_tokens: Optional[int], logprobs: Optional[int]):
+        if len(prompt_ids) >= context:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                                f"{context}", "messages" if chat else "prompt")
+        max_tokens = min(max_tokens or context, context - len(prompt_ids))   # capped by context
+        for token in (body.logit_bias or {}):
+            if not token.isdigit() or int(token) >= tokenizer.vocab_size:
+                raise APIError(400, f"logit_bias: {token!r} is not a token id", "logit_bias")
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if any(not s for s in stops) or len(stops) > 4:
+            raise APIError(400, "stop: up to 4 non-empty strings", "stop")
+        loop = asyncio.get_running_loop()
+        choices = []
+        for i in range(body.n):
+            choice = _Choice(i, tokenizer, prompt_ids, StopStrings(stops) if stops else None,
+                             loop)
+            choice.request = Request(prompt_ids, max_tokens, sampling_of(body, i, logprobs or 0),
+                                     tokenizer.stop_ids, choice.on_token, choice.on_finish,
+                                     logprobs=logprobs)
+            choices.append(choice)
+        try:
+            for choice in choices:
+                engine.submit(choice.request)
+        except QueueFull as e:
+            for choice in choices:
+                choice.request.cancel()
+            raise APIError(429, str(e), kind="rate_limit_error") from None
+        except TorchLlamaError as e:
+            raise APIError(400, str(e)) from None
+        return choices, max_tokens
+
+    def log_request(rid: str, prompt_tokens: int, choices, started: float) -> None:
+        out = sum(len(c.token_ids) for c in choices)
+        seconds = time.perf_counter() - started
+        log.info("%s prompt_tokens=%d completion_tokens=%d latency=%.2fs tok/s=%.1f", rid,
+                 prompt_tokens, out, seconds, out / seconds if seconds else 0.0)
+
+    def usage(prompt_tokens: int, choices) -> dict:
+        out = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": out,
+                "total_tokens": prompt_tokens + out}
+
+    async def respond(http: HTTPRequest, body: _Sampling, prompt_ids: list[int], chat: bool,
+                      max_tokens: Optional[int], logprobs: Optional[int]):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created, started = int(time.time()), time.perf_counter()
+        choices, _ = await run(http, body, prompt_ids, chat, max_tokens, logprobs)
+        obj = "chat.completion" if chat else "text_completion"
+
+        if not body.stream:
+            texts = []
+            try:
+                for choice in choices:
+                    parts = [text async for text, _ in choice.pieces()]
+                    texts.append("".join(parts))
+            finally:
+                for choice in choices:
+                    choice.request.cancel()
+            out = []
+            for choice, text in zip(choices, texts):
+                entry: dict[str, Any] = {"index": choice.index, "finish_reason":
+                                         choice.finish_reason}
+                if chat:
+                    entry["message"] = {"role": "assistant", "content": text}
+                    entry["logprobs"] = _chat_logprobs(choice) if logprobs is not None else None
+                else:
+                    entry["text"] = text
+                    entry["logprobs"] = (_completion_logprobs(choice) if logprobs is not None
+                                         else None)
+                out.append(entry)
+            log_request(rid, len(prompt_ids), choices, started)
+            return {"id": rid, "object": obj, "created": created, "model": model_name,
+                    "choices": out, "usage": usage(len(prompt_ids), choices)}
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(choice_payload: list[dict], extra: Optional[dict] = None) -> str:
+            data = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
+                    "choices": choice_payload, **(extra or {})}
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(choice):
+                try:
+                    async for text, event in choice.pieces():
+                        await merged.put((choice, text, event))
+                finally:
+                    await merged.put((choice, None, None))
+
+            tasks = [asyncio.create_task(pump(c)) for c in choices]
+            try:
+                if chat:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None} for c in choices])
+                remaining = len(choices)
+                while remaining:
+                    choice, text, event = await merged.get()
+                    if text is None:
+                        remaining -= 1
+                        payload = {"index": choice.index, "finish_reason": choice.finish_reason}
+                        payload.update({"delta": {}} if chat else {"text": ""})
+                        yield chunk([payload])
+                        continue
+                    if not text and event is None:
+                        continue
+                    payload = {"index": choice.index, "finish_reason": None}
+                    if chat:
+                        payload["delta"] = {"content": text}
+                        if logprobs is not None and event is not None:
+                            payload["logprobs"] = {"content": [_chat_token(choice, event)]}
+                    else:
+                        payload["text"] = text
+                        if logprobs is not None and event is not None:
+                            payload["logprobs"] = _completion_logprobs(choice, [event])
+                    yield chunk([payload])
+                if include_usage:
+                    yield chunk([], {"usage": usage(len(prompt_ids), choices)})
+                yield "data: [DONE]\n\n"
+                log_request(rid, len(prompt_ids), choices, started)
+            finally:                          # client gone or done: free the engine's rows
+                for choice in choices:
+                    choice.request.cancel()
+                for task in tasks:
+                    task.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, http: HTTPRequest):
+        prompt_ids = encode_prompt(tokenizer, body.prompt)
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        return await respond(http, body, prompt_ids, False, body.max_tokens, body.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, http: HTTPRequest):
+        try:
+            prompt_ids = encode_chat(tokenizer, [m.model_dump() for m in body.messages])
+        except TorchLlamaError as e:
+            raise APIError(400, str(e), "messages") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(http, body, prompt_ids, True,
+                             body.max_completion_tokens or body.max_tokens, logprobs)
+
+    return app
+
+
+def _completion_logprobs(choice: _Choice, events: Optional[list[TokenEvent]] = None) -> dict:
+    """The legacy completions `logprobs` object."""
+    events = events if events is not None else choice.token_events
+    return {"tokens": [choice.token_text(e.token_id) for e in events],
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{choice.token_text(t): lp for t, lp in (e.top_logprobs or [])}
+                             for e in events],
+            "text_offset": []}
+
+
+def _chat_token(choice: _Choice, event: TokenEvent) -> dict:
+    text = choice.token_text(event.token_id)
+    return {"token": text, "logprob": event.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": choice.token_text(t), "logprob": lp,
+                              "bytes": list(choice.token_text(t).encode())}
+                             for t, lp in (event.top_logprobs or [])]}
+
+
+def _chat_logprobs(choice: _Choice) -> dict:
+    return {"content": [_chat_token(choice, e) for e in choice.token_events]}
+
+
+def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
+          api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
+          max_queue: int = 64) -> None:
+    """Load a checkpoint and serve it with uvicorn until interrupted."""
+    import os
+
+    import uvicorn
+
+    from torchllama.checkpoint import load
+
+    model, tokenizer = load(model_path, dtype=dtype)
+    name = os.path.basename(str(model_path)) if model_path else "SmolLM2-135M-Instruct"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
