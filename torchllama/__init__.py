@@ -11,14 +11,16 @@ from torchllama.checkpoint import convert, default_model_path, load, save
 from torchllama.config import PRESETS, ModelArgs, get_preset
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError)
-from torchllama.generation import (SamplingParams, Session, StreamDecoder, encode_chat,
-                                   encode_prompt, generate, llama2_chat_ids, sample)
+from torchllama.generation import (Completion, Session, StreamDecoder, encode_chat,
+                                   encode_prompt, generate, generate_batch, llama2_chat_ids)
+from torchllama.sampling import SamplingParams, sample, token_logprobs
+from torchllama.stopping import StopStrings
 from torchllama.model import Transformer
 from torchllama.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "load", "save", "convert", "load_tokenizer", "default_model_path", "generate",
-    "llama2_chat_ids", "Session", "SamplingParams",
+    "llama2_chat_ids", "generate_batch", "Completion", "token_logprobs", "StopStrings", "Session", "SamplingParams",
     "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
     "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
     "ArgumentError", "ContextLengthError",
