@@ -192,6 +192,7 @@ class Engine:
             for buf in (cache.k_cache, cache.v_cache):
                 if d > 0:
                     buf[:, :, d:d + self._cur] = buf[:, :, :self._cur].clone()
+                    buf[:, :, :d] = 0                  # new padding: finite (see _prefill)
                 else:
                     buf[:, :, :self._cur + d] = buf[:, :, -d:self._cur].clone()
         self._pad += d
@@ -203,6 +204,11 @@ class Engine:
             self._shift(P - self._cur)
         start = self._cur - P
         self._pad[b] = start
+        # The padding slots are masked out, but attention still multiplies their values by a
+        # zero weight: they must be finite, and this row's may never have been written.
+        for layer in self.model.layers:
+            layer.attention.kv_cache.k_cache[b, :, :start] = 0
+            layer.attention.kv_cache.v_cache[b, :, :start] = 0
         tokens = torch.tensor([request.prompt_ids], device=self.device)          # (1, P)
         logits = self.model(tokens, start, last_only=True, pad=self._pad[b:b + 1],
                             cache_rows=slice(b, b + 1))[:, -1]                  # (1, V)
@@ -231,7 +237,9 @@ class Engine:
         row.generated.append(event.token_id)
         row.pending = event.token_id
         request.on_token(event)
-        if len(row.generated) >= request.max_tokens:
+        # Like Session: prompt + output never exceed the context.
+        if len(row.generated) >= request.max_tokens or \
+                len(request.prompt_ids) + len(row.generated) >= self.context:
             self._finish(b, "length")
 
     def _finish(self, b: int, reason: str) -> None:

@@ -123,8 +123,10 @@ class KVCache(nn.Module):
     """Preallocated keys and values of one attention layer, written at the positions of new tokens.
 
     Buffers k_cache, v_cache: (max_batch_size, n_kv_heads, max_seq_len, head_dim). They are
-    allocated uninitialised: `update` only ever returns positions [0, start_pos + T) which
-    previous calls have written.
+    allocated uninitialised (untouched pages cost no memory): `update` only returns positions
+    [0, start_pos + T), which previous calls have written — except padding slots a caller never
+    wrote (the serving engine's), which that caller must zero: masked slots still meet a zero
+    attention weight, and 0 · NaN is NaN.
     """
 
     def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int,

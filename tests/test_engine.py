@@ -1,0 +1,129 @@
+"""The continuous-batching engine: requests joining and leaving at any step get exactly the tokens
+they would get alone (greedy), through the cache shifts, compaction and cancellations."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from torchllama.config import get_preset
+from torchllama.engine import Engine, QueueFull, Request
+from torchllama.errors import ArgumentError, ContextLengthError
+from torchllama.generation import Session
+from torchllama.sampling import SamplingParams
+
+
+class StubTokenizer:
+    stop_ids = frozenset()
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    from torchllama.model import Transformer
+    return Transformer(get_preset("debug")).eval()       # 128-token context
+
+
+def alone(model, prompt, n, sampling=SamplingParams()):
+    session = Session(copy.deepcopy(model), StubTokenizer())
+    return list(session.generate(prompt, n, sampling, stop_ids=frozenset()))
+
+
+class Client:
+    """Collects one request's tokens and finish reason (cancels itself after `cancel_after`)."""
+
+    def __init__(self, prompt, max_tokens, sampling=SamplingParams(), stop_ids=frozenset(),
+                 cancel_after=None):
+        self.tokens, self.reason, self.done = [], None, threading.Event()
+        self.cancel_after = cancel_after
+        self.request = Request(prompt, max_tokens, sampling, stop_ids, self._token, self._finish)
+
+    def _token(self, event):
+        self.tokens.append(event.token_id)
+        if len(self.tokens) == self.cancel_after:
+            self.request.cancel()             # as the server does when a client goes away
+
+    def _finish(self, reason):
+        self.reason = reason
+        self.done.set()
+
+
+def run(engine, plan):
+    """plan: [(delay_s, Client)], submitted in order after each delay; waits for all."""
+    for delay, client in plan:
+        time.sleep(delay)
+        engine.submit(client.request)
+    for _, client in plan:
+        assert client.done.wait(60), "request did not finish"
+
+
+def test_joining_and_leaving_at_any_step(tiny_model):
+    engine = Engine(copy.deepcopy(tiny_model), max_batch_size=3).start()
+    try:
+        prompts = [[5, 6, 7], list(range(10, 40)), [50], list(range(60, 70)), [80, 81]]
+        lengths = [20, 8, 30, 12, 25]
+        clients = [Client(p, n) for p, n in zip(prompts, lengths)]
+        # Staggered: a 30-token prompt arrives after a 3-token one has started (rows shift
+        # right); more requests than rows wait for a free one.
+        run(engine, [(0.0, clients[0]), (0.01, clients[1]), (0.0, clients[2]),
+                     (0.02, clients[3]), (0.0, clients[4])])
+        for prompt, n, client in zip(prompts, lengths, clients):
+            assert client.tokens == alone(tiny_model, prompt, n)
+            assert client.reason == "length"
+        assert engine.steps < sum(lengths)          # requests shared decode steps
+    finally:
+        engine.shutdown()
+
+
+def test_full_cache_is_compacted_and_context_ends_with_length(tiny_model):
+    engine = Engine(copy.deepcopy(tiny_model), max_batch_size=2).start()
+    try:
+        long_runner = Client([1, 2, 3, 4], 200)              # wants more than the context
+        late = Client(list(range(20, 50)), 60)              # joins later, with padding
+        run(engine, [(0.0, long_runner), (0.05, late)])
+        assert long_runner.reason == "length"
+        assert len(long_runner.tokens) == 128 - 4            # stopped by the context
+        assert long_runner.tokens == alone(tiny_model, [1, 2, 3, 4], 124)
+        assert late.tokens == alone(tiny_model, list(range(20, 50)), 60)
+    finally:
+        engine.shutdown()
+
+
+def test_stop_ids_sampling_and_cancel(tiny_model):
+    engine = Engine(copy.deepcopy(tiny_model), max_batch_size=4).start()
+    try:
+        free = alone(tiny_model, [7, 8, 9], 12)
+        stopper = Client([7, 8, 9], 12, stop_ids=frozenset({free[5]}))
+        params = SamplingParams(temperature=1.0, top_k=40, seed=3)
+        sampled = Client([7, 8, 9], 12, params)
+        cancelled = Client([1, 2], 100, cancel_after=3)
+        run(engine, [(0.0, stopper), (0.0, sampled)])
+        assert stopper.tokens == free[:free.index(free[5])] and stopper.reason == "stop"
+        assert sampled.tokens == alone(tiny_model, [7, 8, 9], 12, params)
+        engine.submit(cancelled.request)
+        assert cancelled.done.wait(10) and cancelled.reason == "cancelled"
+        assert len(cancelled.tokens) == 3
+        deadline = time.time() + 5
+        while engine.active and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.active == 0                             # its row is free again
+        after = Client([7, 8, 9], 5)
+        run(engine, [(0.0, after)])
+        assert after.tokens == free[:5]
+    finally:
+        engine.shutdown()
+
+
+def test_submit_errors_and_queue_bound(tiny_model):
+    engine = Engine(copy.deepcopy(tiny_model), max_batch_size=1, max_queue=1)   # not started
+    with pytest.raises(ArgumentError, match="empty"):
+        engine.submit(Client([], 1).request)
+    with pytest.raises(ArgumentError, match="max_tokens"):
+        engine.submit(Client([1], 0).request)
+    with pytest.raises(ContextLengthError, match="at most 127"):
+        engine.submit(Client(list(range(128)), 1).request)
+    engine.submit(Client([1], 1).request)
+    with pytest.raises(QueueFull):
+        engine.submit(Client([2], 1).request)
