@@ -30,7 +30,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              max_new_tokens: int = 256, temperature: float = 0.6, top_k: int = 0,
              top_p: float = 0.9, seed: Optional[int] = None, chat: bool = False,
              system: Optional[str] = None, dtype: str = "float32",
-             prompt_file: Optional[str] = None, batch_size: int = 8) -> int:
+             prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
+             repetition_penalty: float = 1.0) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -47,12 +48,15 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         chat: wrap the prompt in the model's chat template and print only the answer.
         system: system prompt (with --chat).
         dtype: weight dtype: float32, bfloat16 or float16.
+        min_p: keep tokens at least this fraction as likely as the top one (0 = off).
+        repetition_penalty: CTRL's penalty on tokens already in the text (1 = off).
     """
     from torchllama.checkpoint import load, resolve_dtype
     from torchllama.errors import ArgumentError
     from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
 
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty,
                               seed=seed)                     # validate before loading
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
