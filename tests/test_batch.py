@@ -120,3 +120,20 @@ def test_prompt_file_cli(smollm2_gguf, tmp_path, capsys):
     empty.write_text("\n\n")
     assert main(["generate", "--prompt-file", str(empty)]) == 1
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_logprobs_of_chosen_tokens_and_alternatives(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    params = SamplingParams(logprobs=3)
+    result = generate_batch(model, [PROMPTS[0]], 4, params)[0]
+    assert len(result.logprobs) == 4
+    # Oracle: log_softmax of a full forward pass over prompt + generated tokens.
+    ids = PROMPTS[0] + result.token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_model(torch.tensor([ids]))[0], dim=-1)
+    for i, (chosen, top) in enumerate(result.logprobs):
+        row = logp[len(PROMPTS[0]) - 1 + i]
+        assert abs(chosen - row[result.token_ids[i]]) < 1e-4
+        assert [t for t, _ in top] == row.topk(3).indices.tolist()
+        assert top[0][0] == result.token_ids[i]                    # greedy picks the top one
+    assert generate_batch(model, [PROMPTS[0]], 2)[0].logprobs is None

@@ -17,7 +17,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.sampling import SamplingParams, sample, sample_top_p, top_k_filter  # noqa: F401
+from torchllama.sampling import (SamplingParams, sample, sample_top_p,  # noqa: F401
+                                 token_logprobs, top_k_filter)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,11 +171,16 @@ class Session:
 
 @dataclass
 class Completion:
-    """One sequence of a batch: its new token ids (stop token excluded) and why it ended."""
+    """One sequence of a batch: its new token ids (stop token excluded) and why it ended.
+
+    logprobs: with SamplingParams.logprobs = n > 0, one (log p(token), [(id, log p)] × n most
+    likely) per new token, from the model's raw logits (`torchllama.sampling.token_logprobs`).
+    """
 
     token_ids: list[int]
     finish_reason: str             # "stop" (a stop token) or "length" (max_new_tokens/context)
     prompt_tokens: int
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 @torch.inference_mode()
@@ -233,6 +239,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
     logits = model(tokens, 0, pad=pad, last_only=True)[:, -1]                  # (B, V)
 
     outputs: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list] = [[] for _ in range(B)]
     reasons: list[Optional[str]] = [None] * B
     for step in range(budget):
         next_ids = []
@@ -245,6 +252,11 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
                     reasons[b], token = "stop", pad_id
                 else:
                     outputs[b].append(token)
+                    if params[b].logprobs:
+                        chosen, top_ids, top_lp = token_logprobs(
+                            logits[b:b + 1], torch.tensor([token]), params[b].logprobs)
+                        logprobs[b].append((float(chosen[0]),
+                                            list(zip(top_ids[0].tolist(), top_lp[0].tolist()))))
                     if len(outputs[b]) == budget:
                         reasons[b] = "length"
             next_ids.append(token)
@@ -252,8 +264,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
             break
         step_tokens = torch.tensor(next_ids, device=device)[:, None]           # (B, 1)
         logits = model(step_tokens, T + step, pad=pad)[:, -1]                   # (B, V)
-    return [Completion(out, reason or "length", len(p))
-            for out, reason, p in zip(outputs, reasons, prompts)]
+    return [Completion(out, reason or "length", len(p), lp if param.logprobs else None)
+            for out, reason, p, lp, param in zip(outputs, reasons, prompts, logprobs, params)]
 
 
 # --------------------------------------------------------------------------------------------
