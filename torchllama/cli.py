@@ -203,23 +203,45 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
 
 
 def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: int = 512,
-          new_tokens: int = 128, repeats: int = 5, no_hf: bool = False) -> int:
+          new_tokens: int = 128, repeats: int = 5, no_hf: bool = False, serve: bool = False,
+          url: Optional[str] = None, api_key: Optional[str] = None) -> int:
     """Prefill and decode tokens/s of torchllama and, side by side in the same run, HF
-    transformers on the same weights and dtype (when installed).
+    transformers on the same weights and dtype (when installed). With --serve: the HTTP
+    server's generated tokens/s at 1, 4 and 8 concurrent streaming requests, and the median
+    time to first token.
 
     Args:
         model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
         dtype: weight dtype: float32, bfloat16 or float16.
         prompt_tokens: prompt length for the prefill figure.
-        new_tokens: tokens generated (batch 1, greedy) for the decode figure.
+        new_tokens: tokens generated (batch 1, greedy) for the decode figure; with --serve, the
+            max_tokens of every request.
         repeats: measurements per figure (the median is shown).
         no_hf: skip transformers.
+        serve: benchmark an OpenAI-compatible server instead (8 prompts per concurrency level,
+            temperature 0, streaming completions).
+        url: with --serve, the server's base URL (e.g. http://127.0.0.1:8000); without it the
+            model is served in this process on a free loopback port for the run.
+        api_key: with --serve, the server's API key.
     """
-    from torchllama.bench import run_bench
     from torchllama.errors import ArgumentError
 
     if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
         raise ArgumentError("--prompt-tokens, --new-tokens and --repeats must be ≥ 1")
+    if serve:
+        from torchllama.bench import run_serve_bench
+
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
+        try:
+            run_serve_bench(url, api_key, new_tokens, model, dtype)
+        except (OSError, RuntimeError) as e:
+            raise ArgumentError(f"--serve: {e}") from e
+        return 0
+    if url is not None or api_key is not None:
+        raise ArgumentError("--url and --api-key go with --serve")
+    from torchllama.bench import run_bench
+
     run_bench(model, dtype, prompt_tokens, new_tokens, repeats, with_hf=not no_hf)
     return 0
 

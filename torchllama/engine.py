@@ -22,6 +22,7 @@ left has used the whole context and finishes with "length".
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
 from torchllama.sampling import SamplingParams, sample, token_logprobs
+
+log = logging.getLogger("torchllama.engine")
 
 
 class QueueFull(TorchLlamaError):
@@ -58,7 +61,8 @@ class Request:
         logprobs: None = no log-probabilities; n ≥ 0 = the chosen token's and the n most
             likely alternatives' (OpenAI's logprobs / top_logprobs).
         on_token: called from the engine thread with each `TokenEvent`.
-        on_finish: called from the engine thread once, with "stop", "length" or "cancelled".
+        on_finish: called from the engine thread once, with "stop", "length", "cancelled" or
+            "error" (sampling or the model failed for this request; the engine goes on).
     """
 
     prompt_ids: list[int]
@@ -161,13 +165,19 @@ class Engine:
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._admit()
-                if not self.active:
-                    self._cur = 0                             # nothing cached: start over
-                    self._wake.wait(timeout=0.1)
-                    self._wake.clear()
-                    continue
-                self._decode_step()
+                try:
+                    self._admit()
+                    if not self.active:
+                        self._cur = 0                         # nothing cached: start over
+                        self._wake.wait(timeout=0.1)
+                        self._wake.clear()
+                        continue
+                    self._decode_step()
+                except Exception:                             # never let the thread die: fail
+                    log.exception("engine step failed")       # what was running, start over
+                    for b, row in enumerate(self._rows):
+                        if row is not None:
+                            self._finish(b, "error")
         for b, row in enumerate(self._rows):
             if row is not None:
                 self._finish(b, "cancelled")
@@ -183,7 +193,14 @@ class Engine:
             if request.cancelled.is_set():
                 request.on_finish("cancelled")
                 continue
-            self._prefill(b, request)
+            try:
+                self._prefill(b, request)
+            except Exception:                   # this request fails; the other rows go on
+                log.exception("prefill failed")
+                if self._rows[b] is not None:
+                    self._finish(b, "error")
+                else:
+                    request.on_finish("error")
 
     def _shift(self, d: int) -> None:
         """Move every row's cached slots by d (right if d > 0, left if d < 0)."""
@@ -224,16 +241,21 @@ class Engine:
             self._finish(b, "cancelled")
             return
         params = request.sampling
-        token = sample(logits, params, row.generator, [request.prompt_ids + row.generated],
-                       [row.generated])                                          # (1,)
-        if int(token) in request.stop_ids:
-            self._finish(b, "stop")
+        try:            # a request's own settings can fail (e.g. a tiny temperature: inf/NaN)
+            token = sample(logits, params, row.generator, [request.prompt_ids + row.generated],
+                           [row.generated])                                      # (1,)
+            if int(token) in request.stop_ids:
+                self._finish(b, "stop")
+                return
+            event = TokenEvent(int(token))
+            if request.logprobs is not None:
+                chosen, top_ids, top_lp = token_logprobs(logits, token, request.logprobs)
+                event.logprob = float(chosen[0])
+                event.top_logprobs = list(zip(top_ids[0].tolist(), top_lp[0].tolist()))
+        except Exception:
+            log.exception("sampling failed")
+            self._finish(b, "error")
             return
-        event = TokenEvent(int(token))
-        if request.logprobs is not None:
-            chosen, top_ids, top_lp = token_logprobs(logits, token, request.logprobs)
-            event.logprob = float(chosen[0])
-            event.top_logprobs = list(zip(top_ids[0].tolist(), top_lp[0].tolist()))
         row.generated.append(event.token_id)
         row.pending = event.token_id
         request.on_token(event)
@@ -245,7 +267,10 @@ class Engine:
     def _finish(self, b: int, reason: str) -> None:
         row, self._rows[b] = self._rows[b], None
         self._pad[b] = self._cur                    # idle: all of its slots are padding
-        row.request.on_finish(reason)
+        try:
+            row.request.on_finish(reason)
+        except Exception:                           # a callback's failure is not the engine's
+            log.exception("on_finish callback failed")
 
     def _decode_step(self) -> None:
         if self._cur >= self.context:               # cache full: drop the common padding
