@@ -137,3 +137,17 @@ def test_logprobs_of_chosen_tokens_and_alternatives(tiny_model):
         assert [t for t, _ in top] == row.topk(3).indices.tolist()
         assert top[0][0] == result.token_ids[i]                    # greedy picks the top one
     assert generate_batch(model, [PROMPTS[0]], 2)[0].logprobs is None
+
+
+def test_stop_strings_in_the_cli(smollm2_gguf, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("1, 2, 3, 4,\nThe capital of France is\n")
+    assert main(["generate", "--prompt-file", str(path), "--temperature", "0",
+                 "--max-new-tokens", "20", "--stop", " 8", "--stop", "."]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["text"] for line in lines] == [" 5, 6, 7,", " Paris"]
+    assert all(line["finish_reason"] == "stop" for line in lines)
+    assert lines[0]["completion_tokens"] < 20
+    assert main(["generate", "--prompt", "1, 2, 3, 4,", "--temperature", "0",
+                 "--max-new-tokens", "30", "--stop", " 8"]) == 0
+    assert capsys.readouterr().out == "1, 2, 3, 4, 5, 6, 7,\n"

@@ -31,7 +31,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              top_p: float = 0.9, seed: Optional[int] = None, chat: bool = False,
              system: Optional[str] = None, dtype: str = "float32",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
-             repetition_penalty: float = 1.0) -> int:
+             repetition_penalty: float = 1.0, stop: Optional[list[str]] = None) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -50,10 +50,12 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         dtype: weight dtype: float32, bfloat16 or float16.
         min_p: keep tokens at least this fraction as likely as the top one (0 = off).
         repetition_penalty: CTRL's penalty on tokens already in the text (1 = off).
+        stop: end the text before this string (it may span tokens; never printed).
     """
     from torchllama.checkpoint import load, resolve_dtype
     from torchllama.errors import ArgumentError
     from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
+    from torchllama.stopping import StopStrings
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty,
@@ -63,11 +65,12 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     if batch_size < 1:
         raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
     resolve_dtype(dtype)
+    stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
     llm, tokenizer = load(model, dtype=dtype)
     if prompts is not None:
         return _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
-                              batch_size)
+                              batch_size, stop or [])
     prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
     session = Session(llm, tokenizer)
     stream = StreamDecoder(tokenizer, prompt_ids)
@@ -76,8 +79,12 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     if not chat:
         _write(prompt)
     for token_id in itertools.chain([] if first is None else [first], new_ids):
-        _write(stream.push(token_id))
-    _write(stream.flush() + "\n")
+        _write(stops.push(stream.push(token_id)))
+        if stops.stopped:
+            new_ids.close()
+            session.stats.finish_reason = "stop"
+            break
+    _write(stops.push(stream.flush()) + stops.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
     return 0
 
@@ -98,13 +105,14 @@ def _read_prompt_file(path: str) -> list[str]:
 
 
 def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
-                   batch_size) -> int:
+                   batch_size, stop: list[str]) -> int:
     """Batched generation for --prompt-file: one JSON line per prompt, in order."""
     import dataclasses
     import json
     import time
 
     from torchllama.generation import StreamDecoder, encode_prompt, generate_batch
+    from torchllama.stopping import StopStrings
 
     t0, new_tokens = time.perf_counter(), 0
     for start in range(0, len(prompts), batch_size):
@@ -116,13 +124,19 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
         results = generate_batch(llm, ids, max_new_tokens, params, tokenizer.stop_ids,
                                  tokenizer.pad_id or 0)
         for i, (prompt, prompt_ids, result) in enumerate(zip(chunk, ids, results)):
-            stream = StreamDecoder(tokenizer, prompt_ids)
-            text = "".join(stream.push(t) for t in result.token_ids) + stream.flush()
-            new_tokens += len(result.token_ids)
+            stream, stops = StreamDecoder(tokenizer, prompt_ids), StopStrings(stop)
+            text, used = "", 0
+            for t in result.token_ids:        # (stop strings are applied after generation)
+                if stops.stopped:
+                    break
+                text, used = text + stops.push(stream.push(t)), used + 1
+            text += stops.push(stream.flush()) + stops.flush()
+            reason = "stop" if stops.stopped else result.finish_reason
+            new_tokens += used
             _write(json.dumps({"index": start + i, "prompt": prompt, "text": text,
-                               "finish_reason": result.finish_reason,
+                               "finish_reason": reason,
                                "prompt_tokens": result.prompt_tokens,
-                               "completion_tokens": len(result.token_ids)},
+                               "completion_tokens": used},
                               ensure_ascii=False) + "\n")
     seconds = time.perf_counter() - t0
     print(f"[{len(prompts)} prompts, {new_tokens} new tokens in {seconds:.1f} s: "
@@ -336,6 +350,11 @@ def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
             parser.add_argument(flag, action="store_true", help=helps.get(param.name))
             continue
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if typing.get_origin(base) is list:                     # repeatable: --stop A --stop B
+            parser.add_argument(flag, type=typing.get_args(base)[0], action="append",
+                                default=param.default, metavar=param.name.upper(),
+                                help=helps.get(param.name, "") + " (repeatable)")
+            continue
         if param.default is inspect.Parameter.empty:
             if param.kind == param.KEYWORD_ONLY:                # required option: --to FORMAT
                 parser.add_argument(flag, type=base, required=True, metavar=param.name.upper(),
