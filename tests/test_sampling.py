@@ -479,3 +479,12 @@ def test_low_precision_logits_keep_their_dtype():
     assert out.dtype == torch.bfloat16 and out.shape == (2, 16)
     assert sample(logits, params, params.make_generator(), [1, 2], [[2], []]).dtype == torch.int64
     assert not math.isnan(out[torch.isfinite(out)].float().sum().item())
+
+
+
+def test_tiny_temperatures_are_greedy():
+    from torchllama.sampling import GREEDY_BELOW
+    logits = torch.randn(4, 50)
+    for t in (1e-40, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=t, seed=0)
+        assert torch.equal(sample(logits, params, params.make_generator()), logits.argmax(-1))

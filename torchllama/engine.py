@@ -139,6 +139,8 @@ class Engine:
             ContextLengthError: the prompt leaves no room for a new token.
             QueueFull: too many requests waiting.
         """
+        if self._stop.is_set():
+            raise TorchLlamaError("the engine has been shut down")
         if not request.prompt_ids:
             raise ArgumentError("the prompt is empty (no tokens)")
         if request.max_tokens < 1:
@@ -181,6 +183,11 @@ class Engine:
         for b, row in enumerate(self._rows):
             if row is not None:
                 self._finish(b, "cancelled")
+        while True:                                   # and those still waiting for a row
+            try:
+                _notify(self._waiting.get_nowait().on_finish, "cancelled")
+            except queue.Empty:
+                break
 
     def _admit(self) -> None:
         for b in range(self.max_batch_size):
@@ -191,7 +198,7 @@ class Engine:
             except queue.Empty:
                 return
             if request.cancelled.is_set():
-                request.on_finish("cancelled")
+                _notify(request.on_finish, "cancelled")
                 continue
             try:
                 self._prefill(b, request)
@@ -200,7 +207,7 @@ class Engine:
                 if self._rows[b] is not None:
                     self._finish(b, "error")
                 else:
-                    request.on_finish("error")
+                    _notify(request.on_finish, "error")
 
     def _shift(self, d: int) -> None:
         """Move every row's cached slots by d (right if d > 0, left if d < 0)."""
@@ -258,7 +265,9 @@ class Engine:
             return
         row.generated.append(event.token_id)
         row.pending = event.token_id
-        request.on_token(event)
+        if not _notify(request.on_token, event):   # its consumer broke: end it, not the batch
+            self._finish(b, "error")
+            return
         # Like Session: prompt + output never exceed the context.
         if len(row.generated) >= request.max_tokens or \
                 len(request.prompt_ids) + len(row.generated) >= self.context:
@@ -267,10 +276,7 @@ class Engine:
     def _finish(self, b: int, reason: str) -> None:
         row, self._rows[b] = self._rows[b], None
         self._pad[b] = self._cur                    # idle: all of its slots are padding
-        try:
-            row.request.on_finish(reason)
-        except Exception:                           # a callback's failure is not the engine's
-            log.exception("on_finish callback failed")
+        _notify(row.request.on_finish, reason)
 
     def _decode_step(self) -> None:
         if self._cur >= self.context:               # cache full: drop the common padding
@@ -296,3 +302,13 @@ class Engine:
         for b, row in enumerate(self._rows[:B]):
             if row is not None:
                 self._take(b, logits[b:b + 1])
+
+
+def _notify(callback: Callable, value) -> bool:
+    """Call a request's callback; its failure is logged, never the engine's. True if it worked."""
+    try:
+        callback(value)
+        return True
+    except Exception:
+        log.exception("request callback failed")
+        return False

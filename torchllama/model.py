@@ -295,8 +295,8 @@ class Transformer(nn.Module):
         Raises:
             ArgumentError: max_seq_len beyond args.max_seq_len, or a non-positive size.
         """
-        max_batch_size = max_batch_size or self.args.max_batch_size
-        max_seq_len = max_seq_len or self.args.max_seq_len
+        max_batch_size = self.args.max_batch_size if max_batch_size is None else max_batch_size
+        max_seq_len = self.args.max_seq_len if max_seq_len is None else max_seq_len
         if max_batch_size < 1 or not 1 <= max_seq_len <= self.args.max_seq_len:
             raise ArgumentError(
                 f"setup_caches: need max_batch_size ≥ 1 and 1 ≤ max_seq_len ≤ "

@@ -49,7 +49,10 @@ import torch
 
 from torchllama.errors import ArgumentError
 
-LOGPROBS_MAX = 20                 # OpenAI's limit on top_logprobs
+LOGPROBS_MAX = 20                   # OpenAI's limit on top_logprobs
+# Temperatures this small act as 0 (argmax, the limit T → 0): dividing float32 logits by them
+# overflows to inf and the softmax to NaN.
+GREEDY_BELOW = 1e-5
 PENALTY_MIN, PENALTY_MAX = -2.0, 2.0          # OpenAI's range for frequency/presence penalties
 LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0  # OpenAI's range for logit_bias values
 
@@ -490,7 +493,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
         ArgumentError: a penalty is on but its ids are missing, or the ids/bias are invalid.
     """
     logits = _bias_and_penalties(logits, params, context_ids, generated_ids)   # (B, V)
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return logits
     logits = apply_temperature(logits, params.temperature)                     # (B, V)
     logits = top_k_filter(logits, params.top_k)                                # (B, V)
@@ -573,7 +576,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         ArgumentError: see `process_logits`.
     """
     logits = _bias_and_penalties(logits, params, context_ids, generated_ids)   # (B, V)
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)                                          # (B,)
     logits = top_k_filter(apply_temperature(logits, params.temperature), params.top_k)  # (B, V)
     probs = torch.softmax(logits, dim=-1)                                     # (B, V)

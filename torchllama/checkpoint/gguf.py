@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from torchllama.errors import ModelFileError
+from torchllama.errors import MISSING, ModelFileError, checked_field
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
@@ -160,11 +160,9 @@ def model_args_from_metadata(metadata: dict[str, Any], tensor_names: set[str], s
             f"{source}: architecture {arch!r} (general.architecture) is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in metadata:
-            raise ModelFileError(f"{source}: metadata key {full!r} is missing")
-        return metadata[full]
+    def need(key: str, kind: type = int, default=MISSING):
+        return checked_field(metadata, f"{arch}.{key}", kind, source, default,
+                             what="metadata key")
 
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
@@ -181,11 +179,11 @@ def model_args_from_metadata(metadata: dict[str, Any], tensor_names: set[str], s
             dim=need("embedding_length"),
             n_layers=need("block_count"),
             n_heads=n_heads,
-            n_kv_heads=metadata.get(f"{arch}.attention.head_count_kv", n_heads),
+            n_kv_heads=need("attention.head_count_kv", int, n_heads),
             vocab_size=n_vocab,
             hidden_dim=need("feed_forward_length"),
-            norm_eps=need("attention.layer_norm_rms_epsilon"),
-            rope_theta=metadata.get(f"{arch}.rope.freq_base", 10000.0),
+            norm_eps=need("attention.layer_norm_rms_epsilon", float),
+            rope_theta=need("rope.freq_base", float, 10000.0),
             max_seq_len=need("context_length"),
             tie_embeddings="output.weight" not in tensor_names,
         )
@@ -286,8 +284,8 @@ _TOKENIZER_WRITERS = {
 }
 
 
-def gguf_tensor_type(name: str, shape: torch.Size, qtype: str) -> gguf.GGMLQuantizationType:
-    """The tensor type to write `name` with: `qtype` for matrices whose rows fit its blocks,
+def gguf_tensor_type(shape: torch.Size, qtype: str) -> gguf.GGMLQuantizationType:
+    """The tensor type to write a tensor of this shape with: `qtype` for matrices whose rows fit its blocks,
     F32 for norms (1-D) and for rows that do not divide into blocks."""
     t = WRITE_TYPES[qtype]
     block, _ = gguf.GGML_QUANT_SIZES[t]
@@ -315,7 +313,6 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
 
     Raises:
         ArgumentError: unknown qtype.
-        TorchLlamaError: the model has RoPE scaling (not representable yet).
     """
     from tqdm import tqdm
 
@@ -346,20 +343,23 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         elif value is not None and key in _TOKENIZER_WRITERS:
             getattr(writer, _TOKENIZER_WRITERS[key])(value)
 
-    state = model.state_dict()
-    if args.tie_embeddings:
-        state.pop("output.weight", None)
-    for ours, tensor in tqdm(state.items(), desc="writing GGUF", unit="tensor",
-                             disable=not progress, leave=False):
-        t = gguf_tensor_type(ours, tensor.shape, qtype)
-        data = tensor.detach().float().contiguous().numpy()
-        if t == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_tensor_name(ours), data)
-        elif t == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_tensor_name(ours), data.astype(np.float16))
-        else:
-            writer.add_tensor(gguf_tensor_name(ours), gguf.quants.quantize(data, t), raw_dtype=t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
+    try:
+        state = model.state_dict()
+        if args.tie_embeddings:
+            state.pop("output.weight", None)
+        for ours, tensor in tqdm(state.items(), desc="writing GGUF", unit="tensor",
+                                 disable=not progress, leave=False):
+            t = gguf_tensor_type(tensor.shape, qtype)
+            data = tensor.detach().float().contiguous().numpy()
+            if t == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(gguf_tensor_name(ours), data)
+            elif t == gguf.GGMLQuantizationType.F16:
+                writer.add_tensor(gguf_tensor_name(ours), data.astype(np.float16))
+            else:
+                writer.add_tensor(gguf_tensor_name(ours), gguf.quants.quantize(data, t),
+                                  raw_dtype=t)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+    finally:
+        writer.close()
