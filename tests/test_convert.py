@@ -153,3 +153,8 @@ def test_convert_cli(tmp_path, spm_tokenizer, capsys):
     assert "torchllama: error:" in err and "already exists; pass --force" in err
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "x"), "--to", "hf"]) == 1
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_convert_checks_dtype_before_loading(tmp_path):
+    with pytest.raises(ArgumentError, match="--dtype 'q8_0' is not supported for hf"):
+        convert(tmp_path / "does-not-exist", tmp_path / "out", "hf", "q8_0")

@@ -205,3 +205,18 @@ def test_generate_api_on_the_real_model(smollm2):
     answer = torchllama.generate(model, tokenizer, "What is the capital of France?",
                                  max_new_tokens=32, chat=True)
     assert "Paris" in answer and "<|im_end|>" not in answer
+
+
+def test_session_notices_when_its_cache_was_replaced(tiny_model):
+    from torchllama.generation import generate_batch
+
+    model = copy.deepcopy(tiny_model)
+    session = Session(model, StubTokenizer())
+    first = [3, 14, 15, 92]
+    answer = list(session.generate(first, 4, stop_ids=frozenset()))
+    # Something else reallocates the model's cache with the very same shape (1, context)...
+    generate_batch(model, [[7, 7, 7, 7, 7]], model.args.max_seq_len)
+    follow_up = first + answer + [11, 12]
+    got = list(session.generate(follow_up, 6, stop_ids=frozenset()))
+    assert session.stats.prefilled_tokens == len(follow_up)       # ...so nothing is reused
+    assert got == full_recompute_greedy(tiny_model, follow_up, 6)

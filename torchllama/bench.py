@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 import statistics
 import time
 from dataclasses import dataclass
@@ -98,17 +99,26 @@ def hf_runs(hf_model, prompt: torch.Tensor, new_tokens: int):
     return run_prefill, run_decode
 
 
-def load_hf_gguf(path: str, dtype: torch.dtype):
-    """transformers' own GGUF loader (it dequantizes with the `gguf` library, like ours)."""
+def load_hf(path: str, dtype: torch.dtype):
+    """The same checkpoint in transformers: its own GGUF loader (dequantizing with the `gguf`
+    library, like ours) or, for a Hugging Face folder, from_pretrained. Meta folders have no
+    transformers loader (ValueError)."""
+    from torchllama.checkpoint import detect_format
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-        dtype=dtype, attn_implementation="sdpa").eval()
+    fmt = detect_format(Path(path))
+    if fmt == "meta":
+        raise ValueError("transformers cannot read Meta's format (convert it with --to hf)")
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa")
+    if fmt == "gguf":
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(os.path.abspath(path))
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
 def run_bench(model_path: Optional[str] = None, dtype: str = "float32",
@@ -122,13 +132,16 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "float32",
     model, _ = load(path, dtype=torch_dtype, progress=False)
     prompt = _prompt_ids(model.args.vocab_size, prompt_tokens)
     print_fn(f"model {path}\ndtype {dtype}, {torch.get_num_threads()} threads, prompt "
-             f"{prompt_tokens} tokens, {new_tokens} new tokens, batch 1, median of {repeats}, interleaved")
+             f"{prompt_tokens} tokens, {new_tokens} new tokens, batch 1, median of {repeats}, "
+             "interleaved")
     runs = {"torchllama": ours_runs(model, prompt, new_tokens)}
     if with_hf:
         try:
-            runs["transformers"] = hf_runs(load_hf_gguf(path, torch_dtype), prompt, new_tokens)
+            runs["transformers"] = hf_runs(load_hf(path, torch_dtype), prompt, new_tokens)
         except ImportError:
             print_fn("(transformers is not installed: no side-by-side figures)")
+        except Exception as e:                  # its loader's problem, not the benchmark's
+            print_fn(f"(transformers could not load {path}: {e}; no side-by-side figures)")
     prefill_rates = _measure({name: r[0] for name, r in runs.items()}, repeats)
     decode_rates = _measure({name: r[1] for name, r in runs.items()}, repeats)
     results = [Throughput(name, prefill_rates[name], decode_rates[name]) for name in runs]
@@ -305,7 +318,7 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         path = str(model_path or default_model_path())
         resolve_dtype(dtype)
         model, tokenizer = load_for_engine(path, dtype, progress=False)
-        app = create_app(model, tokenizer, os.path.basename(path), api_key,
+        app = create_app(model, tokenizer, Path(path).name, api_key,
                          max_batch_size=max(concurrencies), max_queue=64)
         with serve_in_thread(app) as base_url:
             where = (f"{base_url} (in this process: {path}, {dtype}, "

@@ -39,7 +39,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         prompt_file: a text file with one prompt per line, generated in batches; prints one
             JSON object per prompt (prompt, text, finish_reason, token counts) instead.
         batch_size: prompts per batch with --prompt-file.
-        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+            SmolLM2-135M-Instruct).
         max_new_tokens: maximum number of tokens to generate (≥ 1).
         temperature: sampling temperature ≥ 0 (0 = greedy); the default is Meta's.
         top_k: sample among the k most likely tokens only (0 = off).
@@ -64,6 +65,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
+    if system is not None and not chat:
+        raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
     resolve_dtype(dtype)
     stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
@@ -151,7 +154,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
     Args:
-        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+            SmolLM2-135M-Instruct).
         system: system prompt.
         max_new_tokens: maximum tokens per answer (≥ 1).
         temperature: sampling temperature (≥ 0; 0 = greedy).
@@ -192,8 +196,13 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             session.reset()
             print("(conversation cleared)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        prompt_ids = encode_chat(tokenizer, messages)
+        messages.append({"role": "user", "content": text})
+        try:
+            prompt_ids = encode_chat(tokenizer, messages)
+        except TorchLlamaError as e:              # e.g. Llama 2's special tags in the text
+            messages.pop()
+            print(f"torchllama: {e}", file=sys.stderr)
+            continue
         try:
             new_ids = list(_stream_answer(session, tokenizer, prompt_ids, max_new_tokens,
                                           sampling))
@@ -225,7 +234,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
     time to first token.
 
     Args:
-        model: path of a .gguf checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+            SmolLM2-135M-Instruct).
         dtype: weight dtype: float32, bfloat16 or float16.
         prompt_tokens: prompt length for the prefill figure.
         new_tokens: tokens generated (batch 1, greedy) for the decode figure; with --serve, the
@@ -238,6 +248,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
             model is served in this process on a free loopback port for the run.
         api_key: with --serve, the server's API key.
     """
+    import http.client
+
     from torchllama.errors import ArgumentError
 
     if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
@@ -249,7 +261,7 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
             raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
         try:
             run_serve_bench(url, api_key, new_tokens, model, dtype)
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
             raise ArgumentError(f"--serve: {e}") from e
         return 0
     if url is not None or api_key is not None:

@@ -1,4 +1,4 @@
-"""Generation: sampling functions, prefill/decode with the KV cache, streaming text, stop tokens.
+"""Generation: prefill/decode with the KV cache, batches, streaming text, stop tokens, chat formats.
 
     prompt ids ──prefill (one forward over the prompt, start_pos = cached prefix)──▶ logits
     loop: sample(logits) ──▶ token ──stop id?──▶ decode_one_token(token, start_pos) ──▶ logits

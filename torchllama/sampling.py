@@ -508,7 +508,7 @@ def _sample_probs(probs: torch.Tensor, top_p: float, min_p: float,
     With top_p < 1 this is Meta's `sample_top_p` (sort, drop, renormalise, draw in descending
     order) with the min-p cut added to the drop mask; min-p's threshold is relative to the top
     token, which top-p keeps, so cutting it before renormalisation is the same cut. With
-    top_p == 1 the draw is in vocabulary order, as generation.py's `sample`.
+    top_p == 1 the draw is in vocabulary order, as torch.multinomial on the softmax.
 
     Shapes: probs (B, V) (rows sum to 1) → (B,) int64.
     """
@@ -559,7 +559,8 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     Temperature 0: argmax of the biased and penalised logits (no division by 0; top-k, top-p and
     min-p do not apply). Otherwise: temperature → top-k → softmax → top-p and min-p cut on the
     probabilities → multinomial with `generator`. With only temperature/top_k/top_p set this
-    picks exactly the tokens of Meta's reference code (generation.py's `sample`) for the same
+    picks exactly the tokens of Meta's reference code (llama/generation.py: softmax(l / T),
+    then `sample_top_p`) for the same
     generator state.
 
     Args:

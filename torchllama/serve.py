@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from torchllama.engine import Engine, QueueFull, Request, TokenEvent
@@ -269,6 +270,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                 choice.request.cancel()
             raise APIError(429, str(e), kind="rate_limit_error") from None
         except TorchLlamaError as e:
+            for choice in choices:
+                choice.request.cancel()
             raise APIError(400, str(e)) from None
         return choices, max_tokens
 
@@ -441,7 +444,7 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype)
-    name = os.path.basename(str(model_path)) if model_path else "SmolLM2-135M-Instruct"
+    name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue)
     uvicorn.run(app, host=host, port=port, log_level="warning")

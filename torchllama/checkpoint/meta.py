@@ -511,7 +511,8 @@ def save_meta(model, folder: Path, dtype: Optional[torch.dtype] = None) -> None:
     """Write `model` as Meta's format: params.json and a single consolidated.00.pth.
 
     Tied embeddings are written as a separate `output.weight` (Meta's format has no tying).
-    The tokenizer is written by the caller (`Tokenizer.save`).
+    The tokenizer is written by the caller (`checkpoint.save`: tokenizer.model, or
+    `Tokenizer.save_hf` files for vocabularies Meta's format cannot hold).
 
     Args:
         model: a `Transformer`.
