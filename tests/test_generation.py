@@ -9,8 +9,8 @@ import torch
 import torchllama
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation import (SamplingParams, Session, StreamDecoder, encode_chat,
-                                   encode_prompt, sample, sample_top_p, top_k_filter)
+from torchllama.generation import Session, StreamDecoder, encode_chat, encode_prompt
+from torchllama.sampling import SamplingParams, sample, sample_top_p, top_k_filter
 from torchllama.model import Transformer
 
 from conftest import LLAMA_SPM_VOCAB

@@ -17,8 +17,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.sampling import (SamplingParams, sample, sample_top_p,  # noqa: F401
-                                 token_logprobs, top_k_filter)
+from torchllama.sampling import SamplingParams, sample, token_logprobs
 
 
 # --------------------------------------------------------------------------------------------

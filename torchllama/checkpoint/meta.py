@@ -59,8 +59,9 @@ from typing import Any, Optional
 
 import torch
 
+from torchllama.checkpoint import _names
 from torchllama.config import ModelArgs
-from torchllama.errors import MISSING, checked_field, ArgumentError, ModelFileError
+from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
 
 #: Context length used when params.json has no ``max_seq_len`` (Llama 2's; Meta's params.json
 #: leaves it to the caller).
@@ -365,9 +366,6 @@ def _check_names(shards: list[dict[str, torch.Tensor]], files: list[Path],
                 ([f"unexpected tensors {_names(unexpected)}"] if unexpected else [])
         raise ModelFileError(f"{source}: {'; '.join(parts)}")
 
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _check_shapes(shards: list[dict[str, torch.Tensor]], files: list[Path],
