@@ -14,6 +14,7 @@ import inspect
 import itertools
 import re
 import sys
+import types
 import typing
 from typing import Callable, Optional
 
@@ -320,8 +321,80 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     return 0
 
 
-COMMANDS: dict[str, Callable[..., int]] = {"generate": generate, "chat": chat, "convert": convert,
-                                           "serve": serve, "bench": bench}
+def train_tokenizer(*, input: list[str], vocab_size: int, out: str, force: bool = False) -> int:
+    """Train a SentencePiece BPE tokenizer with Llama 2's settings on text files.
+
+    Args:
+        input: text files, or folders of .txt files.
+        vocab_size: number of pieces (incl. 3 control and 256 byte-fallback pieces).
+        out: output folder; the tokenizer is written to OUT/tokenizer.model.
+        force: replace an existing OUT/tokenizer.model.
+    """
+    from torchllama.train.data import train_tokenizer as run
+
+    path = run(input, vocab_size, out, force=force)
+    from torchllama.tokenizer import load_tokenizer
+    print(f"{path}: {load_tokenizer(path).vocab_size} pieces")
+    return 0
+
+
+def prepare_data(*, input: list[str], tokenizer: str, out: str, val_fraction: float = 0.1,
+                 seed: int = 0, workers: Optional[int] = None, force: bool = False) -> int:
+    """Tokenize text files into a training dataset (train.bin, val.bin, meta.json).
+
+    Args:
+        input: text files, or folders of .txt files; each file is one document.
+        tokenizer: tokenizer.model, tokenizer.json, model folder or GGUF file.
+        out: dataset folder.
+        val_fraction: share of tokens held out for validation, in whole documents.
+        seed: seed of the choice of validation documents.
+        workers: tokenizer processes (default: one per CPU).
+        force: replace an existing, different dataset in OUT.
+    """
+    from torchllama.train.data import prepare_data as run
+
+    run(input, tokenizer, out, val_fraction=val_fraction, seed=seed, workers=workers,
+        force=force)
+    return 0
+
+
+def train(**options) -> int:
+    """Train a Llama from scratch (or resume a run); run under torchrun to scale out."""
+    from torchllama.train.loop import TrainConfig, train as run
+
+    result = run(TrainConfig(**options))
+    if result.get("checkpoint") and result["rank"] == 0:
+        print(f"step {result['step']}: loss {result['loss']:.4f}"
+              + (f", val_loss {result['val_loss']:.4f}" if result.get("val_loss") else "")
+              + f"; checkpoint {result['checkpoint']}")
+    return 0
+
+
+def _train_spec():
+    from torchllama.train.loop import TrainConfig
+    return TrainConfig
+
+
+train.cli_spec = _train_spec   # options from TrainConfig's fields and their docs
+
+
+def plot_log(run: str, out: Optional[str] = None) -> int:
+    """Plot a training run's loss curve (RUN/log.jsonl → RUN/loss.png).
+
+    Args:
+        run: the run folder (the --out of `torchllama train`).
+        out: PNG file to write (default RUN/loss.png).
+    """
+    from torchllama.train.plot import plot_log as run_plot
+
+    print(run_plot(run, out))
+    return 0
+
+
+COMMANDS: dict[str, Callable[..., int]] = {
+    "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
+    "train-tokenizer": train_tokenizer, "prepare-data": prepare_data, "train": train,
+    "plot-log": plot_log}
 
 
 def _write(text: str) -> None:
@@ -337,7 +410,8 @@ def _write(text: str) -> None:
 def _arg_help(doc: str) -> dict[str, str]:
     """Map parameter name → help text from a Google-style docstring's Args section."""
     helps: dict[str, str] = {}
-    section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
+    section = doc.split("Args:", 1)[1] if "Args:" in doc else (
+        doc.split("Attributes:", 1)[1] if "Attributes:" in doc else "")
     current = None
     for line in section.splitlines():
         m = re.match(r" {4}(\w+): (.*)", line)   # inspect.getdoc dedents the docstring
@@ -346,22 +420,37 @@ def _arg_help(doc: str) -> dict[str, str]:
             helps[current] = m.group(2).strip()
         elif current and line.strip():
             helps[current] += " " + line.strip()
-    return helps
+    return {k: v.replace("%", "%%") for k, v in helps.items()}   # argparse %-formats help
 
 
 def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
+    # Options come from fn's signature and docstring Args, or from the dataclass its `cli_spec`
+    # returns (fields and docstring Attributes), e.g. `train` from TrainConfig.
+    spec = fn.cli_spec() if hasattr(fn, "cli_spec") else fn
     doc = inspect.getdoc(fn) or ""
-    helps = _arg_help(doc)
+    helps = _arg_help(inspect.getdoc(spec) or "")
     parser = subparsers.add_parser(name, help=doc.splitlines()[0],
                                    description=doc.split("Args:")[0].strip())
-    hints = typing.get_type_hints(fn)
-    for param in inspect.signature(fn).parameters.values():
+    hints = typing.get_type_hints(spec)
+    for param in inspect.signature(spec).parameters.values():
         flag = "--" + param.name.replace("_", "-")
         hint = hints[param.name]
         if hint is bool:
-            parser.add_argument(flag, action="store_true", help=helps.get(param.name))
+            if param.default is True:                           # on by default: --no-progress
+                parser.add_argument("--no-" + param.name.replace("_", "-"), dest=param.name,
+                                    action="store_false", help="do not: " + helps.get(
+                                        param.name, param.name))
+            else:
+                parser.add_argument(flag, action="store_true", help=helps.get(param.name))
             continue
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        base = hint                                             # Optional[X] → X
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            base = next(a for a in typing.get_args(hint) if a is not type(None))
+        if typing.get_origin(base) is list and param.default is inspect.Parameter.empty:
+            parser.add_argument(flag, type=typing.get_args(base)[0], action="extend",
+                                nargs="+", required=True, metavar=param.name.upper(),
+                                help=helps.get(param.name))  # --input A B C (--input D)
+            continue
         if typing.get_origin(base) is list:                     # repeatable: --stop A --stop B
             parser.add_argument(flag, type=typing.get_args(base)[0], action="append",
                                 default=param.default, metavar=param.name.upper(),
@@ -385,8 +474,8 @@ def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchllama",
-        description="A from-scratch PyTorch Llama: generate, chat and benchmark on local "
-                    "checkpoints (default: the embedded SmolLM2-135M-Instruct).")
+        description="A from-scratch PyTorch Llama: generate, chat, serve and benchmark on local "
+                    "checkpoints (default: the embedded SmolLM2-135M-Instruct); train your own.")
     subparsers = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
         _add_command(subparsers, name, fn)

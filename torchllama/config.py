@@ -124,6 +124,10 @@ PRESETS: dict[str, ModelArgs] = {
                               rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
     "smollm2-360m": ModelArgs(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, vocab_size=49152,
                               rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    # Small models to train from scratch on a laptop CPU (`make train-demo`), ~ a few million
+    # parameters, for a SentencePiece vocabulary of 4096 tokens (`torchllama train-tokenizer`).
+    "shakespeare-small": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=4096,
+                                   multiple_of=32, max_seq_len=256, tie_embeddings=True),
     # A tiny model for tests and for reading the code in a debugger.
     "debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
                        multiple_of=16, max_seq_len=128),

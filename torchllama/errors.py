@@ -24,6 +24,10 @@ class ContextLengthError(TorchLlamaError, ValueError):
     """A prompt (plus what is asked of it) does not fit in the model's context window."""
 
 
+class TrainingError(TorchLlamaError):
+    """Training cannot go on: a non-finite loss, or a checkpoint that does not fit the run."""
+
+
 MISSING = object()  # "no default": the field is required
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -1147,16 +1148,24 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load the tokenizer of a GGUF file (model or vocab-only), or of a model folder holding
-    Hugging Face tokenizer files or a SentencePiece ``tokenizer.model`` (see
-    :func:`load_hf_tokenizer`).
+    """Load a tokenizer from a GGUF file (model or vocab-only), a SentencePiece ``.model`` file
+    (as Meta's checkpoints hold it), a ``tokenizer.json`` file (with the other tokenizer files of
+    its folder), or a model folder holding Hugging Face tokenizer files or a SentencePiece
+    ``tokenizer.model`` (see :func:`load_hf_tokenizer`).
 
     Raises:
-        ModelFileError: the file is missing, not GGUF, or lacks/malforms tokenizer fields.
+        ModelFileError: the file is missing, of none of these kinds, or lacks/malforms
+            tokenizer fields.
     """
     from torchllama.checkpoint.gguf import open_gguf, read_metadata
+    from torchllama.checkpoint.meta import load_meta_tokenizer
 
     path = os.fspath(path)
     if os.path.isdir(path):
         return load_hf_tokenizer(path)
+    if path.endswith(".model") or os.path.basename(path) == "tokenizer.json":
+        if not os.path.isfile(path):
+            raise ModelFileError(f"{path}: no such tokenizer file")
+        return load_meta_tokenizer(Path(path))
     return tokenizer_from_gguf_metadata(read_metadata(open_gguf(path)), path)
+

@@ -181,6 +181,15 @@ def detect_format(path: Path) -> str:
     return "gguf"  # open_gguf checks the magic and explains if it is not GGUF
 
 
+def resolve_run_folder(path: Path) -> Path:
+    """A `torchllama train` run folder stands for its latest checkpoint (RUN/latest); any other
+    path is returned as it is."""
+    latest = path / "latest"
+    if path.is_dir() and not (path / "params.json").exists() and latest.is_dir():
+        return latest
+    return path
+
+
 def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
     """(args, state dict in our names and `dtype`, tokenizer) of a GGUF file."""
     from torchllama.checkpoint import gguf as gguf_format
@@ -210,9 +219,9 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
 
     Args:
-        path: a .gguf file, a Meta folder (params.json, consolidated.*.pth, tokenizer.model) or
-            a Hugging Face folder (config.json, *.safetensors, tokenizer.json); None = the
-            embedded SmolLM2-135M-Instruct.
+        path: a .gguf file, a Meta folder (params.json, consolidated.*.pth, tokenizer.model),
+            a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a training
+            run folder (its latest checkpoint); None = the embedded SmolLM2-135M-Instruct.
         dtype: dtype of the weights ('float32' default, 'bfloat16', 'float16'). Quantized GGUF
             weights are dequantized to it.
         max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
@@ -230,6 +239,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     if max_seq_len is not None and max_seq_len < 1:
         raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
     path = Path(path) if path is not None else default_model_path()
+    path = resolve_run_folder(path)
     args, state, tokenizer = _readers()[detect_format(path)](path, torch_dtype, progress)
     if max_seq_len is not None:
         args = args.replace(max_seq_len=max_seq_len)

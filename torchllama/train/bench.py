@@ -1,0 +1,187 @@
+"""Training throughput of our Transformer side by side with HF transformers' `LlamaForCausalLM`
+built from the same config, holding the same weights, on the same batch, in the same process.
+
+One measured step is one full optimizer step: forward, cross-entropy loss, backward, AdamW step,
+zero_grad. Both models run the identical loop (`_train_step`); only the forward call differs.
+Runs are interleaved (ours, HF, ours, HF, ...) after one warm-up run each, and each figure is the
+median of `repeats` runs of `steps` steps. The machine may be shared and noisy: compare the ratio,
+measured in the same run, rather than the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchllama.bench import _measure
+from torchllama.checkpoint.hf import hf_config, hf_name, permute_meta_to_hf
+from torchllama.config import ModelArgs, get_preset
+from torchllama.errors import ArgumentError
+from torchllama.model import Transformer
+from torchllama.train.optim import count_params, init_weights, make_optimizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names, q/k rows permuted to HF's rotate_half layout
+    (a tied output matrix is kept as `lm_head.weight`, the embedding itself)."""
+    args = model.args
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("attention.wq.weight"):
+            t = permute_meta_to_hf(t, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            t = permute_meta_to_hf(t, args.n_kv_heads)
+        out[hf_name(name)] = t
+    return out
+
+
+def build_pair(args: ModelArgs, seed: int = 0):
+    """Our Transformer initialised with `init_weights` (seeded) and a transformers
+    `LlamaForCausalLM` from the same config (`hf_config`, SDPA attention) holding the same
+    weights, both fp32 and in train mode.
+
+    Raises:
+        ImportError: transformers is not installed (it is a test-only dependency).
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("the training benchmark against HF needs transformers "
+                          "(pip install transformers), or pass with_hf=False") from e
+    torch.manual_seed(seed)
+    ours = Transformer(args)
+    init_weights(ours, args.n_layers)
+    config = transformers.LlamaConfig(**hf_config(args, torch.float32, None, None),
+                                      attn_implementation="sdpa")
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(hf_state_dict(ours), strict=True)
+    if args.tie_embeddings and hf.lm_head.weight is not hf.model.embed_tokens.weight:
+        raise RuntimeError("transformers did not tie lm_head to embed_tokens")
+    return ours.train(), hf.train()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over fp32 logits (B, T, V) and targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _train_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer, inputs, targets,
+                autocast: bool) -> torch.Tensor:
+    """One optimizer step: forward (+ loss) under optional bf16 autocast, backward, AdamW step,
+    zero_grad. Returns the loss (detached)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = _loss(forward(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
+                    dtype: str = "float32", steps: int = 10, repeats: int = 3,
+                    with_hf: bool = True, write: Callable[[str], None] = print) -> dict:
+    """Measure training tokens/s of our Transformer and, with `with_hf`, of transformers'
+    LlamaForCausalLM built from the same `ModelArgs`; print a side-by-side table.
+
+    Both models hold the same initial weights (ours from `init_weights`, copied into HF with the
+    q/k permutation), see the same random batch of token ids (B, T+1) split into inputs
+    [:, :-1] and targets [:, 1:], and run the same step: forward, loss, backward, AdamW
+    (`make_optimizer`, lr 3e-4: decay on linear weight matrices only — the grouping is by
+    parameter kind, so it applies to HF's modules unchanged), zero_grad. The loss is computed the
+    same way for both: F.cross_entropy over the fp32 logits; HF is called with no labels (and
+    use_cache=False), so its own loss code is not used. With dtype "bfloat16" both run forward
+    and loss under `torch.autocast("cpu", dtype=torch.bfloat16)`, weights and optimizer state in
+    fp32.
+
+    Args:
+        preset: a `torchllama.config` preset name.
+        batch_size, seq_len: B and T of every step (T ≤ the preset's max_seq_len).
+        dtype: "float32" or "bfloat16" (autocast).
+        steps: optimizer steps per timed run.
+        repeats: timed runs per model (median reported), after one warm-up run each.
+        with_hf: also measure transformers (imported lazily; ImportError if missing).
+        write: where the table goes.
+
+    Returns:
+        dict with preset, batch_size, seq_len, dtype, steps, repeats, threads, n_params,
+        tokens_per_step, torchllama_tok_s, torchllama_ms_per_step, torchllama_initial_loss, and
+        with HF transformers_tok_s, transformers_ms_per_step, transformers_initial_loss, ratio
+        (ours / HF tokens/s). The initial losses are computed before any step on the same batch:
+        equal (to fp32 rounding) when the two really are the same model.
+
+    Raises:
+        ArgumentError: unknown preset or dtype, non-positive sizes, seq_len above max_seq_len.
+        ImportError: with_hf and transformers is not installed.
+    """
+    if dtype not in _DTYPES:
+        raise ArgumentError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    args = get_preset(preset)
+    if min(batch_size, seq_len, steps, repeats) < 1:
+        raise ArgumentError("batch_size, seq_len, steps and repeats must be positive")
+    if seq_len > args.max_seq_len:
+        raise ArgumentError(f"seq_len {seq_len} exceeds preset {preset!r}'s max_seq_len "
+                            f"{args.max_seq_len}")
+    autocast = dtype == "bfloat16"
+
+    if with_hf:
+        ours, hf = build_pair(args)
+    else:
+        torch.manual_seed(0)
+        ours, hf = Transformer(args), None
+        init_weights(ours, args.n_layers)
+        ours.train()
+
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=g)  # (B, T+1)
+    inputs, targets = batch[:, :-1], batch[:, 1:]                                      # (B, T)
+    tokens_per_step = batch_size * seq_len
+
+    forwards = {"torchllama": lambda x: ours(x)}                     # (B, T, V) fp32
+    models = {"torchllama": ours}
+    if hf is not None:
+        forwards["transformers"] = lambda x: hf(input_ids=x, use_cache=False).logits
+        models["transformers"] = hf
+
+    initial_loss = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for name, forward in forwards.items():
+            initial_loss[name] = _loss(forward(inputs), targets).item()
+
+    def timed(forward, optimizer):
+        def run():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _train_step(forward, optimizer, inputs, targets, autocast)
+            return tokens_per_step * steps, time.perf_counter() - t0
+        return run
+
+    runs = {name: timed(forward, make_optimizer(models[name], lr=3e-4))
+            for name, forward in forwards.items()}
+    rates = _measure(runs, repeats)
+
+    n_params = count_params(ours)
+    write(f"preset {preset} ({n_params / 1e6:.2f}M parameters), {dtype}"
+          f"{' autocast' if autocast else ''}, batch {batch_size} x {seq_len} tokens, "
+          f"{torch.get_num_threads()} threads; {steps} optimizer steps per run, median of "
+          f"{repeats} runs, interleaved")
+    write(f"{'':14}{'tok/s':>10}{'ms/step':>10}{'initial loss':>14}")
+    for name, rate in rates.items():
+        write(f"{name:14}{rate:10.1f}{tokens_per_step / rate * 1e3:10.1f}"
+              f"{initial_loss[name]:14.6f}")
+    result = {"preset": preset, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
+              "steps": steps, "repeats": repeats, "threads": torch.get_num_threads(),
+              "n_params": n_params, "tokens_per_step": tokens_per_step}
+    for name, rate in rates.items():
+        result[f"{name}_tok_s"] = rate
+        result[f"{name}_ms_per_step"] = tokens_per_step / rate * 1e3
+        result[f"{name}_initial_loss"] = initial_loss[name]
+    if hf is not None:
+        result["ratio"] = rates["torchllama"] / rates["transformers"]
+        write(f"{'ratio':14}{result['ratio']:9.2f}x")
+    return result
