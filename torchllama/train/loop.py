@@ -41,7 +41,7 @@ from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
 from torchllama.train import checkpointing as ckpt_io
 from torchllama.train.data import (eval_windows, load_tokens, read_meta, sha256_file,
-                                   TokenBatches, verify_data)
+                                   TokenBatches, unigram_loss, verify_data)
 from torchllama.train.distributed import (DistContext, all_reduce_mean, all_reduce_sum,
                                           apply_activation_checkpointing, barrier,
                                           gradient_sync, init_distributed, shutdown_distributed,
@@ -456,7 +456,8 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                     "grad_accum": grad_accum, "world_size": ctx.world_size,
                     "tokens_per_step": tokens_per_step, "dtype": str(train_dtype),
                     "device": str(device), "peak_flops": peak, "peak_flops_source": peak_source,
-                    "data": str(data_dir.resolve()), "tokenizer": str(tok_path)}
+                    "data": str(data_dir.resolve()), "tokenizer": str(tok_path),
+                    "unigram_val_loss": unigram_loss(train_tokens, val_tokens, args.vocab_size)}
         tmp = run_dir / ".run.json.tmp"
         tmp.write_text(json.dumps(run_info, indent=2) + "\n")
         os.replace(tmp, run_dir / "run.json")
@@ -466,6 +467,10 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
               f"× {seq_len}); {train_dtype}; {device}"
               + (f"; resuming at step {step} from {resume_from}" if resume_from else ""),
               flush=True)
+        if len(val_tokens):
+            print(f"baseline: a unigram model (token frequencies) has val_loss "
+                  f"{run_info['unigram_val_loss']:.4f}; uniform: ln V = "
+                  f"{math.log(args.vocab_size):.4f}", flush=True)
     barrier()
 
     def state_at(s: int) -> dict[str, Any]:
@@ -563,6 +568,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     if ctx.is_main:
         from torchllama.train.plot import plot_log
         plot_log(run_dir)
+    barrier()             # leave together: a Gloo rank exiting early can abort the other one
     last["tokens"] = step * tokens_per_step
     last["rank"] = ctx.rank
     return last
