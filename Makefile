@@ -51,6 +51,8 @@ test-all: setup-test $(CORPUS)/.done
 bench: setup-test
 	$(VENV)/bin/torchllama bench --dtype float32
 	$(VENV)/bin/torchllama bench --dtype bfloat16
+	$(VENV)/bin/torchllama bench --train --preset shakespeare-small --dtype float32
+	$(VENV)/bin/torchllama bench --train --preset shakespeare-small --dtype bfloat16
 
 $(RUN)/tokenizer/tokenizer.model: $(CORPUS)/.done | $(VENV)/.base
 	$(VENV)/bin/torchllama train-tokenizer --input $(CORPUS) --vocab-size 4096 --out $(RUN)/tokenizer --force

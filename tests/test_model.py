@@ -196,3 +196,46 @@ def test_gqa_attention_equals_repeat_kv():
     got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(got, expected)
     assert torch.equal(repeat_kv(k, 4)[:, 5], k[:, 1])                 # head 5 uses KV head 1
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_output_cross_entropy_equals_autograd(autocast):
+    """forward(targets=...) = F.cross_entropy of forward()'s logits: same loss and gradients for
+    every parameter (chunks smaller than B·T, a tied output matrix, bf16 autocast)."""
+    import torch.nn.functional as F
+
+    from torchllama.loss import linear_cross_entropy
+    from torchllama.train.optim import init_weights
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=16,
+                     max_seq_len=32, tie_embeddings=True)
+    model = Transformer(args)
+    init_weights(model, args.n_layers)
+    tokens = torch.randint(0, 300, (3, 21))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    grads = []
+    for fused in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if fused:
+                loss = model(x, targets=y)
+            else:
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref_loss, ref), (loss, got) = grads
+    tol = 2e-2 if autocast else 1e-5
+    assert loss == pytest.approx(ref_loss, rel=tol / 10)
+    for name in ref:
+        scale = ref[name].abs().max().item()
+        assert (got[name] - ref[name]).abs().max().item() <= tol * scale + 1e-8, name
+    # chunking does not change the result; no logits → no gradients computed under no_grad
+    h = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    t = torch.randint(0, 5, (10,))
+    a = linear_cross_entropy(h, w, t, chunk_size=3)
+    b = F.cross_entropy(h @ w.t(), t)
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear_cross_entropy(h, w[:, :4], t)

@@ -7,7 +7,7 @@ import torch
 
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError
-from torchllama.train.bench import _train_step, build_pair, run_train_bench
+from torchllama.train.bench import _loss, _train_step, build_pair, run_train_bench
 from torchllama.train.optim import make_optimizer
 
 pytest.importorskip("transformers")
@@ -30,10 +30,12 @@ def test_pair_is_the_same_model_through_an_optimizer_step():
     ours, hf = build_pair(args, seed=3)
     batch = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     x, y = batch[:, :-1], batch[:, 1:]
-    fwd = {"ours": lambda t: ours(t), "hf": lambda t: hf(input_ids=t, use_cache=False).logits}
+    # ours: the fused output + loss training path; HF: logits, then F.cross_entropy
+    fns = {"ours": lambda t, y: ours(t, targets=y),
+           "hf": lambda t, y: _loss(hf(input_ids=t, use_cache=False).logits, y)}
     opt = {"ours": make_optimizer(ours, lr=1e-2), "hf": make_optimizer(hf, lr=1e-2)}
-    losses = {k: [_train_step(fwd[k], opt[k], x, y, autocast=False).item() for _ in range(2)]
-              for k in fwd}
+    losses = {k: [_train_step(fns[k], opt[k], x, y, autocast=False).item() for _ in range(2)]
+              for k in fns}
     assert losses["ours"][0] == pytest.approx(losses["hf"][0], abs=1e-5)
     assert losses["ours"][1] == pytest.approx(losses["hf"][1], abs=1e-5)  # wrong decay: 9e-4
     assert losses["ours"][1] < losses["ours"][0]

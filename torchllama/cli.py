@@ -228,11 +228,14 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
 
 def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: int = 512,
           new_tokens: int = 128, repeats: int = 5, no_hf: bool = False, serve: bool = False,
-          url: Optional[str] = None, api_key: Optional[str] = None) -> int:
+          url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
+          preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
+          steps: int = 5) -> int:
     """Prefill and decode tokens/s of torchllama and, side by side in the same run, HF
     transformers on the same weights and dtype (when installed). With --serve: the HTTP
     server's generated tokens/s at 1, 4 and 8 concurrent streaming requests, and the median
-    time to first token.
+    time to first token. With --train: training tokens/s (forward, loss, backward, AdamW) of a
+    preset vs transformers' LlamaForCausalLM of the same config and weights.
 
     Args:
         model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
@@ -248,6 +251,11 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         url: with --serve, the server's base URL (e.g. http://127.0.0.1:8000); without it the
             model is served in this process on a free loopback port for the run.
         api_key: with --serve, the server's API key.
+        train: benchmark training instead (float32 or bfloat16 autocast).
+        preset: with --train, the model preset.
+        batch_size: with --train, sequences per step.
+        seq_len: with --train, tokens per sequence.
+        steps: with --train, optimizer steps per measurement.
     """
     import http.client
 
@@ -255,6 +263,14 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
 
     if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
         raise ArgumentError("--prompt-tokens, --new-tokens and --repeats must be ≥ 1")
+    if train:
+        from torchllama.train.bench import run_train_bench
+
+        if serve or model is not None:
+            raise ArgumentError("--train benchmarks a --preset; it does not take --serve or "
+                                "--model")
+        run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats, with_hf=not no_hf)
+        return 0
     if serve:
         from torchllama.bench import run_serve_bench
 

@@ -2,7 +2,8 @@
 built from the same config, holding the same weights, on the same batch, in the same process.
 
 One measured step is one full optimizer step: forward, cross-entropy loss, backward, AdamW step,
-zero_grad. Both models run the identical loop (`_train_step`); only the forward call differs.
+zero_grad. Both models run the identical loop (`_train_step`); only the loss call differs (ours
+is our training path with the output layer fused into the loss).
 Runs are interleaved (ours, HF, ours, HF, ...) after one warm-up run each, and each figure is the
 median of `repeats` runs of `steps` steps. The machine may be shared and noisy: compare the ratio,
 measured in the same run, rather than the absolute numbers.
@@ -71,12 +72,12 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def _train_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer, inputs, targets,
-                autocast: bool) -> torch.Tensor:
-    """One optimizer step: forward (+ loss) under optional bf16 autocast, backward, AdamW step,
+def _train_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
+                inputs, targets, autocast: bool) -> torch.Tensor:
+    """One optimizer step: forward + loss under optional bf16 autocast, backward, AdamW step,
     zero_grad. Returns the loss (detached)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = _loss(forward(inputs), targets)
+        loss = loss_fn(inputs, targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -93,9 +94,11 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
     q/k permutation), see the same random batch of token ids (B, T+1) split into inputs
     [:, :-1] and targets [:, 1:], and run the same step: forward, loss, backward, AdamW
     (`make_optimizer`, lr 3e-4: decay on linear weight matrices only — the grouping is by
-    parameter kind, so it applies to HF's modules unchanged), zero_grad. The loss is computed the
-    same way for both: F.cross_entropy over the fp32 logits; HF is called with no labels (and
-    use_cache=False), so its own loss code is not used. With dtype "bfloat16" both run forward
+    parameter kind, so it applies to HF's modules unchanged), zero_grad. The loss: ours is our
+    training path, `forward(inputs, targets=...)`, whose output projection is fused with the
+    cross-entropy (`torchllama.loss.linear_cross_entropy`, no (B, T, V) logits); HF returns its
+    logits (use_cache=False) and F.cross_entropy over them in fp32 gives the loss, as HF's own
+    loss function does. With dtype "bfloat16" both run forward
     and loss under `torch.autocast("cpu", dtype=torch.bfloat16)`, weights and optimizer state in
     fp32.
 
@@ -120,7 +123,7 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         ImportError: with_hf and transformers is not installed.
     """
     if dtype not in _DTYPES:
-        raise ArgumentError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        raise ArgumentError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     args = get_preset(preset)
     if min(batch_size, seq_len, steps, repeats) < 1:
         raise ArgumentError("batch_size, seq_len, steps and repeats must be positive")
@@ -142,27 +145,29 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
     inputs, targets = batch[:, :-1], batch[:, 1:]                                      # (B, T)
     tokens_per_step = batch_size * seq_len
 
-    forwards = {"torchllama": lambda x: ours(x)}                     # (B, T, V) fp32
+    # Ours: the training path, forward(targets=...) with the output layer fused into the loss
+    # (torchllama.loss). HF: its logits, then F.cross_entropy (HF's own loss does the same).
+    loss_fns = {"torchllama": lambda x, y: ours(x, targets=y)}      # () fp32
     models = {"torchllama": ours}
     if hf is not None:
-        forwards["transformers"] = lambda x: hf(input_ids=x, use_cache=False).logits
+        loss_fns["transformers"] = lambda x, y: _loss(hf(input_ids=x, use_cache=False).logits, y)
         models["transformers"] = hf
 
     initial_loss = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for name, forward in forwards.items():
-            initial_loss[name] = _loss(forward(inputs), targets).item()
+        for name, loss_fn in loss_fns.items():
+            initial_loss[name] = loss_fn(inputs, targets).item()
 
-    def timed(forward, optimizer):
+    def timed(loss_fn, optimizer):
         def run():
             t0 = time.perf_counter()
             for _ in range(steps):
-                _train_step(forward, optimizer, inputs, targets, autocast)
+                _train_step(loss_fn, optimizer, inputs, targets, autocast)
             return tokens_per_step * steps, time.perf_counter() - t0
         return run
 
-    runs = {name: timed(forward, make_optimizer(models[name], lr=3e-4))
-            for name, forward in forwards.items()}
+    runs = {name: timed(loss_fn, make_optimizer(models[name], lr=3e-4))
+            for name, loss_fn in loss_fns.items()}
     rates = _measure(runs, repeats)
 
     n_params = count_params(ours)

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ArgumentError, ModelFileError, TrainingError
@@ -243,7 +242,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 # --------------------------------------------------------------------------------------------
 
 def next_token_loss(model, batch: torch.Tensor, autocast) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1].
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (the model's fused
+    output projection + loss, `torchllama.loss.linear_cross_entropy`).
 
     Args:
         batch: (B, T + 1) int64 token ids.
@@ -253,9 +253,7 @@ def next_token_loss(model, batch: torch.Tensor, autocast) -> torch.Tensor:
     """
     inputs, targets = batch[:, :-1], batch[:, 1:]                 # (B, T), (B, T)
     with autocast():
-        logits = model(inputs)                                    # (B, T, V) float32
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),  # (B·T, V)
-                           targets.reshape(-1))                    # (B·T,)
+        return model(inputs, targets=targets)     # () fp32: output layer fused with the loss
 
 
 @torch.no_grad()
