@@ -463,7 +463,6 @@ def test_plot_log_command(dataset, tmp_path, tiny_config):
     assert done.returncode == 1 and "log.jsonl is missing" in done.stderr
 
 
-@pytest.mark.slow
 def test_compiled_training_matches_eager(dataset, tmp_path, tiny_config):
     base = options(dataset, None, tiny_config, max_steps=3, sample_tokens=0)
     train(TrainConfig(**{**base, "out": str(tmp_path / "eager")}))

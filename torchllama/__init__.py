@@ -10,7 +10,7 @@ Python API::
 from torchllama.checkpoint import convert, default_model_path, load, save
 from torchllama.config import PRESETS, ModelArgs, get_preset
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
-                               TorchLlamaError)
+                               TorchLlamaError, TrainingError)
 from torchllama.generation import (Completion, Session, StreamDecoder, encode_chat,
                                    encode_prompt, generate, generate_batch, llama2_chat_ids)
 from torchllama.sampling import SamplingParams, sample, token_logprobs
@@ -23,5 +23,5 @@ __all__ = [
     "llama2_chat_ids", "generate_batch", "Completion", "token_logprobs", "StopStrings", "Session", "SamplingParams",
     "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
     "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
-    "ArgumentError", "ContextLengthError",
+    "ArgumentError", "ContextLengthError", "TrainingError",
 ]

@@ -90,7 +90,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """Flush every file of `folder` (and the folder) to disk before it is renamed into place."""
     for path in folder.rglob("*"):
         if path.is_file():
@@ -106,7 +106,7 @@ def _fsync_tree(folder: Path) -> None:
 def replace_folder(tmp: Path, dst: Path) -> None:
     """Move the finished folder `tmp` to `dst`; an existing `dst` is renamed aside first and
     deleted only once `tmp` is in place, so one of the two is always complete."""
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")

@@ -47,6 +47,7 @@ from torchllama.train.distributed import (DistContext, all_reduce_mean, all_redu
                                           unwrap, wrap_model)
 from torchllama.train.optim import count_params, flops_per_token, init_weights, lr_at, \
     make_optimizer
+from torchllama.train.plot import read_log
 
 LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
@@ -304,18 +305,6 @@ def sample_text(model, tokenizer, prompt: Optional[str], max_new_tokens: int, se
 # The run
 # --------------------------------------------------------------------------------------------
 
-def _read_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    entries = []
-    for line in path.read_text().splitlines():
-        try:
-            entries.append(json.loads(line))
-        except ValueError:                      # a line cut short by a kill: dropped
-            break
-    return entries
-
-
 def _write_log(path: Path, entries: list[dict]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
@@ -447,7 +436,8 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in run_dir.glob(".tmp-step-*"):                # from a killed save
             shutil.rmtree(stale, ignore_errors=True)
-        log = [e for e in _read_log(log_path) if e.get("step", 0) <= step]
+        log = [e for e in read_log(run_dir) if e.get("step", 0) <= step] \
+            if log_path.exists() else []
         _write_log(log_path, log)                                # drop steps after the checkpoint
         run_info = {"config": dataclasses.asdict(config), "model_args": dataclasses.asdict(args),
                     "parameters": count_params(model), "seq_len": seq_len,
