@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU, pinned), torchllama and the embedded model, runs it
 #   make test   the same set-up plus the test-only dependencies, then the test suite
-#   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈8 min on 2 CPU cores)
+#   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q

@@ -469,3 +469,76 @@ def test_compiled_training_matches_eager(dataset, tmp_path, tiny_config):
     train(TrainConfig(**{**base, "out": str(tmp_path / "compiled"), "compile": True}))
     assert [e["loss"] for e in read_log(tmp_path / "compiled")] == pytest.approx(
         [e["loss"] for e in read_log(tmp_path / "eager")], abs=1e-4)
+
+
+def test_resume_alone_continues_the_run_with_its_own_options(dataset, tmp_path, tiny_config):
+    # started with non-default options, resumed with --resume and nothing else: the same losses
+    opts = options(dataset, None, tiny_config, max_steps=6, save_every=3, eval_every=3,
+                   batch_size=2, seq_len=16, lr=3e-3, seed=5, grad_accum=2)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(TrainConfig(**{**opts, "out": str(whole)}))
+    shutil.copytree(whole, cut, symlinks=True)
+    shutil.rmtree(cut / "step-00000006")                         # as if stopped after step 3
+    (cut / "latest").unlink()
+    done = run_cli("train", "--data", str(dataset), "--out", str(cut), "--resume",
+                   "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "resuming at step 3" in done.stdout
+    a, b = read_log(whole), read_log(cut)
+    assert [e["loss"] for e in a] == [e["loss"] for e in b]
+    assert [e.get("sample") for e in a] == [e.get("sample") for e in b]
+    assert [e["tokens"] for e in b] == [64 * s for s in range(1, 7)]
+    # changing an option that shapes the batches is allowed, and said
+    done = run_cli("train", "--data", str(dataset), "--out", str(cut), "--resume",
+                   "--max-steps", "7", "--seq-len", "32", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "--seq_len 32 replaces the run's 16 (the run will not continue exactly)".replace(
+        "seq_len", "seq-len") in done.stdout
+    # a finished run: nothing to do, no error (make train-demo run twice)
+    done = run_cli("train", "--data", str(dataset), "--out", str(cut), "--resume",
+                   "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "already at step 7" in done.stdout
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(dataset, tmp_path,
+                                                                tiny_config):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text('{"step": 1, "loss": 9.0, "lr": 0.1}\n{"step": 2, "lo')
+    with pytest.raises(ArgumentError, match="no checkpoint to resume from"):
+        train(TrainConfig(**options(dataset, run, tiny_config, resume=True)))
+    train(TrainConfig(**options(dataset, run, tiny_config, max_steps=2, sample_tokens=0)))
+    assert [e["step"] for e in read_log(run)] == [1, 2] and read_log(run)[0]["loss"] != 9.0
+
+
+def test_prepare_data_never_replaces_a_folder_that_is_not_a_dataset(corpus, tokenizer_model,
+                                                                     tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("years of work")
+    for force in ("", "--force"):
+        done = run_cli("prepare-data", "--input", str(corpus / SMALL_DOCS[0]),
+                       str(corpus / SMALL_DOCS[1]), "--tokenizer", str(tokenizer_model),
+                       "--out", str(mine), *([force] if force else []))
+        assert done.returncode == 1 and "not a torchllama dataset" in done.stderr
+    assert (mine / "thesis.txt").read_text() == "years of work"
+    done = run_cli("prepare-data", "--input", str(corpus / SMALL_DOCS[0]), "--tokenizer",
+                   str(tokenizer_model), "--out", str(mine / "thesis.txt"),
+                   "--val-fraction", "0")
+    assert done.returncode == 1 and "is a file, not a folder" in done.stderr
+
+
+def test_a_model_folder_serves_as_the_tokenizer(corpus, tokenizer_model, tmp_path):
+    from torchllama.tokenizer import load_tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    load_tokenizer(tokenizer_model).save_hf(folder)          # tokenizer.model + tokenizer_config
+    meta = prepare_data([corpus / n for n in SMALL_DOCS[:2]], folder, tmp_path / "d",
+                        progress=False)
+    assert meta["tokenizer"]["vocab_size"] == 512
+    from_file = prepare_data([corpus / n for n in SMALL_DOCS[:2]], tokenizer_model,
+                             tmp_path / "d2", progress=False)
+    assert (tmp_path / "d" / "train.bin").read_bytes() == (tmp_path / "d2" / "train.bin").read_bytes()
+    assert from_file["tokenizer"]["sha256"] != meta["tokenizer"]["sha256"]

@@ -230,7 +230,7 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
           new_tokens: int = 128, repeats: int = 5, no_hf: bool = False, serve: bool = False,
           url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
           preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
-          steps: int = 5) -> int:
+          steps: int = 5, device: str = "cpu", compile: bool = False) -> int:
     """Prefill and decode tokens/s of torchllama and, side by side in the same run, HF
     transformers on the same weights and dtype (when installed). With --serve: the HTTP
     server's generated tokens/s at 1, 4 and 8 concurrent streaming requests, and the median
@@ -256,6 +256,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         batch_size: with --train, sequences per step.
         seq_len: with --train, tokens per sequence.
         steps: with --train, optimizer steps per measurement.
+        device: with --train, cpu or cuda.
+        compile: with --train, torch.compile both models.
     """
     import http.client
 
@@ -269,7 +271,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         if serve or model is not None:
             raise ArgumentError("--train benchmarks a --preset; it does not take --serve or "
                                 "--model")
-        run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats, with_hf=not no_hf)
+        run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats, with_hf=not no_hf,
+                        device=device, compile=compile)
         return 0
     if serve:
         from torchllama.bench import run_serve_bench
@@ -379,7 +382,7 @@ def train(**options) -> int:
     from torchllama.train.loop import TrainConfig, train as run
 
     result = run(TrainConfig(**options))
-    if result.get("checkpoint") and result["rank"] == 0:
+    if result.get("checkpoint") and result["rank"] == 0 and result.get("loss") is not None:
         print(f"step {result['step']}: loss {result['loss']:.4f}"
               + (f", val_loss {result['val_loss']:.4f}" if result.get("val_loss") else "")
               + f"; checkpoint {result['checkpoint']}")
@@ -509,6 +512,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if debug:
             raise
         print(f"torchllama: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:              # a path the user gave: unwritable, a file not a folder...
+        if debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"torchllama: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

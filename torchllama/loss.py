@@ -26,9 +26,8 @@ import torch
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_size: int) -> torch.Tensor:
+                chunk_size: int, want_grads: bool) -> torch.Tensor:
         N = h.shape[0]
-        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         # Matmuls in the autocast dtype when autocast is on (as nn.Linear would), else W's.
         dtype = (torch.get_autocast_dtype(h.device.type)
                  if torch.is_autocast_enabled(h.device.type) else weight.dtype)
@@ -59,7 +58,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss / ctx.n                                        # d loss / d loss_sum
-        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(grad_w.dtype), None, None)
+        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(grad_w.dtype), None, None,
+                None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -86,4 +86,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"linear_cross_entropy: h (N, D) {tuple(h.shape)}, weight (V, D) "
                          f"{tuple(weight.shape)} and targets (N,) {tuple(targets.shape)} "
                          "do not fit")
-    return _LinearCrossEntropy.apply(h, weight, targets, chunk_size)
+    # Gradients are formed in the forward pass only when backward can happen (not under
+    # torch.no_grad, e.g. during evaluation, where the loss alone is computed).
+    want_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk_size, want_grads)

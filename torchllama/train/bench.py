@@ -73,10 +73,10 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _train_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer,
-                inputs, targets, autocast: bool) -> torch.Tensor:
+                inputs, targets, autocast: bool, device_type: str = "cpu") -> torch.Tensor:
     """One optimizer step: forward + loss under optional bf16 autocast, backward, AdamW step,
     zero_grad. Returns the loss (detached)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         loss = loss_fn(inputs, targets)
     loss.backward()
     optimizer.step()
@@ -86,7 +86,8 @@ def _train_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], o
 
 def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
                     dtype: str = "float32", steps: int = 10, repeats: int = 3,
-                    with_hf: bool = True, write: Callable[[str], None] = print) -> dict:
+                    with_hf: bool = True, write: Callable[[str], None] = print,
+                    device: str = "cpu", compile: bool = False) -> dict:
     """Measure training tokens/s of our Transformer and, with `with_hf`, of transformers'
     LlamaForCausalLM built from the same `ModelArgs`; print a side-by-side table.
 
@@ -110,6 +111,8 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         repeats: timed runs per model (median reported), after one warm-up run each.
         with_hf: also measure transformers (imported lazily; ImportError if missing).
         write: where the table goes.
+        device: cpu or cuda (bf16 autocast on that device; CUDA runs are synchronised).
+        compile: torch.compile both models (the GPU MFU setting: bf16 + SDPA + compile).
 
     Returns:
         dict with preset, batch_size, seq_len, dtype, steps, repeats, threads, n_params,
@@ -140,21 +143,30 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         init_weights(ours, args.n_layers)
         ours.train()
 
+    from torchllama.train.distributed import resolve_device
+
+    dev = resolve_device(device)
+    ours = ours.to(dev)
+    hf = hf.to(dev) if hf is not None else None
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=g)  # (B, T+1)
+    batch = batch.to(dev)
     inputs, targets = batch[:, :-1], batch[:, 1:]                                      # (B, T)
     tokens_per_step = batch_size * seq_len
 
     # Ours: the training path, forward(targets=...) with the output layer fused into the loss
     # (torchllama.loss). HF: its logits, then F.cross_entropy (HF's own loss does the same).
-    loss_fns = {"torchllama": lambda x, y: ours(x, targets=y)}      # () fp32
+    run_ours = torch.compile(ours) if compile else ours
+    run_hf = torch.compile(hf) if compile and hf is not None else hf
+    loss_fns = {"torchllama": lambda x, y: run_ours(x, targets=y)}  # () fp32
     models = {"torchllama": ours}
     if hf is not None:
-        loss_fns["transformers"] = lambda x, y: _loss(hf(input_ids=x, use_cache=False).logits, y)
+        loss_fns["transformers"] = lambda x, y: _loss(
+            run_hf(input_ids=x, use_cache=False).logits, y)
         models["transformers"] = hf
 
     initial_loss = {}
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         for name, loss_fn in loss_fns.items():
             initial_loss[name] = loss_fn(inputs, targets).item()
 
@@ -162,7 +174,9 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         def run():
             t0 = time.perf_counter()
             for _ in range(steps):
-                _train_step(loss_fn, optimizer, inputs, targets, autocast)
+                _train_step(loss_fn, optimizer, inputs, targets, autocast, dev.type)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             return tokens_per_step * steps, time.perf_counter() - t0
         return run
 
@@ -175,10 +189,20 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
           f"{' autocast' if autocast else ''}, batch {batch_size} x {seq_len} tokens, "
           f"{torch.get_num_threads()} threads; {steps} optimizer steps per run, median of "
           f"{repeats} runs, interleaved")
-    write(f"{'':14}{'tok/s':>10}{'ms/step':>10}{'initial loss':>14}")
+    from torchllama.train.loop import peak_flops
+    from torchllama.train.optim import flops_per_token
+
+    flops_tok = flops_per_token(args, count_params(ours, exclude_embeddings=not args.tie_embeddings),
+                                seq_len)
+    peak, peak_source = peak_flops(dev, torch.bfloat16 if autocast else torch.float32)
+    write(f"{'':14}{'tok/s':>10}{'ms/step':>10}{'initial loss':>14}{'MFU':>8}")
+    mfu = {}
     for name, rate in rates.items():
+        mfu[name] = flops_tok * rate / peak
         write(f"{name:14}{rate:10.1f}{tokens_per_step / rate * 1e3:10.1f}"
-              f"{initial_loss[name]:14.6f}")
+              f"{initial_loss[name]:14.6f}{mfu[name]:8.1%}")
+    write(f"MFU: (6N + 12·L·H·Q·T)·tok/s over a peak of {peak / 1e12:.2f} TFLOP/s "
+          f"({peak_source})")
     result = {"preset": preset, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
               "steps": steps, "repeats": repeats, "threads": torch.get_num_threads(),
               "n_params": n_params, "tokens_per_step": tokens_per_step}
@@ -186,6 +210,7 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         result[f"{name}_tok_s"] = rate
         result[f"{name}_ms_per_step"] = tokens_per_step / rate * 1e3
         result[f"{name}_initial_loss"] = initial_loss[name]
+        result[f"{name}_mfu"] = mfu[name]
     if hf is not None:
         result["ratio"] = rates["torchllama"] / rates["transformers"]
         write(f"{'ratio':14}{result['ratio']:9.2f}x")

@@ -183,7 +183,8 @@ def load_checkpoint(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if bool(state.get("fsdp")) != fsdp:
         raise ModelFileError(
             f"{ckpt}: written by a{'n FSDP' if state.get('fsdp') else ' non-FSDP'} run; resume "
-            f"it with --parallel {'fsdp' if state.get('fsdp') else 'ddp'}")
+            + ("it under torchrun with --parallel fsdp" if state.get("fsdp") else
+               "it in one process or under torchrun with --parallel ddp"))
     if fsdp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

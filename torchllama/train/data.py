@@ -63,7 +63,12 @@ def expand_inputs(inputs: Sequence[str | os.PathLike], what: str = "--input") ->
             files.append(path)
         else:
             raise ArgumentError(f"{what}: {path} does not exist")
-    return files
+    unique, seen = [], set()
+    for path in files:                       # a file given twice is one document
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
 
 
 def read_text(path: Path) -> str:
@@ -79,6 +84,35 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise ArgumentError(f"--input: {path} is not UTF-8 text ({e.reason} at byte "
                             f"{e.start})") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def tokenizer_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 identifying a tokenizer: of the file, or for a model folder of its tokenizer
+    files (TOKENIZER_FILES that exist, by name and content).
+
+    Raises:
+        ModelFileError: a folder without tokenizer.model or tokenizer.json.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return sha256_file(path)
+    present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not {"tokenizer.model", "tokenizer.json"} & set(present):
+        raise ModelFileError(f"{path}: no tokenizer.model or tokenizer.json in the folder")
+    digest = hashlib.sha256()
+    for name in present:
+        digest.update(name.encode() + b"\0" + sha256_file(path / name).encode())
+    return digest.hexdigest()
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -183,6 +217,7 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int,
         f.write(model.getvalue())
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(f.name, 0o666 & ~_umask())                 # NamedTemporaryFile makes it 0600
     os.replace(f.name, dst)
     return dst
 
@@ -237,7 +272,8 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
         val_fraction: share of tokens, in whole documents, held out for validation (0 ≤ F < 1).
         seed: seed of the shuffle that picks the validation documents.
         workers: tokenizer processes (default: the number of CPUs).
-        force: replace an existing, different dataset in OUT.
+        force: replace an existing, different (or damaged) dataset in OUT; a folder that is not
+            a dataset (no meta.json) is never replaced.
         progress: show a progress bar.
 
     Returns:
@@ -259,14 +295,22 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
         raise ArgumentError("--val-fraction > 0 holds out whole documents (files), so it needs at "
                             f"least 2 input files, got {len(files)}; pass --val-fraction 0 or "
                             "more files")
+    if workers is not None and workers < 1:
+        raise ArgumentError(f"--workers must be ≥ 1, got {workers}")
     tokenizer = Path(tokenizer)
     tok = load_tokenizer(tokenizer)                        # fails early on a bad tokenizer
-    settings = {"tokenizer": {"path": str(tokenizer.resolve()), "sha256": sha256_file(tokenizer),
+    settings = {"tokenizer": {"path": str(tokenizer.resolve()),
+                              "sha256": tokenizer_sha256(tokenizer),
                               "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                               "eos_id": tok.eos_id},
                 "inputs": _inputs_record(files), "val_fraction": val_fraction, "seed": seed}
     out = Path(out)
-    if out.exists():
+    if out.exists() and not out.is_dir():
+        raise ArgumentError(f"--out {out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not _looks_like_dataset(out):
+        raise ArgumentError(f"--out {out} is a folder that is not a torchllama dataset; choose "
+                            "another --out (prepare-data only ever replaces a dataset)")
+    if out.exists() and any(out.iterdir()):
         try:
             existing = read_meta(out)
             verify_data(out, existing)
@@ -305,9 +349,7 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)                     # mkdtemp makes it private (0700)
+    os.chmod(tmp, 0o777 & ~_umask())                  # mkdtemp makes it private (0700)
     try:
         splits = {}
         for split in SPLITS:
@@ -331,6 +373,15 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
               f"({len(splits['train']['documents'])} documents), {splits['val']['tokens']:,} "
               f"val tokens ({len(splits['val']['documents'])} documents), {dtype.name}")
     return meta
+
+
+def _looks_like_dataset(folder: Path) -> bool:
+    """A folder prepare-data made: its meta.json says so, or (damaged meta.json) it holds a
+    train.bin. Only such folders are ever replaced."""
+    try:
+        return json.loads((folder / "meta.json").read_text()).get("format") == DATA_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return (folder / "meta.json").is_file() and (folder / "train.bin").is_file()
 
 
 def read_meta(folder: str | os.PathLike) -> dict:

@@ -4,8 +4,9 @@ One optimizer step:
 
     for k in 0..grad_accum-1:                        micro-step m = step·grad_accum + k
         x = batch(m)                                 (B, T+1) ids: this rank's rows
-        logits = model(x[:, :-1])                    (B, T, V) float32 (bf16 autocast inside)
-        loss_k = CE(logits, x[:, 1:])                mean over B·T tokens
+        loss_k = model(x[:, :-1], targets=x[:, 1:])  mean cross-entropy over B·T tokens, the
+                                                     output layer fused with the loss
+                                                     (bf16 autocast inside with --dtype bfloat16)
         backward(loss_k / grad_accum)                gradients summed over micro-steps; DDP/FSDP
                                                      average them over ranks on the last one
     clip ‖g‖₂ to grad_clip; lr = lr_at(step); AdamW step
@@ -29,6 +30,7 @@ import math
 import os
 import shutil
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -40,7 +42,7 @@ from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
 from torchllama.train import checkpointing as ckpt_io
 from torchllama.train.data import (eval_windows, load_tokens, read_meta, sha256_file,
-                                   TokenBatches, unigram_loss, verify_data)
+                                   tokenizer_sha256, TokenBatches, unigram_loss, verify_data)
 from torchllama.train.distributed import (DistContext, all_reduce_mean, all_reduce_sum,
                                           apply_activation_checkpointing, barrier,
                                           gradient_sync, init_distributed, shutdown_distributed,
@@ -138,14 +140,50 @@ class TrainConfig:
             raise ArgumentError(f"--min-lr must be in [0, lr], got {self.min_lr}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ArgumentError(f"--warmup-steps must be ≥ 0, got {self.warmup_steps}")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.sample_tokens < 0:
-            raise ArgumentError("--weight-decay, --grad-clip and --sample-tokens must be ≥ 0")
+        if not (self.weight_decay >= 0 and self.grad_clip >= 0 and self.sample_tokens >= 0
+                and math.isfinite(self.weight_decay) and math.isfinite(self.grad_clip)):
+            raise ArgumentError("--weight-decay, --grad-clip and --sample-tokens must be finite "
+                                "and ≥ 0")
+        if self.batch_tokens is not None and self.grad_accum != 1:
+            raise ArgumentError("give --grad-accum or --batch-tokens (which sets grad_accum), "
+                                "not both")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ArgumentError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if (self.preset is None) == (self.config is None) and not self.resume:
             raise ArgumentError("give the model as --preset NAME or --config FILE (one of them)")
         if self.preset is not None and self.config is not None:
             raise ArgumentError("give --preset or --config, not both")
+
+
+# Options that a resumed run takes from its checkpoint unless given again; those marked exact
+# change the batches or the updates, so changing them means not continuing the same run.
+_RUN_OPTIONS = ("max_steps", "batch_size", "seq_len", "grad_accum", "batch_tokens", "lr",
+                "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
+                "eval_batches", "save_every", "keep", "seed", "dtype", "compile", "parallel",
+                "activation_checkpointing", "sample_prompt", "sample_tokens", "peak_tflops")
+_EXACT_OPTIONS = ("batch_size", "seq_len", "grad_accum", "batch_tokens", "lr", "min_lr",
+                  "warmup_steps", "weight_decay", "grad_clip", "seed", "dtype")
+
+
+def resumed_config(config: TrainConfig, saved: dict[str, Any]) -> tuple[TrainConfig, list[str]]:
+    """The options of a resumed run: each option left at its default takes the checkpoint's
+    value, so `--resume` alone continues the run as it was started; an option given with another
+    value replaces the saved one. Returns the config and notes for the user on what changed
+    (changes to options that shape the batches or updates say the run will not continue
+    exactly)."""
+    defaults = TrainConfig(data="", out="")
+    changes: dict[str, Any] = {}
+    notes = []
+    for name in _RUN_OPTIONS:
+        if name not in saved:
+            continue
+        given, was = getattr(config, name), saved[name]
+        if given == getattr(defaults, name):
+            changes[name] = was                                   # not given: keep the run's
+        elif given != was:
+            exact = " (the run will not continue exactly)" if name in _EXACT_OPTIONS else ""
+            notes.append(f"--{name.replace('_', '-')} {given!r} replaces the run's {was!r}{exact}")
+    return dataclasses.replace(config, **changes), notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +208,9 @@ def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
         else:
             fields = json.loads(text)
     except Exception as e:  # noqa: BLE001 - yaml and json errors: report the parser's words
-        raise ArgumentError(f"--config {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        raise ArgumentError(f"--config {path}: not valid {kind}: {' '.join(str(e).split())}"
+                            ) from None
     if not isinstance(fields, dict):
         raise ArgumentError(f"--config {path}: expected a mapping of ModelArgs fields")
     known = {f.name for f in dataclasses.fields(ModelArgs)}
@@ -178,6 +218,23 @@ def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
     if unknown:
         raise ArgumentError(f"--config {path}: unknown field(s) {', '.join(unknown)}; ModelArgs "
                             f"fields are {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(ModelArgs)
+    for name, value in fields.items():
+        kinds = [k for k in (typing.get_args(hints[name]) or (hints[name],)) if k is not type(None)]
+        kind = typing.get_origin(kinds[0]) or kinds[0]
+        if value is None and type(None) in typing.get_args(hints[name]):
+            continue
+        if kind is float and isinstance(value, str):       # YAML 1.1 reads 1e-5 as a string
+            try:
+                value = fields[name] = float(value)
+            except ValueError:
+                pass
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+              else isinstance(value, int) and not isinstance(value, bool) if kind is int
+              else isinstance(value, kind))
+        if not ok:
+            raise ArgumentError(f"--config {path}: field {name} is {value!r}, expected "
+                                f"{'a number' if kind is float else kind.__name__}")
     return fields
 
 
@@ -228,8 +285,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
                 return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12, f"{name} data sheet"
         return float("nan"), f"{name}: unknown peak (pass --peak-tflops)"
     n = 1024
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)                 # not the global RNG (exact resume)
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -297,8 +355,7 @@ def sample_text(model, tokenizer, prompt: Optional[str], max_new_tokens: int, se
         if token in tokenizer.stop_ids:
             break
         ids.append(token)
-    return tokenizer.decode(ids[len(prompt_ids):]) if prompt is None else \
-        (prompt + tokenizer.decode(ids[len(prompt_ids):]))
+    return tokenizer.decode(ids)          # prompt + continuation, decoded together (spaces)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +398,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     tok_path = Path(meta["tokenizer"]["path"])
     if not tok_path.exists():
         raise ModelFileError(f"{data_dir / 'meta.json'}: its tokenizer {tok_path} is missing")
-    if sha256_file(tok_path) != meta["tokenizer"]["sha256"]:
+    if tokenizer_sha256(tok_path) != meta["tokenizer"]["sha256"]:
         raise ModelFileError(f"{tok_path} has changed since {data_dir} was prepared with it "
                              "(SHA-256 differs): the dataset was built with another tokenizer; "
                              "run `torchllama prepare-data --force` again")
@@ -351,12 +408,20 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     # Resume or start.
     resume_from = ckpt_io.latest_checkpoint(run_dir) if config.resume else None
     if config.resume and resume_from is None:
-        raise ArgumentError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not config.resume and (ckpt_io.list_checkpoints(run_dir) or (run_dir / LOG_FILE).exists()):
+        raise ArgumentError(f"--resume: {run_dir} has no checkpoint to resume from (a run "
+                            "stopped before its first checkpoint starts again without --resume)")
+    if not config.resume and ckpt_io.list_checkpoints(run_dir):
         raise ArgumentError(f"{run_dir} already holds a training run; pass --resume to continue "
                             "it, or choose another --out")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ArgumentError(f"--out {run_dir} is a file, not a folder")
+    barrier()            # every rank has checked the folder before rank 0 writes into it
     saved = ckpt_io.read_train_state(resume_from) if resume_from else None
     if saved is not None:
+        config, notes = resumed_config(config, saved["config"])
+        if ctx.is_main:
+            for note in notes:
+                print(f"--resume: {note}", flush=True)
         if saved["tokenizer_sha256"] != meta["tokenizer"]["sha256"]:
             raise TrainingError(f"{resume_from} was trained with another tokenizer than "
                                 f"{data_dir}'s ({tok_path})")
@@ -437,7 +502,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         for stale in run_dir.glob(".tmp-step-*"):                # from a killed save
             shutil.rmtree(stale, ignore_errors=True)
         log = [e for e in read_log(run_dir) if e.get("step", 0) <= step] \
-            if log_path.exists() else []
+            if log_path.exists() and resume_from else []    # a fresh start: no old lines
         _write_log(log_path, log)                                # drop steps after the checkpoint
         run_info = {"config": dataclasses.asdict(config), "model_args": dataclasses.asdict(args),
                     "parameters": count_params(model), "seq_len": seq_len,
@@ -461,8 +526,21 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                   f"{math.log(args.vocab_size):.4f}", flush=True)
     barrier()
 
+    # Data position and tokens seen continue from the checkpoint's (also if a resumed run
+    # changed --grad-accum or the batch shape).
+    step0 = step
+    micro0 = saved["micro_step"] if saved is not None else 0
+    tokens0 = saved.get("tokens", step0 * tokens_per_step) if saved is not None else 0
+
+    def micro_at(s: int) -> int:
+        return micro0 + (s - step0) * grad_accum
+
+    def tokens_at(s: int) -> int:
+        return tokens0 + (s - step0) * tokens_per_step
+
     def state_at(s: int) -> dict[str, Any]:
-        return {"step": s, "micro_step": s * grad_accum, "model_args": dataclasses.asdict(args),
+        return {"step": s, "micro_step": micro_at(s), "tokens": tokens_at(s),
+                "model_args": dataclasses.asdict(args),
                 "config": dataclasses.asdict(config), "seq_len": seq_len,
                 "grad_accum": grad_accum, "tokenizer_sha256": meta["tokenizer"]["sha256"],
                 "data_meta_sha256": data_hash,
@@ -480,6 +558,9 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     last = {"step": step, "loss": None, "val_loss": None,
             "checkpoint": str(resume_from) if resume_from else None}
+    if step >= config.max_steps and ctx.is_main:
+        print(f"{run_dir} is already at step {step} ≥ --max-steps {config.max_steps}: nothing "
+              "to train (raise --max-steps to train on)", flush=True)
     try:
         while step < config.max_steps:
             lr = lr_at(step, config.lr, warmup, config.max_steps, min_lr)
@@ -490,7 +571,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for k in range(grad_accum):
-                batch = batches.batch(step * grad_accum + k).to(device, non_blocking=True)
+                batch = batches.batch(micro_at(step) + k).to(device, non_blocking=True)
                 with gradient_sync(runnable, k == grad_accum - 1):
                     loss = next_token_loss(runnable, batch, autocast)
                     (loss / grad_accum).backward()
@@ -519,9 +600,9 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             step += 1
             tok_s = tokens_per_step / seconds
             entry = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
-                     "tokens": step * tokens_per_step, "tokens_per_s": tok_s,
+                     "tokens": tokens_at(step), "tokens_per_s": tok_s,
                      "mfu": flops_tok * tok_s / ctx.world_size / peak,
-                     "epoch": batches.epoch_of(step * grad_accum)}
+                     "epoch": batches.epoch_of(micro_at(step))}
             if step % config.eval_every == 0 or step == config.max_steps:
                 runnable.eval()
                 if len(val_tokens) > seq_len:
@@ -557,6 +638,6 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         from torchllama.train.plot import plot_log
         plot_log(run_dir)
     barrier()             # leave together: a Gloo rank exiting early can abort the other one
-    last["tokens"] = step * tokens_per_step
+    last["tokens"] = tokens_at(step)
     last["rank"] = ctx.rank
     return last
