@@ -79,7 +79,8 @@ class TrainConfig:
         save_every: checkpoint every N steps (default: eval_every), and at the end.
         keep: number of newest checkpoints kept.
         seed: seed of the initial weights, the batch order and the samples.
-        resume: continue the run in `out` from its latest checkpoint.
+        resume: continue the run in `out` from its latest checkpoint, with its model and
+            options (options given again with other values replace the saved ones).
         dtype: float32, or bfloat16 (autocast; float32 master weights); auto = bfloat16 on
             GPUs that support it, else float32.
         compile: torch.compile the model.
