@@ -255,6 +255,22 @@ FORMATS = ("meta", "hf", "gguf")
 GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file, or every file of a folder and the folder itself, to disk (before a rename
+    makes it visible: a crash then leaves either the old or the complete new output)."""
+    path = Path(path)
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    for file in files:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    if path.is_dir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def atomic_output(dst: Path, *, folder: bool, force: bool = False) -> Iterator[Path]:
     """Write an output file or folder so that `dst` is either untouched or complete.
@@ -281,6 +297,7 @@ def atomic_output(dst: Path, *, folder: bool, force: bool = False) -> Iterator[P
     target = tmp if folder else tmp / dst.name
     try:
         yield target
+        fsync_path(target)                     # on disk before it takes dst's name
         if dst.exists():
             old = tmp.with_suffix(".old")
             os.replace(dst, old)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchllama.errors import ModelFileError
-from torchllama.train.data import fsync_tree
+from torchllama.checkpoint import fsync_path
 from torchllama.train.distributed import DistContext, barrier
 
 STEP_DIR = re.compile(r"step-(\d{8})\Z")
@@ -139,7 +139,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tokenizer.save_hf(tmp)
         torch.save({**state, "rng": rngs, "optimizer": optim_state, "fsdp": fsdp,
                     "world_size": ctx.world_size}, tmp / STATE_FILE)
-        fsync_tree(tmp)
+        fsync_path(tmp)
         if final.exists():                         # a checkpoint of this step from an earlier try
             shutil.rmtree(final)
         os.rename(tmp, final)

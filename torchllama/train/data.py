@@ -23,8 +23,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -86,12 +84,6 @@ def read_text(path: Path) -> str:
                             f"{e.start})") from None
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -122,32 +114,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_tree(folder: Path) -> None:
-    """Flush every file of `folder` (and the folder) to disk before it is renamed into place."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_folder(tmp: Path, dst: Path) -> None:
-    """Move the finished folder `tmp` to `dst`; an existing `dst` is renamed aside first and
-    deleted only once `tmp` is in place, so one of the two is always complete."""
-    fsync_tree(tmp)
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,6 +169,8 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int,
         for path in files:
             yield from read_text(path).splitlines()
 
+    from torchllama.checkpoint import atomic_output
+
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -213,12 +181,8 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int,
         raise ArgumentError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
                             f"{len(files)} file(s): {e}") from None
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out, prefix=".tokenizer.model.", delete=False) as f:
-        f.write(model.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(f.name, 0o666 & ~_umask())                 # NamedTemporaryFile makes it 0600
-    os.replace(f.name, dst)
+    with atomic_output(dst, folder=False, force=True) as tmp:
+        tmp.write_bytes(model.getvalue())
     return dst
 
 
@@ -347,10 +311,10 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
         val_docs.add(i)
         val_tokens += len(ids[i])
 
+    from torchllama.checkpoint import atomic_output
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    os.chmod(tmp, 0o777 & ~_umask())                  # mkdtemp makes it private (0700)
-    try:
+    with atomic_output(out, folder=True, force=True) as tmp:   # replacing: checked above
         splits = {}
         for split in SPLITS:
             docs = [i for i in range(len(files)) if (i in val_docs) == (split == "val")]
@@ -364,10 +328,6 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
         meta = {"format": DATA_FORMAT, "version": DATA_VERSION, **settings,
                 "dtype": dtype.name, "splits": splits}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if progress:
         print(f"{out}: {splits['train']['tokens']:,} train tokens "
               f"({len(splits['train']['documents'])} documents), {splits['val']['tokens']:,} "
