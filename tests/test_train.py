@@ -156,8 +156,6 @@ def test_prepare_data_is_idempotent_and_refuses_to_overwrite_another_dataset(
     with pytest.raises(ArgumentError, match="already exists and holds another dataset"):
         prepare_data([corpus / n for n in SMALL_DOCS], tokenizer_model, dataset,
                      val_fraction=0.3, progress=False)
-    with pytest.raises(ArgumentError, match="at least 2 input files"):
-        prepare_data([corpus / SMALL_DOCS[0]], tokenizer_model, tmp_path / "d", progress=False)
     with pytest.raises(ArgumentError, match="does not exist"):
         prepare_data([tmp_path / "nope.txt"], tokenizer_model, tmp_path / "d", progress=False)
 
@@ -542,3 +540,26 @@ def test_a_model_folder_serves_as_the_tokenizer(corpus, tokenizer_model, tmp_pat
                              tmp_path / "d2", progress=False)
     assert (tmp_path / "d" / "train.bin").read_bytes() == (tmp_path / "d2" / "train.bin").read_bytes()
     assert from_file["tokenizer"]["sha256"] != meta["tokenizer"]["sha256"]
+
+
+def test_a_single_file_is_split_into_a_training_head_and_a_validation_tail(
+        corpus, tokenizer_model, tmp_path):
+    from torchllama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_model)
+    source = corpus / "macbeth_gut.txt"
+    text = source.read_bytes().decode("utf-8-sig")
+    meta = prepare_data([source], tokenizer_model, tmp_path / "d", val_fraction=0.1,
+                        progress=False)
+    head = np.fromfile(tmp_path / "d" / "train.bin", dtype=np.uint16).tolist()
+    tail = np.fromfile(tmp_path / "d" / "val.bin", dtype=np.uint16).tolist()
+    assert head[0] == tail[0] == 1 and head[-1] == tail[-1] == 2
+    joined = tok.decode(head[1:-1]) + tok.decode(tail[1:-1])
+    assert joined == text                                          # nothing lost or repeated
+    cut = len(tok.decode(head[1:-1]))
+    assert text[cut - 1] == "\n" and abs(cut / len(text) - 0.9) < 0.01
+    assert meta["splits"]["val"]["documents"][0].endswith(f"[characters {cut}:{len(text)}]")
+    with pytest.raises(ArgumentError, match="too short"):
+        (tmp_path / "one_line.txt").write_text("no line break at all")
+        prepare_data([tmp_path / "one_line.txt"], tokenizer_model, tmp_path / "e",
+                     progress=False)

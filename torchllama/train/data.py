@@ -9,7 +9,9 @@
                                           checksums of the .bin files
 
 Each input file is one document; the validation split is a set of whole documents (a seeded
-shuffle of the files, taken until `val_fraction` of the tokens), so no text is in both splits.
+shuffle of the files, taken until `val_fraction` of the tokens), so no text is in both splits. A
+single input file is cut at a line break into a training head and a validation tail (nanoGPT's
+split of input.txt).
 
 Batches (`TokenBatches`) are a pure function of (seed, micro-step index): epoch e visits the
 windows tokens[o_e + k·T : o_e + k·T + T + 1], k = 0..n-1, in a seeded random order, with a seeded
@@ -200,10 +202,13 @@ def _init_worker(tokenizer_path: str) -> None:
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
-def _encode_document(path: str) -> list[int]:
-    """[BOS] + ids of the file's text + [EOS], in a worker process."""
+def _encode_document(piece: tuple[str, Optional[tuple[int, int]]]) -> list[int]:
+    """[BOS] + ids of a document + [EOS], in a worker process. A document is a file's text, or
+    the characters [start, end) of it."""
     tok = _worker_tokenizer
-    ids = tok.encode(read_text(Path(path)))
+    path, span = piece
+    text = read_text(Path(path))
+    ids = tok.encode(text if span is None else text[span[0]:span[1]])
     return ([tok.bos_id] if tok.bos_id is not None else []) + ids + (
         [tok.eos_id] if tok.eos_id is not None else [])
 
@@ -230,7 +235,9 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
     temporary folder next to OUT and renamed into place.
 
     Args:
-        inputs: text files or folders of .txt files; each file is one document.
+        inputs: text files or folders of .txt files; each file is one document (a single file
+            with val_fraction > 0 is cut at a line break into a training head and a
+            validation tail).
         tokenizer: a tokenizer.model, tokenizer.json, model folder or GGUF file.
         out: the dataset folder.
         val_fraction: share of tokens, in whole documents, held out for validation (0 ≤ F < 1).
@@ -255,10 +262,17 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
     if not 0 <= val_fraction < 1:
         raise ArgumentError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     files = expand_inputs(inputs)
-    if val_fraction > 0 and len(files) < 2:
-        raise ArgumentError("--val-fraction > 0 holds out whole documents (files), so it needs at "
-                            f"least 2 input files, got {len(files)}; pass --val-fraction 0 or "
-                            "more files")
+    # Documents: one per file. A single file with a validation split is cut in two at the line
+    # break nearest to (1 − val_fraction) of its characters, as nanoGPT splits input.txt: the
+    # head is the training document, the tail the validation one.
+    pieces: list[tuple[str, Optional[tuple[int, int]]]] = [(str(f), None) for f in files]
+    if val_fraction > 0 and len(files) == 1:
+        text = read_text(files[0])
+        cut = text.rfind("\n", 0, int((1 - val_fraction) * len(text))) + 1
+        if not 0 < cut < len(text):
+            raise ArgumentError(f"--input {files[0]}: too short to hold out {val_fraction:.0%} "
+                                "of it at a line break; pass --val-fraction 0 or more text")
+        pieces = [(str(files[0]), (0, cut)), (str(files[0]), (cut, len(text)))]
     if workers is not None and workers < 1:
         raise ArgumentError(f"--workers must be ≥ 1, got {workers}")
     tokenizer = Path(tokenizer)
@@ -290,26 +304,34 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
 
     dtype = token_dtype(tok.vocab_size)
     workers = workers or os.cpu_count() or 1
-    ids: list[np.ndarray] = [None] * len(files)                 # type: ignore[list-item]
-    bar = tqdm(total=sum(f["bytes"] for f in settings["inputs"]), unit="B", unit_scale=True,
-               desc="tokenizing", disable=not progress)
+    ids: list[np.ndarray] = [None] * len(pieces)                # type: ignore[list-item]
+    bar = tqdm(total=len(pieces), unit="doc", desc="tokenizing", disable=not progress)
     with ProcessPoolExecutor(workers, initializer=_init_worker,
                              initargs=(str(tokenizer),)) as pool:
-        for i, doc in enumerate(pool.map(_encode_document, [str(f) for f in files])):
+        for i, doc in enumerate(pool.map(_encode_document, pieces)):
             ids[i] = np.asarray(doc, dtype=dtype)
-            bar.update(settings["inputs"][i]["bytes"])
+            bar.update(1)
     bar.close()
 
-    # Validation documents: a seeded shuffle of the files, taken until val_fraction of tokens.
+    # Validation documents: a seeded shuffle of the documents, taken until val_fraction of the
+    # tokens (a split single file: its tail).
     total = sum(len(a) for a in ids)
-    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()
     val_docs: set[int] = set()
     val_tokens = 0
-    for i in order:
-        if val_tokens >= val_fraction * total or len(val_docs) == len(files) - 1:
-            break
-        val_docs.add(i)
-        val_tokens += len(ids[i])
+    if len(files) == 1 and len(pieces) == 2:
+        val_docs = {1}
+    else:
+        for i in order:
+            if val_tokens >= val_fraction * total or len(val_docs) == len(pieces) - 1:
+                break
+            val_docs.add(i)
+            val_tokens += len(ids[i])
+
+    def name(i: int) -> str:
+        path, span = pieces[i]
+        resolved = str(Path(path).resolve())
+        return resolved if span is None else f"{resolved} [characters {span[0]}:{span[1]}]"
 
     from torchllama.checkpoint import atomic_output
 
@@ -317,13 +339,13 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
     with atomic_output(out, folder=True, force=True) as tmp:   # replacing: checked above
         splits = {}
         for split in SPLITS:
-            docs = [i for i in range(len(files)) if (i in val_docs) == (split == "val")]
+            docs = [i for i in range(len(pieces)) if (i in val_docs) == (split == "val")]
             path = tmp / f"{split}.bin"
             with open(path, "wb") as f:
                 for i in docs:
                     f.write(ids[i].tobytes())
             splits[split] = {"file": path.name, "tokens": int(sum(len(ids[i]) for i in docs)),
-                             "documents": [str(files[i].resolve()) for i in docs],
+                             "documents": [name(i) for i in docs],
                              "sha256": sha256_file(path)}
         meta = {"format": DATA_FORMAT, "version": DATA_VERSION, **settings,
                 "dtype": dtype.name, "splits": splits}

@@ -423,6 +423,9 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         if ctx.is_main:
             for note in notes:
                 print(f"--resume: {note}", flush=True)
+        if saved.get("data_meta_sha256") != data_hash and ctx.is_main:
+            print(f"--resume: {data_dir} is not the dataset the run was trained on so far (same "
+                  "tokenizer): training goes on, on the new data", flush=True)
         if saved["tokenizer_sha256"] != meta["tokenizer"]["sha256"]:
             raise TrainingError(f"{resume_from} was trained with another tokenizer than "
                                 f"{data_dir}'s ({tok_path})")
