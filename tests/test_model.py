@@ -239,3 +239,17 @@ def test_fused_output_cross_entropy_equals_autograd(autocast):
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         linear_cross_entropy(h, w[:, :4], t)
+
+
+def test_real_arithmetic_rope_for_compile_equals_the_complex_product():
+    # apply_rotary_emb with (cos, sin) pairs (what forward passes under torch.compile) computes
+    # exactly Meta's complex multiplication, also with per-row positions (left padding)
+    torch.manual_seed(0)
+    table = precompute_freqs_cis(16, 32, 10000.0)                  # (32, 8) complex64
+    x = torch.randn(3, 5, 4, 16)
+    for freqs in (table[7:12], table[torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7],
+                                                   [9, 9, 10, 11, 12]])]):
+        expected = apply_rotary_emb(x, freqs)
+        assert torch.equal(apply_rotary_emb(x, torch.view_as_real(freqs)), expected)
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=50, max_seq_len=16))
+    assert torch.equal(model.freqs_cos_sin, torch.view_as_real(model.freqs_cis))

@@ -95,13 +95,22 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
         x: (B, T, n_heads, head_dim) queries or keys.
         freqs_cis: (T, head_dim // 2) complex64 rotations of the T positions of x (a slice of
             `precompute_freqs_cis`), or (B, T, head_dim // 2) when rows have their own positions
-            (left-padded batches).
+            (left-padded batches); or the same as float32 (cos, sin) pairs
+            (`torch.view_as_real`, one more trailing dimension of 2), which torch.compile
+            needs.
         dtype: dtype of the result (default: x's).
 
     Returns:
         Tensor of x's shape, in `dtype`.
     """
     B, T, H, hd = x.shape
+    if not freqs_cis.is_complex():
+        # The same rotation in real arithmetic, for torch.compile (Inductor generates no code
+        # for complex tensors): freqs_cis given as view_as_real, (..., T, hd/2, 2) = (cos, sin).
+        x0, x1 = x.float().reshape(B, T, H, hd // 2, 2).unbind(-1)   # (B, T, H, hd/2) each
+        cos, sin = freqs_cis.view(-1, T, 1, hd // 2, 2).unbind(-1)   # (B|1, T, 1, hd/2) each
+        rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+        return rotated.flatten(3).to(dtype or x.dtype)                # (B, T, H, hd)
     pairs = torch.view_as_complex(x.float().reshape(B, T, H, hd // 2, 2))   # (B, T, H, hd/2) c64
     rotated = pairs * freqs_cis.view(-1, T, 1, hd // 2)                    # broadcast (B) and H
     return torch.view_as_real(rotated).flatten(3).to(dtype or x.dtype)     # (B, T, H, hd)
@@ -288,6 +297,8 @@ class Transformer(nn.Module):
         # attribute, as in Meta's model, not a buffer: `model.to(torch.bfloat16)` would cast a
         # complex buffer to real and drop the sines. forward() moves it to the input's device.
         self.freqs_cis = precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta)
+        # The same as real (cos, sin) pairs (max_seq_len, head_dim/2, 2), for torch.compile.
+        self.freqs_cos_sin = torch.view_as_real(self.freqs_cis).clone()
 
     def tie_weights(self) -> None:
         """Make `output` share `tok_embeddings`' weight when args.tie_embeddings (press & Wolf
@@ -377,8 +388,9 @@ class Transformer(nn.Module):
 
         if self.freqs_cis.device != tokens.device:           # once, after model.to(device)
             self.freqs_cis = self.freqs_cis.to(tokens.device)
+            self.freqs_cos_sin = self.freqs_cos_sin.to(tokens.device)
         h = self.tok_embeddings(tokens)                      # (B, T, D)
-        freqs_cis = self.freqs_cis[start_pos:end]            # (T, hd/2) complex64
+        freqs_cis = self._rope_table()[start_pos:end]        # (T, hd/2) complex64
 
         mask = None                                          # causal (T>1, nothing cached) or T=1
         if pad is not None:
@@ -400,6 +412,13 @@ class Transformer(nn.Module):
                                         targets.flatten())                    # → () fp32
         return self.output(h).float()                        # (B, T, V) fp32
 
+    def _rope_table(self) -> torch.Tensor:
+        """freqs_cis (max_seq_len, hd/2) complex64; under torch.compile the same numbers as
+        real (cos, sin) pairs (max_seq_len, hd/2, 2) float32, made once outside the graph."""
+        if not torch.compiler.is_compiling():
+            return self.freqs_cis
+        return self.freqs_cos_sin
+
     def _padded_rope_and_mask(self, pad: torch.Tensor, start_pos: int, end: int
                               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row RoPE rotations (B, T, hd/2) and attention mask (B, 1, T, S) of a left-padded
@@ -407,7 +426,7 @@ class Transformer(nn.Module):
         q_slot = torch.arange(start_pos, end, device=pad.device)          # (T,)
         k_slot = torch.arange(end, device=pad.device)                     # (S,)
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0)         # (B, T)
-        freqs_cis = self.freqs_cis[positions]                             # (B, T, hd/2) c64
+        freqs_cis = self._rope_table()[positions]                         # (B, T, hd/2) c64
         causal = k_slot[None, None, :] <= q_slot[None, :, None]           # (1, T, S)
         real = k_slot[None, None, :] >= pad[:, None, None]                # (B, 1, S)
         # A padding query would see nothing (an all -inf softmax row gives NaN): let it see
