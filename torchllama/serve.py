@@ -439,8 +439,6 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
           max_queue: int = 64) -> None:
     """Load a checkpoint and serve it with uvicorn until interrupted."""
-    import os
-
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype)

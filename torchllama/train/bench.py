@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from torchllama.bench import _measure
 from torchllama.checkpoint.hf import hf_config, hf_name, permute_meta_to_hf

@@ -31,12 +31,13 @@ import os
 import shutil
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from torchllama.checkpoint import atomic_output
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
@@ -363,10 +364,9 @@ def sample_text(model, tokenizer, prompt: Optional[str], max_new_tokens: int, se
 # The run
 # --------------------------------------------------------------------------------------------
 
-def _write_log(path: Path, entries: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
-    os.replace(tmp, path)
+def _write_text(path: Path, text: str) -> None:
+    with atomic_output(path, folder=False, force=True) as tmp:
+        tmp.write_text(text)
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -507,7 +507,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             shutil.rmtree(stale, ignore_errors=True)
         log = [e for e in read_log(run_dir) if e.get("step", 0) <= step] \
             if log_path.exists() and resume_from else []    # a fresh start: no old lines
-        _write_log(log_path, log)                                # drop steps after the checkpoint
+        _write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))                                # drop steps after the checkpoint
         run_info = {"config": dataclasses.asdict(config), "model_args": dataclasses.asdict(args),
                     "parameters": count_params(model), "seq_len": seq_len,
                     "grad_accum": grad_accum, "world_size": ctx.world_size,
@@ -515,9 +515,7 @@ def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                     "device": str(device), "peak_flops": peak, "peak_flops_source": peak_source,
                     "data": str(data_dir.resolve()), "tokenizer": str(tok_path),
                     "unigram_val_loss": unigram_loss(train_tokens, val_tokens, args.vocab_size)}
-        tmp = run_dir / ".run.json.tmp"
-        tmp.write_text(json.dumps(run_info, indent=2) + "\n")
-        os.replace(tmp, run_dir / "run.json")
+        _write_text(run_dir / "run.json", json.dumps(run_info, indent=2) + "\n")
         print(f"model: {count_params(model):,} parameters ({args.n_layers} layers, dim "
               f"{args.dim}, vocab {args.vocab_size}); {tokens_per_step:,} tokens per step "
               f"({ctx.world_size} process(es) × {grad_accum} micro-steps × {config.batch_size} "

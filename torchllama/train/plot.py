@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from torchllama.checkpoint import atomic_output
 from torchllama.errors import ArgumentError
 
 
@@ -67,8 +68,9 @@ def plot_log(run_dir: str | os.PathLike, out: Optional[str | os.PathLike] = None
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out) if out is not None else Path(run_dir) / "loss.png"
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        with atomic_output(out, folder=False, force=True) as tmp:
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
     return out
