@@ -22,6 +22,7 @@ import torch
 
 import torchllama
 from torchllama.checkpoint import gguf as gguf_format
+from torchllama.families import LLAMA
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.model import Transformer
@@ -275,7 +276,7 @@ def test_max_seq_len_override(small_file):
     path, _ = small_file
     model, _ = load(path, max_seq_len=32)
     assert model.args.max_seq_len == 32
-    assert model.freqs_cis.shape == (32, SMALL.head_dim // 2)
+    assert model.rope.freqs_cis.shape == (32, SMALL.head_dim // 2)
     with pytest.raises(ArgumentError, match="max_seq_len"):
         load(path, max_seq_len=0)
 
@@ -592,7 +593,7 @@ def test_smollm2_metadata_and_shapes():
     reader = gguf_format.open_gguf(path)
     metadata = gguf_format.read_metadata(reader)
     names = {t.name for t in reader.tensors}
-    args = gguf_format.model_args_from_metadata(metadata, names, str(path))
+    args = LLAMA.args_from_gguf(metadata, names, str(path))
 
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden_dim,
             args.vocab_size, args.rope_theta, args.tie_embeddings, args.max_seq_len) == (
@@ -606,9 +607,10 @@ def test_smollm2_metadata_and_shapes():
     # Every tensor of the file maps to one of our parameters with the right shape and a supported
     # type (what load_gguf_state_dict checks, without reading the data).
     expected = {name: p.shape for name, p in model.state_dict().items()}
+    ours = {m.theirs: m.ours[0] for m in LLAMA.mappings("gguf", args.n_layers)}
     seen = set()
     for t in reader.tensors:
-        name = gguf_format.our_tensor_name(t.name)
+        name = ours.get(t.name)
         assert name in expected, t.name
         assert tuple(reversed([int(d) for d in t.shape])) == tuple(expected[name]), t.name
         assert t.tensor_type in gguf_format.SUPPORTED_TYPES, (t.name, t.tensor_type.name)

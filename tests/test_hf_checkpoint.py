@@ -22,7 +22,8 @@ import torch
 
 import torchllama
 from conftest import LLAMA_SPM_VOCAB, smollm2_path
-from torchllama.checkpoint.hf import hf_name, meta_name, model_args_from_config, read_hf
+from torchllama.checkpoint.hf import read_hf
+from torchllama.families import LLAMA
 from torchllama.errors import ModelFileError
 from torchllama.tokenizer import HFTokenizer, SentencePieceTokenizer, load_hf_tokenizer
 
@@ -180,13 +181,16 @@ def test_read_hf_returns_meta_names_without_output_for_tied(tmp_path, tiny_token
 
 
 def test_name_mapping_round_trip():
-    assert meta_name("model.layers.3.self_attn.k_proj.weight") == "layers.3.attention.wk.weight"
-    assert meta_name("model.layers.0.mlp.gate_proj.weight") == "layers.0.feed_forward.w1.weight"
-    assert meta_name("lm_head.weight") == "output.weight"
-    assert meta_name("model.layers.0.self_attn.q_norm.weight") is None
+    def ours(hf):
+        return {m.theirs: m.ours for m in LLAMA.mappings("hf", 12)}.get(hf)
+
+    assert ours("model.layers.3.self_attn.k_proj.weight") == ("layers.3.attention.wk.weight",)
+    assert ours("model.layers.0.mlp.gate_proj.weight") == ("layers.0.feed_forward.w1.weight",)
+    assert ours("lm_head.weight") == ("output.weight",)
+    assert ours("model.layers.0.self_attn.q_norm.weight") is None
     for name in ("model.embed_tokens.weight", "model.norm.weight",
                  "model.layers.11.post_attention_layernorm.weight"):
-        assert hf_name(meta_name(name)) == name
+        assert LLAMA.their_name("hf", ours(name)[0], 12) == name
 
 
 def _edit_config(folder: Path, **changes) -> None:
@@ -217,7 +221,7 @@ def test_transformers4_config(tiny_dir):
 def test_config_defaults_follow_llama_config():
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "vocab_size": 10, "intermediate_size": 100}
-    args = model_args_from_config(config, "config.json")
+    args = LLAMA.args_from_hf(config, "config.json")
     expected = transformers.LlamaConfig(**config)
     assert args.n_kv_heads == expected.num_key_value_heads == 4
     assert args.norm_eps == expected.rms_norm_eps

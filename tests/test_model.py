@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchllama.checkpoint.hf import (hf_to_meta_state_dict, permute_hf_to_meta,
-                                      permute_meta_to_hf)
+from torchllama.checkpoint.hf import from_hf_state_dict
+from torchllama.cpu import set_weight_layout
+from torchllama.families import LLAMA, permute_hf_to_meta, permute_meta_to_hf
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.model import (Transformer, apply_rotary_emb, precompute_freqs_cis, repeat_kv,
-                              set_weight_layout)
+from torchllama.model import Transformer
+from torchllama.nn import apply_rotary_emb, precompute_freqs_cis, repeat_kv
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,7 +31,7 @@ def hf_pair(n_heads=4, n_kv_heads=2, tie=False, dim=64, layers=3, vocab=300, hid
                      vocab_size=vocab, hidden_dim=hidden, norm_eps=1e-5, rope_theta=theta,
                      max_seq_len=128, tie_embeddings=tie)
     ours = Transformer(args).eval()
-    ours.load_state_dict(hf_to_meta_state_dict(hf.state_dict(), args), strict=True)
+    ours.load_state_dict(from_hf_state_dict(LLAMA, hf.state_dict(), args), strict=True)
     return hf, ours
 
 
@@ -53,7 +54,7 @@ def test_logits_equal_hf_llama(n_heads, n_kv_heads, tie):
 def test_wrong_kv_head_count_in_permutation_breaks_parity():
     # The trap the design notes warn about: un-permuting wk with n_heads instead of n_kv_heads.
     hf, ours = hf_pair(4, 2)
-    sd = hf_to_meta_state_dict(hf.state_dict(), ours.args)
+    sd = from_hf_state_dict(LLAMA, hf.state_dict(), ours.args)
     sd["layers.0.attention.wk.weight"] = permute_hf_to_meta(
         hf.state_dict()["model.layers.0.self_attn.k_proj.weight"], 4)
     ours.load_state_dict(sd)
@@ -165,8 +166,8 @@ def test_rope_equals_explicit_rotation_matrices():
 def test_model_to_bfloat16_keeps_exact_rope():
     _, ours = hf_pair()
     ours = ours.to(torch.bfloat16)
-    assert ours.freqs_cis.dtype == torch.complex64                      # not cast to bf16
-    torch.testing.assert_close(ours.freqs_cis, precompute_freqs_cis(16, 128, 5000.0))
+    assert ours.rope.freqs_cis.dtype == torch.complex64                 # not cast to bf16
+    torch.testing.assert_close(ours.rope.freqs_cis, precompute_freqs_cis(16, 128, 5000.0))
 
 
 def test_rope_preserves_norms():
@@ -204,7 +205,7 @@ def test_fused_output_cross_entropy_equals_autograd(autocast):
     every parameter (chunks smaller than B·T, a tied output matrix, bf16 autocast)."""
     import torch.nn.functional as F
 
-    from torchllama.loss import linear_cross_entropy
+    from torchllama.nn.loss import linear_cross_entropy
     from torchllama.train.optim import init_weights
 
     torch.manual_seed(0)
@@ -252,4 +253,4 @@ def test_real_arithmetic_rope_for_compile_equals_the_complex_product():
         expected = apply_rotary_emb(x, freqs)
         assert torch.equal(apply_rotary_emb(x, torch.view_as_real(freqs)), expected)
     model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=50, max_seq_len=16))
-    assert torch.equal(model.freqs_cos_sin, torch.view_as_real(model.freqs_cis))
+    assert torch.equal(model.rope.freqs_cos_sin, torch.view_as_real(model.rope.freqs_cis))

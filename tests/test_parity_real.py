@@ -83,4 +83,10 @@ def test_bfloat16_close_to_float32(smollm2_gguf, smollm2):
     with torch.inference_mode():
         a, b = model32(tokens)[0, -1], model16(tokens)[0, -1]
     assert b.dtype == torch.float32
-    assert a.argmax() == b.argmax() and (a - b).abs().max() < 0.5
+    # Same prediction and nearly the same distribution. The logits themselves may move by a
+    # near-constant offset (softmax ignores it) whose size depends on the CPU's bf16 kernels
+    # (0.3 on AVX512-BF16 machines, 0.6 without), so compare distributions: KL(p32 ‖ p16),
+    # measured ≈ 2e-4 – 8e-4 nats here.
+    log_a, log_b = a.log_softmax(-1), b.log_softmax(-1)
+    kl = (log_a.exp() * (log_a - log_b)).sum()
+    assert a.argmax() == b.argmax() and kl < 5e-3

@@ -18,11 +18,11 @@ import pytest
 
 from torchllama.errors import ArgumentError, ModelFileError, TorchLlamaError
 from conftest import LLAMA_SPM_VOCAB, byte_level_alphabet
+from torchllama.checkpoint import load_tokenizer
 from torchllama.tokenizer import (
     BPETokenizer,
     SentencePieceTokenizer,
     Tokenizer,
-    load_tokenizer,
     tokenizer_from_gguf_metadata,
 )
 

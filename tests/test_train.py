@@ -97,7 +97,7 @@ def test_trained_tokenizer_is_llama2_like_and_matches_sentencepiece(corpus, toke
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2
 
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tokenizer_model.read_bytes())
@@ -116,7 +116,7 @@ def test_trained_tokenizer_is_llama2_like_and_matches_sentencepiece(corpus, toke
 
 
 def test_decode_encode_round_trip_on_the_whole_corpus(corpus, tokenizer_model):
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)
     files = sorted(corpus.glob("*.txt"))
@@ -128,7 +128,7 @@ def test_decode_encode_round_trip_on_the_whole_corpus(corpus, tokenizer_model):
 
 def test_prepared_data_holds_each_document_once_with_bos_and_eos(corpus, tokenizer_model,
                                                                  dataset):
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)
     meta = read_meta(dataset)
@@ -528,7 +528,7 @@ def test_prepare_data_never_replaces_a_folder_that_is_not_a_dataset(corpus, toke
 
 
 def test_a_model_folder_serves_as_the_tokenizer(corpus, tokenizer_model, tmp_path):
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -544,7 +544,7 @@ def test_a_model_folder_serves_as_the_tokenizer(corpus, tokenizer_model, tmp_pat
 
 def test_a_single_file_is_split_into_a_training_head_and_a_validation_tail(
         corpus, tokenizer_model, tmp_path):
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)
     source = corpus / "macbeth_gut.txt"

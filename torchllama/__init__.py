@@ -7,7 +7,7 @@ Python API::
     print(torchllama.generate(model, tokenizer, "The capital of France is", max_new_tokens=16))
 """
 
-from torchllama.checkpoint import convert, default_model_path, load, save
+from torchllama.checkpoint import convert, default_model_path, load, load_tokenizer, save
 from torchllama.config import PRESETS, ModelArgs, get_preset
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError, TrainingError)
@@ -16,7 +16,7 @@ from torchllama.generation import (Completion, Session, StreamDecoder, encode_ch
 from torchllama.sampling import SamplingParams, sample, token_logprobs
 from torchllama.stopping import StopStrings
 from torchllama.model import Transformer
-from torchllama.tokenizer import Tokenizer, load_tokenizer
+from torchllama.tokenizer import Tokenizer
 
 __all__ = [
     "load", "save", "convert", "load_tokenizer", "default_model_path", "generate",

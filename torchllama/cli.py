@@ -352,7 +352,7 @@ def train_tokenizer(*, input: list[str], vocab_size: int, out: str, force: bool 
     from torchllama.train.data import train_tokenizer as run
 
     path = run(input, vocab_size, out, force=force)
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
     print(f"{path}: {load_tokenizer(path).vocab_size} pieces")
     return 0
 

@@ -210,15 +210,9 @@ class Engine:
                     _notify(request.on_finish, "error")
 
     def _shift(self, d: int) -> None:
-        """Move every row's cached slots by d (right if d > 0, left if d < 0)."""
-        for layer in self.model.layers:
-            cache = layer.attention.kv_cache
-            for buf in (cache.k_cache, cache.v_cache):
-                if d > 0:
-                    buf[:, :, d:d + self._cur] = buf[:, :, :self._cur].clone()
-                    buf[:, :, :d] = 0                  # new padding: finite (see _prefill)
-                else:
-                    buf[:, :, :self._cur + d] = buf[:, :, -d:self._cur].clone()
+        """Move every row's cached slots by d (right if d > 0, left if d < 0); slots uncovered
+        by a right shift are zeroed, so the new padding is finite (see _prefill)."""
+        self.model.shift_caches(d, self._cur)
         self._pad += d
         self._cur += d
 
@@ -230,9 +224,7 @@ class Engine:
         self._pad[b] = start
         # The padding slots are masked out, but attention still multiplies their values by a
         # zero weight: they must be finite, and this row's may never have been written.
-        for layer in self.model.layers:
-            layer.attention.kv_cache.k_cache[b, :, :start] = 0
-            layer.attention.kv_cache.v_cache[b, :, :start] = 0
+        self.model.zero_cache_slots(slice(b, b + 1), 0, start)
         tokens = torch.tensor([request.prompt_ids], device=self.device)          # (1, P)
         logits = self.model(tokens, start, last_only=True, pad=self._pad[b:b + 1],
                             cache_rows=slice(b, b + 1))[:, -1]                  # (1, V)

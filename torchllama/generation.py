@@ -91,19 +91,19 @@ class Session:
         self.cached_ids: list[int] = []       # tokens whose keys/values are in the cache
         self.stats = GenerationStats()
         self._device = model.tok_embeddings.weight.device
-        self._cache = None
+        self._caches = None                   # the model's caches this session filled
 
     def reset(self) -> None:
         """Forget the cached conversation."""
         self.cached_ids = []
 
     def _ensure_cache(self) -> None:
-        # Our own cache, not just one of the right shape: generate_batch, the engine or another
-        # Session may have replaced it since (then what we remember is not in it).
-        if self._cache is None or self.model.layers[0].attention.kv_cache is not self._cache:
+        # Our own caches, not just ones of the right shape: generate_batch, the engine or another
+        # Session may have replaced them since (then what we remember is not in them).
+        if self._caches is None or self.model.caches is not self._caches:
             with torch.inference_mode(False):   # normal tensors: usable outside inference mode
                 self.model.setup_caches(1, self.max_seq_len)
-            self._cache = self.model.layers[0].attention.kv_cache
+            self._caches = self.model.caches
             self.cached_ids = []
 
     @torch.inference_mode()

@@ -1147,25 +1147,26 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     return HFTokenizer(tok, source=json_path, unk_id=ids["unk"], **common)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer from a GGUF file (model or vocab-only), a SentencePiece ``.model`` file
-    (as Meta's checkpoints hold it), a ``tokenizer.json`` file (with the other tokenizer files of
-    its folder), or a model folder holding Hugging Face tokenizer files or a SentencePiece
-    ``tokenizer.model`` (see :func:`load_hf_tokenizer`).
+def load_tokenizer_file(path: Path) -> Tokenizer:
+    """The tokenizer in one file: a SentencePiece ``.model`` (Meta's ``tokenizer.model``; BOS/EOS
+    from the model, add_bos True as Meta's reference prepends BOS to every prompt), or a
+    ``tokenizer.json`` with the tokenizer files of its folder (`load_hf_tokenizer`).
 
     Raises:
-        ModelFileError: the file is missing, of none of these kinds, or lacks/malforms
-            tokenizer fields.
+        ModelFileError: missing or unreadable file, not a SentencePiece model (Llama 3's
+            tiktoken file gets its own message).
     """
-    from torchllama.checkpoint.gguf import open_gguf, read_metadata
-    from torchllama.checkpoint.meta import load_meta_tokenizer
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        return load_hf_tokenizer(path)
-    if path.endswith(".model") or os.path.basename(path) == "tokenizer.json":
-        if not os.path.isfile(path):
-            raise ModelFileError(f"{path}: no such tokenizer file")
-        return load_meta_tokenizer(Path(path))
-    return tokenizer_from_gguf_metadata(read_metadata(open_gguf(path)), path)
-
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such tokenizer file")
+    if path.name == "tokenizer.json":
+        return load_hf_tokenizer(path.parent)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    if re.match(rb"[A-Za-z0-9+/=]+ \d+\r?\n", head):
+        raise ModelFileError(f"{path}: a tiktoken BPE vocabulary (Llama 3), which is not "
+                             "supported yet; expected a SentencePiece tokenizer.model")
+    return SentencePieceTokenizer.from_file(path, add_bos=True)

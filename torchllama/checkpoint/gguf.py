@@ -6,8 +6,11 @@ GGUF (llama.cpp's file format) holds three things we need:
   tokenizer under ``tokenizer.ggml.*`` and the chat template under ``tokenizer.chat_template``;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``, each possibly
   quantized (Q4_1, Q8_0, ...). ``gguf.quants.dequantize`` turns them back into float32 arrays.
-- q/k projection weights already in Meta's *interleaved* RoPE layout (llama.cpp's converter permutes
-  HF's rotate_half layout back), so they load into our model as they are.
+- for Llama, q/k projection weights already in Meta's *interleaved* RoPE layout (llama.cpp's
+  converter permutes HF's rotate_half layout back), so they load into our model as they are.
+
+`general.architecture` picks the family adapter (`torchllama.families`), which turns the
+``{arch}.*`` keys into `ModelArgs` and gives each tensor's GGUF name and layout.
 
 Shapes in GGUF are listed innermost-first (ggml order): a (out, in) matrix is listed as [in, out].
 The numpy arrays that ``GGUFReader`` exposes are already in row-major (out, in) order.
@@ -17,13 +20,18 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
 
-from torchllama.errors import MISSING, ModelFileError, checked_field
+from torchllama.checkpoint.common import expected_shapes
+from torchllama.config import ModelArgs
+from torchllama.errors import ArgumentError, ModelFileError
+from torchllama.families import Family, family_for_args, family_for_gguf
+from torchllama.tokenizer import tokenizer_from_gguf_metadata
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
@@ -83,28 +91,10 @@ def _release_file_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
     file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
-# GGUF tensor name → ours. `{i}` is the block index.
-TENSOR_NAMES: dict[str, str] = {
-    "token_embd.weight": "tok_embeddings.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "output.weight",
-    "blk.{i}.attn_norm.weight": "layers.{i}.attention_norm.weight",
-    "blk.{i}.attn_q.weight": "layers.{i}.attention.wq.weight",
-    "blk.{i}.attn_k.weight": "layers.{i}.attention.wk.weight",
-    "blk.{i}.attn_v.weight": "layers.{i}.attention.wv.weight",
-    "blk.{i}.attn_output.weight": "layers.{i}.attention.wo.weight",
-    "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm.weight",
-    "blk.{i}.ffn_gate.weight": "layers.{i}.feed_forward.w1.weight",
-    "blk.{i}.ffn_down.weight": "layers.{i}.feed_forward.w2.weight",
-    "blk.{i}.ffn_up.weight": "layers.{i}.feed_forward.w3.weight",
-}
-
 # Tensor types we dequantize (with gguf.quants.dequantize) and test.
 SUPPORTED_TYPES = frozenset(
     getattr(gguf.GGMLQuantizationType, name)
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
-
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Unquantized tensor types: numpy dtype of the stored bytes and the torch dtype they hold.
 _FLOAT_TYPES = {
@@ -114,97 +104,33 @@ _FLOAT_TYPES = {
 }
 
 
-def gguf_tensor_name(our_name: str) -> str:
-    """The GGUF name of one of our parameters (inverse of `our_tensor_name`)."""
-    for gguf_template, our_template in TENSOR_NAMES.items():
-        parts = our_name.split(".")
-        if "{i}" in our_template and len(parts) > 2 and parts[1].isdigit():
-            if our_template.format(i=parts[1]) == our_name:
-                return gguf_template.format(i=parts[1])
-        elif our_template == our_name:
-            return gguf_template
-    return our_name
-
-
-def our_tensor_name(gguf_name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name, or None if it is not one we know."""
-    if gguf_name in TENSOR_NAMES:
-        return TENSOR_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)          # "blk", "N", "attn_q.weight"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        template = TENSOR_NAMES.get(f"blk.{{i}}.{parts[2]}")
-        if template is not None:
-            return template.format(i=int(parts[1]))
-    return None
-
-
-def model_args_from_metadata(metadata: dict[str, Any], tensor_names: set[str], source: str):
-    """`ModelArgs` from a GGUF file's `{arch}.*` metadata.
-
-    Args:
-        metadata: from `read_metadata`.
-        tensor_names: names of the tensors in the file (an absent `output.weight` means tied
-            embeddings).
-        source: file path, for error messages.
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
+    """(args, state dict in our names and `dtype`, tokenizer) of a GGUF file; the family adapter
+    of its `general.architecture` gives the hyperparameters and tensor names.
 
     Raises:
-        ModelFileError: unsupported architecture or RoPE scaling, a missing required key, or
-            values that do not form a valid model.
+        ModelFileError: see `open_gguf`, the family's `args_from_gguf`, `load_gguf_state_dict`
+            and `torchllama.tokenizer.tokenizer_from_gguf_metadata`.
     """
-    from torchllama.config import ModelArgs
-    from torchllama.errors import ArgumentError
-
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            f"{source}: architecture {arch!r} (general.architecture) is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-    def need(key: str, kind: type = int, default=MISSING):
-        return checked_field(metadata, f"{arch}.{key}", kind, source, default,
-                             what="metadata key")
-
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise ModelFileError(f"{source}: RoPE scaling ({scaling!r}) is not supported yet")
-
-    n_heads = need("attention.head_count")
-    n_vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-    if not n_vocab:
-        raise ModelFileError(
-            f"{source}: vocabulary size unknown ({arch}.vocab_size and tokenizer.ggml.tokens "
-            "are both missing)")
-    try:
-        args = ModelArgs(
-            dim=need("embedding_length"),
-            n_layers=need("block_count"),
-            n_heads=n_heads,
-            n_kv_heads=need("attention.head_count_kv", int, n_heads),
-            vocab_size=n_vocab,
-            hidden_dim=need("feed_forward_length"),
-            norm_eps=need("attention.layer_norm_rms_epsilon", float),
-            rope_theta=need("rope.freq_base", float, 10000.0),
-            max_seq_len=need("context_length"),
-            tie_embeddings="output.weight" not in tensor_names,
-        )
-    except ArgumentError as e:
-        raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count", args.head_dim)
-    if rope_dims != args.head_dim:
-        raise ModelFileError(
-            f"{source}: partial RoPE ({arch}.rope.dimension_count={rope_dims}, head_dim="
-            f"{args.head_dim}) is not supported")
-    return args
+    source = str(path)
+    reader = open_gguf(path)
+    metadata = read_metadata(reader)
+    family = family_for_gguf(metadata, source)
+    args = family.args_from_gguf(metadata, {t.name for t in reader.tensors}, source)
+    tokenizer = tokenizer_from_gguf_metadata(metadata, source)
+    state = load_gguf_state_dict(reader, family, args, dtype, source, progress)
+    return args, state, tokenizer
 
 
-def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size],
+def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArgs,
                          dtype: torch.dtype, source: str, progress: bool = True
                          ) -> dict[str, torch.Tensor]:
     """Dequantize every tensor of a GGUF file into our names, shapes checked.
 
     Args:
         reader: an open GGUF file.
-        expected: our parameter name → shape (from the model built on the meta device).
+        family: its family adapter (GGUF names and layouts).
+        args: the model's hyperparameters (from the file's metadata).
         dtype: dtype of the returned tensors.
         source: file path, for error messages.
         progress: show a tqdm progress bar.
@@ -218,11 +144,13 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
     """
     from tqdm import tqdm
 
+    expected = expected_shapes(args)
+    by_name = {m.theirs: m for m in family.mappings("gguf", args.n_layers, set(expected))}
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
                   leave=False):
-        name = our_tensor_name(t.name)
-        if name is None or name not in expected:
+        mapping = by_name.get(t.name)
+        if mapping is None:
             raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelFileError(
@@ -230,10 +158,11 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
                 f"is not supported (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
         # ggml lists dims innermost first: (in, out) for a matrix whose rows are `out`.
         shape = torch.Size(reversed([int(d) for d in t.shape]))
-        if shape != expected[name]:
+        want = mapping.layout.stored_shape(tuple(expected[n] for n in mapping.ours))
+        if shape != want:
             raise ModelFileError(
                 f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
-                f"{tuple(expected[name])} for {name}")
+                f"{tuple(want)} for {', '.join(mapping.ours)}")
         try:
             if t.tensor_type in _FLOAT_TYPES:   # F32/F16/BF16: the stored values, no fp32 detour
                 np_dtype, stored = _FLOAT_TYPES[t.tensor_type]
@@ -245,10 +174,10 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, expected: dict[str, torch.Size
                                           .reshape(shape))
         except ValueError as e:
             raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short ({e})") from e
-        state[name] = tensor.to(dtype)
+        state.update(zip(mapping.ours, (x.to(dtype) for x in mapping.layout.load(tensor, args))))
         _release_file_pages(reader, t)
-    missing = [f"{gguf_tensor_name(n)} ({n})" for n in expected
-               if n not in state and n != "output.weight"]
+    missing = [f"{family.their_name('gguf', n, args.n_layers)} ({n})" for n in expected
+               if n not in state and not (n == "output.weight" and args.tie_embeddings)]
     if missing:
         raise ModelFileError(
             f"{source}: missing tensors for {', '.join(missing[:5])}"
@@ -296,11 +225,12 @@ def gguf_tensor_type(shape: torch.Size, qtype: str) -> gguf.GGMLQuantizationType
 
 def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
               qtype: str = "F32", name: str = "torchllama", progress: bool = True) -> None:
-    """Write our model as a llama.cpp GGUF file (architecture 'llama').
+    """Write our model as a llama.cpp GGUF file, in the GGUF architecture of its family.
 
-    Hyperparameters go to `llama.*` metadata, the tokenizer to `tokenizer.*`, tensors under
-    llama.cpp's names. q/k weights are written as they are: GGUF uses Meta's interleaved RoPE
-    layout. A tied output projection is not written (llama.cpp ties when `output` is absent).
+    Hyperparameters go to `{arch}.*` metadata (the family's `gguf_metadata`), the tokenizer to
+    `tokenizer.*`, tensors under the family's GGUF names and layouts (Llama: q/k as they are,
+    GGUF uses Meta's interleaved RoPE layout). A tied output projection is not written
+    (llama.cpp ties when `output` is absent).
 
     Args:
         model: a `Transformer`.
@@ -312,28 +242,18 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         progress: show a progress bar.
 
     Raises:
-        ArgumentError: unknown qtype.
+        ArgumentError: unknown qtype, or a model no GGUF architecture can hold.
     """
     from tqdm import tqdm
-
-    from torchllama.errors import ArgumentError
 
     if qtype not in WRITE_TYPES:
         raise ArgumentError(f"GGUF tensor type {qtype!r} is not supported for writing; "
                             f"use one of {', '.join(WRITE_TYPES)}")
     args = model.args
-    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    family = family_for_args(args, "gguf")
+    writer = gguf.GGUFWriter(os.fspath(path), family.gguf_architecture)
     writer.add_name(name)
-    writer.add_context_length(args.max_seq_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_hidden_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
-    writer.add_layer_norm_rms_eps(args.norm_eps)
-    writer.add_rope_freq_base(args.rope_theta)
-    writer.add_rope_dimension_count(args.head_dim)
-    writer.add_vocab_size(args.vocab_size)
+    family.gguf_metadata(writer, args)
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                           "BF16": gguf.LlamaFileType.MOSTLY_BF16,
                           "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
@@ -347,17 +267,18 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         state = model.state_dict()
         if args.tie_embeddings:
             state.pop("output.weight", None)
-        for ours, tensor in tqdm(state.items(), desc="writing GGUF", unit="tensor",
-                                 disable=not progress, leave=False):
+        mappings = family.mappings("gguf", args.n_layers, set(state))
+        for m in tqdm(mappings, desc="writing GGUF", unit="tensor", disable=not progress,
+                      leave=False):
+            tensor = m.layout.save(tuple(state[n].detach() for n in m.ours), args)
             t = gguf_tensor_type(tensor.shape, qtype)
-            data = tensor.detach().float().contiguous().numpy()
+            data = tensor.float().contiguous().numpy()
             if t == gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(gguf_tensor_name(ours), data)
+                writer.add_tensor(m.theirs, data)
             elif t == gguf.GGMLQuantizationType.F16:
-                writer.add_tensor(gguf_tensor_name(ours), data.astype(np.float16))
+                writer.add_tensor(m.theirs, data.astype(np.float16))
             else:
-                writer.add_tensor(gguf_tensor_name(ours), gguf.quants.quantize(data, t),
-                                  raw_dtype=t)
+                writer.add_tensor(m.theirs, gguf.quants.quantize(data, t), raw_dtype=t)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)

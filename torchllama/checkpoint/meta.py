@@ -59,9 +59,11 @@ from typing import Any, Optional
 
 import torch
 
-from torchllama.checkpoint import _names
+from torchllama.checkpoint.common import expected_shapes, names_list
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
+from torchllama.families import LLAMA
+from torchllama.tokenizer import load_tokenizer_file
 
 #: Context length used when params.json has no ``max_seq_len`` (Llama 2's; Meta's params.json
 #: leaves it to the caller).
@@ -94,33 +96,16 @@ UNSUPPORTED_FIELDS = {
     "nope_layer_interval": "layers without RoPE",
 }
 
-# Model-parallel split dimension of each tensor, by the name after "layers.N." (see the module
-# docstring); None = replicated on every shard.
-SHARD_DIMS: dict[str, Optional[int]] = {
-    "tok_embeddings.weight": 1,        # ParallelEmbedding: (vocab, dim) split by columns
-    "attention.wq.weight": 0,          # ColumnParallelLinear: (out, in) split by rows
-    "attention.wk.weight": 0,
-    "attention.wv.weight": 0,
-    "attention.wo.weight": 1,          # RowParallelLinear: split by columns
-    "feed_forward.w1.weight": 0,
-    "feed_forward.w2.weight": 1,
-    "feed_forward.w3.weight": 0,
-    "output.weight": 0,
-    "attention_norm.weight": None,     # RMSNorm gains: replicated
-    "ffn_norm.weight": None,
-    "norm.weight": None,
-}
-
 DROPPED_TENSORS = ("rope.freqs",)
 
 _SHARD_NAME = re.compile(r"consolidated\.(\d+)\.pth\Z")
-_LAYER_PREFIX = re.compile(r"\Alayers\.\d+\.")
 
 
 def shard_dim(name: str) -> Optional[int]:
     """Dimension along which Meta's model parallelism splits tensor `name` (0 or 1), or None for
-    a replicated tensor (norms) or a name we do not know."""
-    return SHARD_DIMS.get(_LAYER_PREFIX.sub("", name, count=1))
+    a replicated tensor (norms) or a name Meta's layers do not split (from the Llama family's
+    table, `torchllama.families.llama`)."""
+    return LLAMA.meta_shard_dim(name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,28 +220,6 @@ def find_tokenizer(folder: Path) -> Path:
     raise ModelFileError(f"{folder}: no tokenizer.model in {folder} or its parent")
 
 
-def load_meta_tokenizer(path: Path):
-    """`SentencePieceTokenizer` of a Meta tokenizer.model (BOS/EOS from the model; add_bos True,
-    as Meta's reference prepends BOS to every prompt), or the HF tokenizer of a tokenizer.json.
-
-    Raises:
-        ModelFileError: not a SentencePiece model (Llama 3's tiktoken file gets its own message).
-    """
-    from torchllama.tokenizer import SentencePieceTokenizer, load_hf_tokenizer
-
-    if path.name == "tokenizer.json":
-        return load_hf_tokenizer(path.parent)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    if re.match(rb"[A-Za-z0-9+/=]+ \d+\r?\n", head):
-        raise ModelFileError(f"{path}: a tiktoken BPE vocabulary (Llama 3), which is not "
-                             "supported yet; expected a SentencePiece tokenizer.model")
-    return SentencePieceTokenizer.from_file(path, add_bos=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # Shards
 # ------------------------------------------------------------------------------------------------
@@ -350,20 +313,20 @@ def _merged_shape(name: str, shards: list[dict[str, torch.Tensor]], files: list[
     return tuple(merged)
 
 
-def _check_names(shards: list[dict[str, torch.Tensor]], files: list[Path],
+def _checknames_list(shards: list[dict[str, torch.Tensor]], files: list[Path],
                  expected: dict[str, torch.Size], source: str) -> None:
     names = [set(s) - set(DROPPED_TENSORS) for s in shards]
     for f, n in zip(files[1:], names[1:]):
         if n != names[0]:
             only0, onlyf = sorted(names[0] - n), sorted(n - names[0])
-            parts = ([f"{_names(only0)} only in {files[0].name}"] if only0 else []) + \
-                    ([f"{_names(onlyf)} only in {f.name}"] if onlyf else [])
+            parts = ([f"{names_list(only0)} only in {files[0].name}"] if only0 else []) + \
+                    ([f"{names_list(onlyf)} only in {f.name}"] if onlyf else [])
             raise ModelFileError(f"{f.parent}: shards hold different tensors: {'; '.join(parts)}")
     missing = [n for n in expected if n not in names[0]]
     unexpected = sorted(n for n in names[0] if n not in expected)
     if missing or unexpected:
-        parts = ([f"missing tensors {_names(missing)}"] if missing else []) + \
-                ([f"unexpected tensors {_names(unexpected)}"] if unexpected else [])
+        parts = ([f"missing tensors {names_list(missing)}"] if missing else []) + \
+                ([f"unexpected tensors {names_list(unexpected)}"] if unexpected else [])
         raise ModelFileError(f"{source}: {'; '.join(parts)}")
 
 
@@ -451,21 +414,18 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
     """
     from tqdm import tqdm
 
-    from torchllama.model import Transformer
-
     folder = Path(path)
     params_path = folder / "params.json"
     params = read_params(params_path)
-    tokenizer = load_meta_tokenizer(find_tokenizer(folder))
+    tokenizer = load_tokenizer_file(find_tokenizer(folder))
     args = model_args_from_params(params, tokenizer.vocab_size, str(params_path))
 
     files = find_shards(folder)
     shards = [load_shard(f) for f in files]
     source = str(files[0]) if len(files) == 1 else \
         f"{folder} (consolidated.00.pth ... {files[-1].name})"
-    with torch.device("meta"):
-        expected = {n: p.shape for n, p in Transformer(args).state_dict().items()}
-    _check_names(shards, files, expected, source)
+    expected = expected_shapes(args)
+    _checknames_list(shards, files, expected, source)
     _check_shapes(shards, files, expected, args, str(params_path), source)
 
     state: dict[str, torch.Tensor] = {}

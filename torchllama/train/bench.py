@@ -18,27 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from torchllama.bench import _measure
-from torchllama.checkpoint.hf import hf_config, hf_name, permute_meta_to_hf
+from torchllama.checkpoint.hf import hf_config, to_hf_state_dict
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ArgumentError
 from torchllama.model import Transformer
 from torchllama.train.optim import count_params, init_weights, make_optimizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our state dict under transformers' names, q/k rows permuted to HF's rotate_half layout
-    (a tied output matrix is kept as `lm_head.weight`, the embedding itself)."""
-    args = model.args
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("attention.wq.weight"):
-            t = permute_meta_to_hf(t, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = permute_meta_to_hf(t, args.n_kv_heads)
-        out[hf_name(name)] = t
-    return out
 
 
 def build_pair(args: ModelArgs, seed: int = 0):
@@ -60,7 +46,7 @@ def build_pair(args: ModelArgs, seed: int = 0):
     config = transformers.LlamaConfig(**hf_config(args, torch.float32, None, None),
                                       attn_implementation="sdpa")
     hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict(hf_state_dict(ours), strict=True)
+    hf.load_state_dict(to_hf_state_dict(ours), strict=True)
     if args.tie_embeddings and hf.lm_head.weight is not hf.model.embed_tokens.weight:
         raise RuntimeError("transformers did not tie lm_head to embed_tokens")
     return ours.train(), hf.train()
@@ -96,7 +82,7 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
     (`make_optimizer`, lr 3e-4: decay on linear weight matrices only — the grouping is by
     parameter kind, so it applies to HF's modules unchanged), zero_grad. The loss: ours is our
     training path, `forward(inputs, targets=...)`, whose output projection is fused with the
-    cross-entropy (`torchllama.loss.linear_cross_entropy`, no (B, T, V) logits); HF returns its
+    cross-entropy (`torchllama.nn.loss.linear_cross_entropy`, no (B, T, V) logits); HF returns its
     logits (use_cache=False) and F.cross_entropy over them in fp32 gives the loss, as HF's own
     loss function does. With dtype "bfloat16" both run forward
     and loss under `torch.autocast("cpu", dtype=torch.bfloat16)`, weights and optimizer state in
@@ -154,7 +140,7 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
     tokens_per_step = batch_size * seq_len
 
     # Ours: the training path, forward(targets=...) with the output layer fused into the loss
-    # (torchllama.loss). HF: its logits, then F.cross_entropy (HF's own loss does the same).
+    # (torchllama.nn.loss). HF: its logits, then F.cross_entropy (HF's own loss does the same).
     run_ours = torch.compile(ours) if compile else ours
     run_hf = torch.compile(hf) if compile and hf is not None else hf
     loss_fns = {"torchllama": lambda x, y: run_ours(x, targets=y)}  # () fp32

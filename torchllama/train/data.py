@@ -198,7 +198,7 @@ _worker_tokenizer = None
 def _init_worker(tokenizer_path: str) -> None:
     global _worker_tokenizer
     torch.set_num_threads(1)
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
@@ -257,7 +257,7 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
     """
     from tqdm import tqdm
 
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     if not 0 <= val_fraction < 1:
         raise ArgumentError(f"--val-fraction must be in [0, 1), got {val_fraction}")

@@ -304,7 +304,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 def next_token_loss(model, batch: torch.Tensor, autocast) -> torch.Tensor:
     """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (the model's fused
-    output projection + loss, `torchllama.loss.linear_cross_entropy`).
+    output projection + loss, `torchllama.nn.loss.linear_cross_entropy`).
 
     Args:
         batch: (B, T + 1) int64 token ids.
@@ -390,7 +390,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 
 def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    from torchllama.tokenizer import load_tokenizer
+    from torchllama.checkpoint import load_tokenizer
 
     run_dir = Path(config.out)
     data_dir = Path(config.data)

