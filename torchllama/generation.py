@@ -73,7 +73,9 @@ class Session:
 
     Each `generate` call re-uses the longest prefix of the new prompt that is already in the
     cache (a chat REPL re-renders the whole conversation each turn; only the new turn is
-    prefilled).
+    prefilled). Sliding-window layers keep only their window plus a margin of slots, so a new
+    prompt that diverges from the cached one more than that margin before the cache's end is
+    prefilled from the start.
 
     The cache lives in the model (`Transformer.setup_caches`), as in gpt-fast: use one Session
     per model at a time, and don't run the model elsewhere between its calls.
@@ -141,6 +143,8 @@ class Session:
         limit = min(len(self.cached_ids), len(prompt_ids) - 1)
         while n < limit and self.cached_ids[n] == prompt_ids[n]:
             n += 1
+        if not self.model.cache_can_write_at(n):   # a sliding window's ring no longer holds
+            n = 0                                   # what slot n needs: start over
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
                                              prefilled_tokens=len(prompt_ids) - n)
         self.cached_ids = list(prompt_ids[:n])

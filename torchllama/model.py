@@ -1,12 +1,16 @@
 """The decoder: token embeddings, n_layers residual blocks of attention and feed-forward, a final
-norm and the output projection — assembled from the building blocks in `torchllama.nn`.
+norm and the output projection — assembled from the building blocks in `torchllama.nn`, one
+block per architecture choice of `ModelArgs` (Llama 2's by default).
 
 Read top to bottom. Parameter names are Meta's (meta-llama/llama, llama/model.py), so Meta
 checkpoints load with strict key checking; other checkpoint formats map their names onto these
-through their family's adapter (`torchllama.families`).
+through their family's adapter (`torchllama.families`). Names the zoo adds: `pos_embeddings`
+(learned positions), `position_bias` (T5), `layers.N.post_attention_norm` / `post_ffn_norm`
+(sandwich), `layers.N.attention.q_norm` / `k_norm` (QK-norm), `.bias` of biased projections and
+LayerNorms, and DeepSeek's `wq_a`, `q_norm`, `wq_b`, `wkv_a`, `kv_norm`, `wkv_b` for MLA.
 
-Shape letters in comments: B batch, T new tokens in this call, S = start_pos + T positions
-attended (cached prefix + new), H n_heads, KV n_kv_heads, hd head_dim, D dim, F hidden, V vocab.
+Shape letters in comments: B batch, T new tokens in this call, S keys attended (cached + new),
+H n_heads, KV n_kv_heads, hd head_dim, D dim, F hidden, V vocab.
 
 The model holds no device, compile or process-group code: callers move it (`.to`), compile its
 decode step, or shard it from outside. Everything in `forward` has static shapes given
@@ -21,35 +25,55 @@ from typing import Optional
 import torch
 from torch import nn
 
-from torchllama.config import ModelArgs
+from torchllama.config import LayerSpec, ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.nn import (Attention, AttentionInputs, FeedForward, KVCache, RMSNorm,
-                           RotaryEmbedding, linear_cross_entropy)
+from torchllama.nn import (ALiBi, AttentionInputs, KVCache, LearnedPositions, RotaryEmbedding,
+                           SinusoidalPositions, T5RelativeBias, linear_cross_entropy,
+                           make_attention, make_mlp, make_norm)
 
 
 class TransformerBlock(nn.Module):
-    """One decoder layer with pre-norm residuals (as Meta's TransformerBlock):
-        h   = x + Attention(RMSNorm(x))
-        out = h + FeedForward(RMSNorm(h))
+    """One decoder layer. With N a norm, Attn and FFN the sublayers:
+
+        pre-norm (GPT-2, Llama; Xiong et al. 2020):  h = x + Attn(N(x));   out = h + FFN(N(h))
+        post-norm (Vaswani et al. 2017):             h = N(x + Attn(x));   out = N(h + FFN(h))
+        sandwich (Gemma 2/3):                        h = x + N'(Attn(N(x))); out = h + N'(FFN(N(h)))
+        parallel (GPT-J, PaLM §2):                   out = x + Attn(N(x)) + FFN(N(x))
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, spec: LayerSpec):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.spec = spec
+        self.placement = "parallel" if args.parallel_block else args.norm_placement
+        self.attention = make_attention(args, spec)
+        self.feed_forward = make_mlp(args)
+        self.attention_norm = make_norm(args, args.dim)
+        if self.placement != "parallel":                 # parallel: one norm feeds both
+            self.ffn_norm = make_norm(args, args.dim)
+        if self.placement == "sandwich":
+            self.post_attention_norm = make_norm(args, args.dim)
+            self.post_ffn_norm = make_norm(args, args.dim)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         # x: (B, T, D) → (B, T, D)
-        h = x + self.attention(self.attention_norm(x), inputs)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if self.placement == "pre":
+            h = x + self.attention(self.attention_norm(x), inputs)
+            return h + self.feed_forward(self.ffn_norm(h))
+        if self.placement == "sandwich":
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), inputs))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        if self.placement == "post":
+            h = self.attention_norm(x + self.attention(x, inputs))
+            return self.ffn_norm(h + self.feed_forward(h))
+        n = self.attention_norm(x)                                         # parallel
+        return x + self.attention(n, inputs) + self.feed_forward(n)
 
 
 class Transformer(nn.Module):
-    """A decoder-only language model: token embeddings, n_layers TransformerBlocks, a final
-    RMSNorm and the output projection to vocabulary logits (Llama 2).
+    """A decoder-only language model: token embeddings (+ absolute positions), n_layers
+    TransformerBlocks, a final norm (none after post-norm blocks) and the output projection to
+    vocabulary logits. `ModelArgs` chooses every part; the defaults are Llama 2.
 
     Without a KV cache (the default, as for training) `forward` runs causal attention over the
     tokens it is given. After `setup_caches`, each call appends its tokens' keys and values at
@@ -63,12 +87,30 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        if args.position == "learned":
+            self.pos_embeddings = LearnedPositions(args.max_seq_len, args.dim)
+        elif args.position == "sinusoidal":
+            self.pos_embeddings = SinusoidalPositions(args.max_seq_len, args.dim)
+        if args.position == "t5":
+            self.position_bias = T5RelativeBias(args.n_heads, args.t5_buckets,
+                                                args.t5_max_distance)
+        elif args.position == "alibi":
+            self.position_bias = ALiBi(args.n_heads)
+        specs = args.layer_specs()
+        self.layers = nn.ModuleList(TransformerBlock(i, args, s) for i, s in enumerate(specs))
+        self.specs = list(dict.fromkeys(specs))              # the distinct kinds of layer
+        self._first_layer = [specs.index(spec) for spec in self.specs]
+        for layer in self.layers:
+            layer.kind = self.specs.index(layer.spec)        # index into self.specs
+        if args.norm_placement != "post":                    # post-norm blocks end normed
+            self.norm = make_norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        # RoPE rotations of every position, derived from args (not parameters).
-        self.rope = RotaryEmbedding(args.head_dim, args.max_seq_len, args.rope_theta)
+        # RoPE rotations of every position for each kind of layer (θ and scaling), derived from
+        # args: plain attributes, not parameters or buffers. rope[k] serves self.specs[k].
+        self.rope = [RotaryEmbedding(args.rope_dim, args.max_seq_len, spec.rope_theta,
+                                     spec.scaling) for spec in self.specs] \
+            if args.position == "rope" else []
         self.caches: Optional[tuple[KVCache, ...]] = None   # one per layer, see setup_caches
 
     def tie_weights(self) -> None:
@@ -86,9 +128,10 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: Optional[int] = None,
                      max_seq_len: Optional[int] = None) -> None:
-        """Allocate a KV cache in every attention layer, on the weights' device and dtype.
-        `self.caches` is then the tuple of them (a new tuple at every call, so a caller can
-        tell whether the caches it filled are still in place).
+        """Allocate a KV cache in every attention layer, on the weights' device and dtype (each
+        layer's kind: all slots, a sliding window's, MLA's latents). `self.caches` is then the
+        tuple of them (a new tuple at every call, so a caller can tell whether the caches it
+        filled are still in place).
 
         Args:
             max_batch_size: rows of the cache (default args.max_batch_size).
@@ -122,6 +165,11 @@ class Transformer(nn.Module):
             return None
         return self.caches[0].max_batch_size, self.caches[0].max_seq_len
 
+    def cache_can_write_at(self, start_pos: int) -> bool:
+        """Whether every cache can take a write starting at start_pos (rewinding a sliding-
+        window cache further than its margin cannot; then start over at 0)."""
+        return all(cache.can_write_at(start_pos) for cache in self.caches or ())
+
     def shift_caches(self, d: int, end: int) -> None:
         """Move slots [0, end) of every cache row by d slots (`KVCache.shift`)."""
         for cache in self.caches or ():
@@ -146,8 +194,8 @@ class Transformer(nn.Module):
             last_only: compute logits for the last position only (what generation needs after
                 a prefill; saves a (T, dim)×(dim, V) matmul).
             pad: (B,) int64, for left-padded batches: the first pad[b] slots of row b hold
-                padding. They are never attended, and slot s of row b is RoPE position
-                s − pad[b], so each row computes exactly what it would alone. None: no padding.
+                padding. They are never attended, and slot s of row b is position s − pad[b],
+                so each row computes exactly what it would alone. None: no padding.
             cache_rows: the KV cache rows these B sequences use (default: rows 0..B-1), e.g.
                 slice(b, b + 1) to prefill one sequence into row b of a running batch.
             targets: (B, T) int64 next-token ids: return the mean cross-entropy of the logits
@@ -167,16 +215,26 @@ class Transformer(nn.Module):
         end = start_pos + T
         self._check_slots(B, start_pos, end, cache_rows)
         h = self.tok_embeddings(tokens)                      # (B, T, D)
-        inputs = self._attention_inputs(tokens.device, start_pos, end, pad, cache_rows)
+        if self.args.embed_scale:                            # × √dim, rounded to h's dtype
+            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
+        if hasattr(self, "pos_embeddings"):                  # absolute positions (T|B,T) → +D
+            h = h + self.pos_embeddings(self._positions(tokens.device, start_pos, end, pad))
+        inputs = [self._attention_inputs(k, tokens.device, start_pos, end, pad, cache_rows)
+                  for k in range(len(self.specs))]           # one per kind of layer
         for layer in self.layers:
-            h = layer(h, inputs)                             # (B, T, D)
+            h = layer(h, inputs[layer.kind])                 # (B, T, D)
         if last_only:
             h = h[:, -1:, :]                                 # (B, 1, D)
-        h = self.norm(h)                                     # (B, T, D)
+        if hasattr(self, "norm"):
+            h = self.norm(h)                                 # (B, T, D)
+        softcap = self.args.final_logit_softcap
         if targets is not None:                              # training: fused output + loss
             return linear_cross_entropy(h.flatten(0, 1), self.output.weight,  # (B·T, D)
-                                        targets.flatten())                    # → () fp32
-        return self.output(h).float()                        # (B, T, V) fp32
+                                        targets.flatten(), softcap=softcap)   # → () fp32
+        logits = self.output(h).float()                      # (B, T, V) fp32
+        if softcap is not None:                              # Gemma 2: c·tanh(logits/c)
+            logits = softcap * torch.tanh(logits / softcap)
+        return logits
 
     def _check_slots(self, B: int, start_pos: int, end: int, cache_rows: Optional[slice]) -> None:
         cache_shape = self.cache_shape
@@ -193,30 +251,58 @@ class Transformer(nn.Module):
             raise ContextLengthError(
                 f"positions {start_pos}..{end - 1} exceed the context of {max_len} tokens")
 
-    def _attention_inputs(self, device: torch.device, start_pos: int, end: int,
+    @staticmethod
+    def _positions(device: torch.device, start_pos: int, end: int,
+                   pad: Optional[torch.Tensor]) -> torch.Tensor:
+        """Positions of the new tokens: slots start_pos..end-1 (T,), or per row slot − pad[b]
+        (B, T) for left-padded rows (padding slots get position 0)."""
+        q_slot = torch.arange(start_pos, end, device=device)             # (T,)
+        if pad is None:
+            return q_slot
+        return (q_slot[None, :] - pad[:, None]).clamp(min=0)            # (B, T)
+
+    def _attention_inputs(self, kind: int, device: torch.device, start_pos: int, end: int,
                           pad: Optional[torch.Tensor], cache_rows: Optional[slice]
                           ) -> AttentionInputs:
-        """RoPE rotations and mask of the new tokens in slots start_pos..end-1, for every layer."""
+        """RoPE rotations, mask and position bias of the new tokens in slots start_pos..end-1,
+        for every layer of kind self.specs[kind]."""
         T = end - start_pos
-        if pad is None:
-            freqs_cis = self.rope.span(start_pos, end, device)           # (T, hd/2)
-            mask = None                    # causal (T>1, nothing cached) or one token: no mask
-            if T > 1 and start_pos > 0:
-                # New tokens see the whole cached prefix and, causally, each other:
-                # query t (slot start_pos + t) may attend key s iff s ≤ start_pos + t.
-                q_slot = torch.arange(start_pos, end, device=device)     # (T,)
-                k_slot = torch.arange(end, device=device)                # (S,)
-                mask = k_slot[None, :] <= q_slot[:, None]                # (T, S) bool
-            return AttentionInputs(start_pos, freqs_cis, mask, cache_rows)
+        spec = self.specs[kind]
+        rope = self.rope[kind] if self.rope else None
+        cache = self.layers[self._first_layer[kind]].attention.kv_cache
+        windowed = spec.window is not None and end > spec.window
+        bias_module = getattr(self, "position_bias", None)
+        # Plain causal attention over every slot so far (Llama's decode and prefill): nothing
+        # to build but the rotations of the new positions.
+        if pad is None and not windowed and bias_module is None and \
+                (T == 1 or start_pos == 0) and (cache is None or cache.in_slot_order):
+            freqs_cis = rope.span(start_pos, end, device) if rope else None   # (T, rot/2)
+            return AttentionInputs(start_pos, freqs_cis, None, None, cache_rows)
+
         q_slot = torch.arange(start_pos, end, device=device)             # (T,)
-        k_slot = torch.arange(end, device=device)                        # (S,)
-        # Left-padded rows: row b's first pad[b] slots hold padding, slot s is position s − pad[b].
-        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0)       # (B, T)
-        freqs_cis = self.rope(positions)                                 # (B, T, hd/2)
-        causal = k_slot[None, None, :] <= q_slot[None, :, None]          # (1, T, S)
-        real = k_slot[None, None, :] >= pad[:, None, None]               # (B, 1, S)
-        # A padding query would see nothing (an all -inf softmax row gives NaN): let it see
-        # itself. Its output is never used, since no real query attends a padding slot.
-        itself = k_slot[None, None, :] == q_slot[None, :, None]          # (1, T, S)
-        mask = ((causal & real) | itself)[:, None]                       # (B, 1, T, S)
-        return AttentionInputs(start_pos, freqs_cis, mask, cache_rows)
+        if cache is not None:
+            k_slot = cache.key_slots(start_pos, T, device)               # (S,)
+        else:
+            k_slot = torch.arange(start_pos, end, device=device)         # (S = T,)
+        # query t (slot q) may attend key s iff s was written (≥ 0), s ≤ q, and, in a local
+        # layer, s > q − window
+        mask = (k_slot[None, :] <= q_slot[:, None]) & (k_slot[None, :] >= 0)   # (T, S)
+        if spec.window is not None:
+            mask &= k_slot[None, :] > q_slot[:, None] - spec.window
+        freqs_cis = None
+        if pad is not None:
+            # Row b's first pad[b] slots hold padding: never attended. A padding query would
+            # see nothing (an all -inf softmax row gives NaN): let it see itself; its output is
+            # never used, since no real query attends a padding slot.
+            real = k_slot[None, None, :] >= pad[:, None, None]           # (B, 1, S)
+            itself = k_slot[None, None, :] == q_slot[None, :, None]      # (1, T, S)
+            mask = ((mask[None] & real) | itself)[:, None]               # (B, 1, T, S)
+        if rope:
+            positions = self._positions(device, start_pos, end, pad)     # (T,) or (B, T)
+            freqs_cis = rope(positions, end)                             # (…, T, rot/2)
+        bias = None
+        if bias_module is not None:                  # relative: pad-independent (q − k slots)
+            bias = bias_module(q_slot, k_slot)                           # (1, H, T, S)
+            bias = bias.masked_fill(~mask, float("-inf"))                # (1|B, H, T, S)
+            mask = None
+        return AttentionInputs(start_pos, freqs_cis, mask, bias, cache_rows)

@@ -31,7 +31,12 @@ _IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in a file (config.json, an index).
+
+    Raises:
+        ModelFileError: missing, unreadable, not JSON or not an object.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -61,7 +66,7 @@ def weight_files(path: Path) -> dict[Path, Optional[list[str]]]:
         return {single: None}
     index_path = path / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise ModelFileError(
@@ -121,7 +126,8 @@ def load_hf_state_dict(files: dict[Path, Optional[list[str]]], family: Family, a
                             f"{file}: tensor {name!r} is listed in model.safetensors.index.json "
                             "but not in this file")
                     bar.update()
-                    if _IGNORED_RE.fullmatch(name):
+                    if _IGNORED_RE.fullmatch(name) or (
+                            family.hf_ignored and family.hf_ignored.fullmatch(name)):
                         continue
                     mapping = by_name.get(name)
                     if mapping is None:
@@ -227,7 +233,7 @@ def read_hf(path: Path, dtype: torch.dtype, progress: bool = True):
     """
     path = Path(path)
     config_path = path / "config.json"
-    config = _read_json(config_path)
+    config = read_json(config_path)
     family = family_for_hf(config, str(config_path))
     args = family.args_from_hf(config, str(config_path))
     files = weight_files(path)

@@ -18,12 +18,41 @@ from torchllama.checkpoint import gguf as gguf_format
 from torchllama.checkpoint import hf, meta
 from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, default_model_path,
                                           detect_format, resolve_dtype, resolve_run_folder)
+from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
+from torchllama.families import family_for_gguf, family_for_hf
 from torchllama.tokenizer import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
                                   tokenizer_from_gguf_metadata)
 
 #: Format name (`detect_format`) → reader: (path, dtype, progress) → (args, state dict, tokenizer).
 READERS = {"gguf": gguf_format.read_gguf, "meta": meta.read_meta, "hf": hf.read_hf}
+
+
+def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
+    """The hyperparameters of a checkpoint without reading its weights: GGUF metadata, Meta's
+    params.json (with the tokenizer when vocab_size is -1) or HF config.json; a training run
+    folder's latest checkpoint; None = the embedded SmolLM2-135M-Instruct.
+
+    Raises:
+        ModelFileError: as `load` for these files.
+    """
+    path = Path(path) if path is not None else default_model_path()
+    path = resolve_run_folder(path)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        reader = gguf_format.open_gguf(path)
+        metadata = gguf_format.read_metadata(reader)
+        family = family_for_gguf(metadata, str(path))
+        return family.args_from_gguf(metadata, {t.name for t in reader.tensors}, str(path))
+    if fmt == "meta":
+        params = meta.read_params(path / "params.json")
+        vocab = None
+        if params.get("vocab_size") == -1:
+            vocab = load_tokenizer_file(meta.find_tokenizer(path)).vocab_size
+        return meta.model_args_from_params(params, vocab, str(path / "params.json"))
+    config_path = path / "config.json"
+    config = hf.read_json(config_path)
+    return family_for_hf(config, str(config_path)).args_from_hf(config, str(config_path))
 
 
 def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "float32",

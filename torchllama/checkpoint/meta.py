@@ -60,6 +60,7 @@ from typing import Any, Optional
 import torch
 
 from torchllama.checkpoint.common import expected_shapes, names_list
+from torchllama.config import ZOO_FIELDS as _ZOO_FIELDS
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
 from torchllama.families import LLAMA
@@ -74,7 +75,7 @@ REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "n
 
 #: Optional params.json fields we read.
 OPTIONAL_FIELDS = ("n_kv_heads", "ffn_dim_multiplier", "rope_theta", "max_seq_len",
-                   "use_scaled_rope")
+                   "use_scaled_rope", "hidden_dim")
 
 #: Fields of Meta's reference ModelArgs that do not describe the weights (runtime settings);
 #: ignored without a warning.
@@ -84,7 +85,6 @@ IGNORED_FIELDS = ("max_batch_size",)
 #: not implement: refused when set to anything but null/false/0/{}.
 UNSUPPORTED_FIELDS = {
     "use_scaled_rope": "RoPE scaling (Llama 3.1+)",
-    "rope_scaling": "RoPE scaling",
     "moe_args": "mixture of experts",
     "quantization_args": "quantized weights",
     "lora_args": "LoRA adapters",
@@ -95,6 +95,11 @@ UNSUPPORTED_FIELDS = {
     "attention_chunk_size": "chunked attention",
     "nope_layer_interval": "layers without RoPE",
 }
+
+#: torchllama's own params.json fields beyond Meta's: the architecture choices of the variant
+#: zoo (`ModelArgs`), written only when they differ from Llama 2's (`ModelArgs.variant_fields`),
+#: so that a Llama's params.json stays Meta's.
+ZOO_FIELDS = _ZOO_FIELDS
 
 DROPPED_TENSORS = ("rope.freqs",)
 
@@ -164,7 +169,8 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
         if value not in (None, False, 0, {}, []):
             raise ModelFileError(f"{source}: {name}={json.dumps(value)} asks for {feature}, which "
                                  "is not supported yet")
-    known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS) | set(IGNORED_FIELDS) | set(UNSUPPORTED_FIELDS)
+    known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS) | set(IGNORED_FIELDS) | \
+        set(UNSUPPORTED_FIELDS) | set(ZOO_FIELDS)
     unknown = sorted(set(params) - known)
     if unknown:
         warnings.warn(f"{source}: ignoring unknown field(s) {', '.join(map(repr, unknown))}",
@@ -179,6 +185,7 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
     n_kv_heads = _field(params, "n_kv_heads", int, source, None)
     ffn_dim_multiplier = _field(params, "ffn_dim_multiplier", float, source, None)
     rope_theta = _field(params, "rope_theta", float, source, 10000.0)
+    hidden_dim = _field(params, "hidden_dim", int, source, None)
     max_seq_len = _field(params, "max_seq_len", int, source, max_seq_len)
 
     if vocab_size == -1:
@@ -190,13 +197,31 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
         raise ModelFileError(
             f"{source}: vocab_size is {vocab_size} but the tokenizer has "
             f"{vocab_size_from_tokenizer} tokens (the model needs a row for every token id)")
+    zoo = _zoo_fields(params, source)
     try:
         return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          vocab_size=vocab_size, multiple_of=multiple_of,
                          ffn_dim_multiplier=ffn_dim_multiplier, norm_eps=norm_eps,
-                         rope_theta=rope_theta, max_seq_len=max_seq_len)
+                         rope_theta=rope_theta, max_seq_len=max_seq_len,
+                         hidden_dim=hidden_dim, **zoo)
     except ArgumentError as e:
         raise ModelFileError(f"{source}: does not describe a valid model: {e}") from e
+
+
+def _zoo_fields(params: dict[str, Any], source: str) -> dict[str, Any]:
+    """The variant-zoo fields of a params.json (torchllama's own), type-checked."""
+    import typing
+
+    hints = typing.get_type_hints(ModelArgs)
+    out = {}
+    for name in ZOO_FIELDS:
+        if params.get(name) is None:
+            continue
+        kinds = [k for k in (typing.get_args(hints[name]) or (hints[name],))
+                 if k is not type(None)]
+        kind = typing.get_origin(kinds[0]) or kinds[0]
+        out[name] = _field(params, name, kind, source)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,7 +467,9 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
 
 
 def meta_params(args: ModelArgs) -> dict[str, Any]:
-    """params.json fields describing `args`, readable by Meta's code and by `read_meta`.
+    """params.json fields describing `args`, readable by Meta's code (for a Llama) and by
+    `read_meta`. A model of the variant zoo also gets its zoo fields (`ModelArgs` names) and an
+    explicit hidden_dim: such a params.json is torchllama's own.
 
     Meta's format has no hidden size: it is derived from dim, multiple_of and ffn_dim_multiplier.
     When `args.hidden_dim` is not what Meta's rule gives for args' own multiple_of and
@@ -452,17 +479,21 @@ def meta_params(args: ModelArgs) -> dict[str, Any]:
     """
     hidden = args.ffn_hidden_dim
     multiple_of, multiplier = args.multiple_of, args.ffn_dim_multiplier
-    rule = ModelArgs(dim=args.dim, n_heads=args.n_heads, multiple_of=multiple_of,
-                     ffn_dim_multiplier=multiplier).ffn_hidden_dim
-    if rule != hidden:
+    variant = args.variant_fields()
+    explicit = None
+    if variant:                     # not a Llama: torchllama's params.json states the width
+        explicit = hidden
+    elif ModelArgs(dim=args.dim, n_heads=args.n_heads, multiple_of=multiple_of,
+                   ffn_dim_multiplier=multiplier).ffn_hidden_dim != hidden:
         base = int(2 * (4 * args.dim) / 3)
         multiple_of, multiplier = hidden, (hidden / base if base > hidden else None)
     params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
               "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
               "multiple_of": multiple_of, "ffn_dim_multiplier": multiplier,
-              "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+              "hidden_dim": explicit, "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
               "max_seq_len": args.max_seq_len}
-    return {k: v for k, v in params.items() if v is not None}
+    params = {k: v for k, v in params.items() if v is not None}
+    return {**params, **variant}
 
 
 def save_meta(model, folder: Path, dtype: Optional[torch.dtype] = None) -> None:

@@ -12,9 +12,14 @@ from typing import Any
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families.base import (Family, Layout, Mapping, RopePermuted, Tensors,
                                       permute_hf_to_meta, permute_meta_to_hf)
-from torchllama.families.llama import LLAMA
+from torchllama.families.deepseek import DEEPSEEK_V3
+from torchllama.families.gemma import GEMMA2, GEMMA3
+from torchllama.families.gpt2 import GPT2
+from torchllama.families.llama import LLAMA, MISTRAL, QWEN2
+from torchllama.families.mpt import MPT
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GEMMA2, GEMMA3, GPT2,
+                                                   DEEPSEEK_V3, MPT)}
 
 
 def family_for_hf(config: dict[str, Any], source: str) -> Family:
@@ -70,7 +75,7 @@ def family_for_args(args, fmt: str) -> Family:
         if (fmt == "hf" and family.hf_config is None) or \
                 (fmt == "gguf" and family.gguf_metadata is None):
             continue
-        why = family.unsupported(args)
+        why = family.unsupported(args, fmt)
         if why is None:
             return family
         reasons.append(f"{family.name}: {why}")
@@ -80,4 +85,5 @@ def family_for_args(args, fmt: str) -> Family:
 
 __all__ = ["FAMILIES", "Family", "Layout", "Mapping", "RopePermuted", "Tensors",
            "family_for_args", "family_for_gguf", "family_for_hf", "permute_hf_to_meta",
-           "permute_meta_to_hf", "LLAMA"]
+           "permute_meta_to_hf", "DEEPSEEK_V3", "GEMMA2", "GEMMA3", "GPT2", "LLAMA", "MISTRAL",
+           "MPT", "QWEN2"]

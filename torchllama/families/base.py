@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from torchllama.errors import MISSING, checked_field
+
 if TYPE_CHECKING:
     from torchllama.config import ModelArgs
 
@@ -73,15 +75,19 @@ def permute_hf_to_meta(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class RopePermuted(Layout):
     """HF's rotate_half row order for q or k (see `permute_meta_to_hf`); `heads` names the
-    ModelArgs field with this matrix's head count ("n_heads" or "n_kv_heads")."""
+    ModelArgs field with this matrix's head count ("n_heads" or "n_kv_heads"), or is 1 for a
+    per-head vector (QK-norm gains: the same order within one head)."""
 
-    heads: str
+    heads: str | int
+
+    def _n(self, args) -> int:
+        return self.heads if isinstance(self.heads, int) else getattr(args, self.heads)
 
     def load(self, t, args):
-        return (permute_hf_to_meta(t, getattr(args, self.heads)),)
+        return (permute_hf_to_meta(t, self._n(args)),)
 
     def save(self, ts, args):
-        return permute_meta_to_hf(ts[0], getattr(args, self.heads))
+        return permute_meta_to_hf(ts[0], self._n(args))
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,9 @@ class Family:
         hf_config: ModelArgs → config.json dict.
         args_from_gguf: GGUF metadata, tensor names, source → ModelArgs.
         gguf_metadata: (GGUFWriter, ModelArgs) → writes the family's hyperparameter keys.
-        unsupported: ModelArgs → why this family's files cannot hold such a model, or None.
+        unsupported: (ModelArgs, format "hf" | "gguf") → why this family's files of that format
+            cannot hold such a model, or None.
+        hf_ignored: HF keys that hold no weights (buffers some checkpoints carry), skipped.
     """
 
     name: str
@@ -148,7 +156,9 @@ class Family:
     hf_config: Optional[Callable[["ModelArgs"], dict]] = None
     args_from_gguf: Optional[Callable[[dict, set, str], "ModelArgs"]] = None
     gguf_metadata: Optional[Callable[[Any, "ModelArgs"], None]] = None
-    unsupported: Callable[["ModelArgs"], Optional[str]] = field(default=lambda args: None)
+    unsupported: Callable[["ModelArgs", str], Optional[str]] = field(
+        default=lambda args, fmt: None)
+    hf_ignored: Optional[re.Pattern] = None
 
     def mappings(self, fmt: str, n_layers: int, ours: Optional[set[str]] = None
                  ) -> list[Mapping]:
@@ -186,3 +196,138 @@ class Family:
             if generic in row.our_names:
                 return row.meta_shard_dim
         return None
+
+
+@dataclass(frozen=True)
+class Transposed(Layout):
+    """Stored as the transpose (GPT-2's Conv1D keeps (in, out) weights)."""
+
+    def stored_shape(self, shapes):
+        return torch.Size(reversed(shapes[0]))
+
+    def load(self, t, args):
+        return (t.t(),)
+
+    def save(self, ts, args):
+        return ts[0].t()
+
+
+@dataclass(frozen=True)
+class Fused(Layout):
+    """Several of our tensors stored concatenated along `dim` (a fused qkv projection), each
+    `sizes` rows/columns wide (a callable of ModelArgs giving the sizes); `transposed` when the
+    stored matrix is (in, out) (GPT-2's Conv1D)."""
+
+    sizes: Callable[["ModelArgs"], tuple[int, ...]]
+    dim: int = 0
+    transposed: bool = False
+
+    def stored_shape(self, shapes):
+        if len(shapes[0]) == 1:
+            return torch.Size([sum(s[0] for s in shapes)])
+        out = list(shapes[0])
+        out[self.dim] = sum(s[self.dim] for s in shapes)
+        return torch.Size(reversed(out)) if self.transposed else torch.Size(out)
+
+    def load(self, t, args):
+        if self.transposed and t.ndim == 2:
+            t = t.t()
+        return tuple(x.contiguous() for x in t.split(self.sizes(args), dim=self.dim))
+
+    def save(self, ts, args):
+        t = torch.cat(ts, dim=self.dim)
+        return t.t() if self.transposed and t.ndim == 2 else t
+
+
+# ---- Hugging Face config helpers -----------------------------------------------------------------
+
+def hf_key(config: dict[str, Any], key: str, typ: type, source: str, default: Any = MISSING) -> Any:
+    """config[key] checked to be of `typ` (null counts as absent); see `checked_field`."""
+    return checked_field(config, key, typ, source, default, what="key")
+
+
+def hf_rope(params: Optional[dict[str, Any]], theta: Optional[float], max_positions: int,
+            source: str, where: str = "rope_parameters") -> tuple[float, Optional[dict], int]:
+    """(rope_theta, ModelArgs.rope_scaling, max_seq_len) from a transformers rope dict
+    (`rope_parameters` in transformers 5, `rope_scaling` in 4: rope_type default, linear,
+    dynamic, yarn or llama3) and the config's max_position_embeddings.
+
+    Dynamic NTK stretches the trained context (max_position_embeddings) by its factor, so the
+    model gets max_seq_len = factor · max_position_embeddings.
+
+    Raises:
+        ModelFileError: another rope_type, a malformed dict or a missing key (named).
+    """
+    from torchllama.errors import ModelFileError
+
+    if params is None:
+        return (10000.0 if theta is None else theta), None, max_positions
+    if not isinstance(params, dict):
+        raise ModelFileError(f"{source}: {where!r} is {params!r}, expected an object or null")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if "rope_theta" in params:
+        theta = hf_key(params, "rope_theta", float, f"{source}: {where}")
+    theta = 10000.0 if theta is None else theta
+    here = f"{source}: {where}"
+    if kind == "default":
+        return theta, None, max_positions
+    if kind not in ("linear", "dynamic", "yarn", "llama3"):
+        raise ModelFileError(f"{source}: {where} of type {kind!r} is not supported (supported: "
+                             "default, linear, dynamic, yarn, llama3)")
+    factor = hf_key(params, "factor", float, here)
+    scaling: dict[str, Any] = {"type": kind, "factor": factor}
+    if kind == "dynamic":
+        scaling["original_max_seq_len"] = max_positions
+        return theta, scaling, int(max_positions * factor)
+    if kind in ("yarn", "llama3"):
+        scaling["original_max_seq_len"] = hf_key(params, "original_max_position_embeddings",
+                                                 int, here, max_positions)
+    if kind == "llama3":
+        scaling["low_freq_factor"] = hf_key(params, "low_freq_factor", float, here)
+        scaling["high_freq_factor"] = hf_key(params, "high_freq_factor", float, here)
+    if kind == "yarn":
+        if params.get("truncate", True) is not True:
+            raise ModelFileError(f"{here}: truncate false (YaRN without rounding the correction "
+                                 "range) is not supported")
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            value = hf_key(params, key, float, here, None)
+            if value is not None:
+                scaling[key] = value
+    return theta, scaling, max_positions
+
+
+def hf_rope_parameters(args: "ModelArgs", scaling: Optional[dict[str, Any]] = None,
+                       theta: Optional[float] = None) -> dict[str, Any]:
+    """The transformers 5 `rope_parameters` dict of a RoPE base and ModelArgs.rope_scaling (the
+    inverse of `hf_rope`)."""
+    scaling = args.rope_scaling if scaling is None else scaling
+    out: dict[str, Any] = {"rope_type": "default",
+                           "rope_theta": args.rope_theta if theta is None else theta}
+    if scaling:
+        out["rope_type"] = scaling["type"]
+        for key, value in scaling.items():
+            if key == "original_max_seq_len":
+                if scaling["type"] != "dynamic":
+                    out["original_max_position_embeddings"] = value
+            elif key != "type":
+                out[key] = value
+    return out
+
+
+def hf_max_positions(args: "ModelArgs") -> int:
+    """max_position_embeddings for config.json (dynamic NTK: the trained context)."""
+    if args.rope_scaling and args.rope_scaling["type"] == "dynamic":
+        return args.rope_scaling["original_max_seq_len"]
+    return args.max_seq_len
+
+
+def unsupported_fields(args: "ModelArgs", allowed: dict[str, Callable[["ModelArgs"], bool]]
+                       ) -> Optional[str]:
+    """Why a family cannot hold `args`: the first zoo field that differs from Llama 2's choice
+    (`ModelArgs.variant_fields`) and is not in `allowed`, or whose value its predicate refuses;
+    None if every difference is allowed."""
+    for name, value in args.variant_fields().items():
+        ok = allowed.get(name)
+        if ok is None or not ok(args):
+            return f"{name}={value!r}"
+    return None

@@ -1,17 +1,25 @@
 """The building blocks of the decoder, each written from its paper: normalization, position
-encodings, attention, feed-forward blocks, the KV cache and the fused training loss.
+encodings, attention (MHA/GQA/MQA and MLA), feed-forward blocks, the KV cache and the fused
+training loss.
 
 `torchllama.model.Transformer` assembles them; nothing here knows about checkpoints, devices or
 processes.
 """
 
-from torchllama.nn.attention import Attention, AttentionInputs, attend, repeat_kv
-from torchllama.nn.kv_cache import KVCache
+from torchllama.nn.attention import (Attention, AttentionInputs, MultiHeadLatentAttention, attend,
+                                     make_attention, repeat_kv)
+from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
 from torchllama.nn.loss import linear_cross_entropy
-from torchllama.nn.mlp import FeedForward
-from torchllama.nn.norms import RMSNorm
-from torchllama.nn.position import RotaryEmbedding, apply_rotary_emb, precompute_freqs_cis
+from torchllama.nn.mlp import MLP, FeedForward, make_mlp
+from torchllama.nn.norms import LayerNorm, RMSNorm, make_norm
+from torchllama.nn.position import (ALiBi, LearnedPositions, RotaryEmbedding, SinusoidalPositions,
+                                    T5RelativeBias, alibi_slopes, apply_rotary_emb,
+                                    precompute_freqs_cis, rope_inv_freq, sinusoidal_embeddings,
+                                    t5_relative_position_bucket)
 
-__all__ = ["Attention", "AttentionInputs", "FeedForward", "KVCache", "RMSNorm",
-           "RotaryEmbedding", "apply_rotary_emb", "attend", "linear_cross_entropy",
-           "precompute_freqs_cis", "repeat_kv"]
+__all__ = ["ALiBi", "Attention", "AttentionInputs", "FeedForward", "KVCache", "LayerNorm",
+           "LearnedPositions", "MLP", "MultiHeadLatentAttention", "RMSNorm", "RotaryEmbedding",
+           "SinusoidalPositions", "SlidingWindowKVCache", "T5RelativeBias", "alibi_slopes",
+           "apply_rotary_emb", "attend", "linear_cross_entropy", "make_attention", "make_mlp",
+           "make_norm", "precompute_freqs_cis", "repeat_kv", "rope_inv_freq",
+           "sinusoidal_embeddings", "t5_relative_position_bucket"]

@@ -1,10 +1,12 @@
-"""Causal self-attention with grouped-query heads, RoPE and a KV cache.
+"""Causal self-attention: multi-head with grouped-query heads (MHA / GQA / MQA) and multi-head
+latent attention (MLA), with RoPE, relative biases, sliding windows and a KV cache.
 
-Attention(Q, K, V) = softmax(Q·Kᵀ / sqrt(head_dim) + mask) · V (Vaswani et al. 2017, eq. 1).
+Attention(Q, K, V) = softmax(Q·Kᵀ · scale + bias + mask) · V (Vaswani et al. 2017, eq. 1, with
+scale 1/√d_k unless a model says otherwise).
 
-The decoder builds the per-call inputs every layer needs (`AttentionInputs`: RoPE rotations of
-the new tokens, the mask, cache rows) once per forward; each layer's module only projects, rotates,
-caches and attends.
+The decoder builds the per-call inputs every layer of one kind needs (`AttentionInputs`: RoPE
+rotations of the new tokens, the mask, position biases, cache rows) once per forward; each
+layer's module only projects, rotates, caches and attends.
 """
 
 from __future__ import annotations
@@ -17,28 +19,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchllama.nn.kv_cache import KVCache
-from torchllama.nn.position import apply_rotary_emb
+from torchllama.config import LayerSpec, ModelArgs
+from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
+from torchllama.nn.norms import RMSNorm, make_norm
+from torchllama.nn.position import apply_rotary_emb, yarn_mscale
+
+#: Extra slots a sliding-window cache keeps beyond its window, so that a chat turn can rewind a
+#: few tokens without recomputing the conversation (see `SlidingWindowKVCache`).
+WINDOW_CACHE_MARGIN = 64
 
 
 @dataclass
 class AttentionInputs:
-    """What one forward call gives every attention layer (built once by the decoder).
+    """What one forward call gives every attention layer of one kind (built once by the decoder).
 
     Attributes:
         start_pos: slot of the first new token (tokens already in the KV cache).
         freqs_cis: RoPE rotations of the new tokens, (T, rot/2) complex64 or (B, T, rot/2) for
             rows with their own positions (left padding); real (cos, sin) pairs under
-            torch.compile.
+            torch.compile; None without RoPE.
         mask: (T, S) or (B, 1, T, S) bool, True where query t may attend key s; None means causal
             among the T new tokens when nothing is cached before them, or no mask for a single
             token (it may see every cached slot).
+        bias: (1|B, H, T, S) float added to the scores (ALiBi, T5), with −inf where the mask
+            forbids (then `mask` is None); None without a position bias.
         cache_rows: KV cache rows of the B sequences (default 0..B-1).
     """
 
     start_pos: int
     freqs_cis: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor] = None
     cache_rows: Optional[slice] = None
 
 
@@ -48,7 +59,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
     Meta's repeat_kv does the same on (B, S, KV, hd); we keep heads before positions, the
     layout the KV cache and SDPA use. `attend` gets the same result from SDPA's enable_gqa
-    without materialising the copies; this function states the semantics (and tests use it).
+    without materialising the copies; this function states the semantics (and the soft-capped
+    path uses it).
     """
     if n_rep == 1:
         return x
@@ -68,29 +80,61 @@ def attention_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           *, causal: bool) -> torch.Tensor:
-    """softmax(q·kᵀ/√d + mask)·v with grouped-query heads, by torch's fused SDPA kernel.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, *,
+           scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + bias + mask)·v with grouped-query heads.
+
+    Without soft-capping this is torch's fused SDPA kernel: the mask (bool) or the bias (float,
+    mask folded in) is its attn_mask, and enable_gqa does what Meta's `repeat_kv` does without
+    copying K/V H/KV times (the copies cost more than the attention itself during decode). With
+    soft-capping (Gemma 2: scores → c·tanh(scores/c) before the mask, so no fused kernel can do
+    it) the scores are formed explicitly, as transformers' eager attention does.
 
     Args:
         q: (B, H, T, d) queries (contiguous: the CPU flash kernel is ~15% faster on it).
-        k, v: (B, KV, S, d) keys and values; query head h uses KV head h // (H / KV) — SDPA's
-            enable_gqa does what Meta's `repeat_kv` does without copying K/V H/KV times (the
-            copies cost more than the attention itself during decode).
-        mask: bool (T, S) or (B, 1, T, S), True = may attend; or None.
-        causal: with mask None, a plain causal mask among the T queries (keys S = T).
+        k: (B, KV, S, d) keys; v: (B, KV, S, dv) values; query head h uses KV head h // (H/KV).
+        inputs: the mask / bias of this call (see `AttentionInputs`).
+        scale: the softmax scale (default 1/√d).
+        softcap: c of the attention-logit soft-capping, or None.
 
     Returns:
-        (B, H, T, d) in q's dtype. Runs with autocast off when q is float32 under CPU autocast
+        (B, H, T, dv) in q's dtype. Runs with autocast off when q is float32 under CPU autocast
         (see `attention_dtype`).
     """
+    T = q.shape[2]
     fp32 = q.dtype == torch.float32 and q.device.type == "cpu" and \
         torch.is_autocast_enabled("cpu")
     if fp32:
         k, v = k.float(), v.float()
+    mask = inputs.bias if inputs.bias is not None else inputs.mask
+    if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)                    # SDPA wants a float mask in q's dtype
     with torch.autocast("cpu", enabled=False) if fp32 else nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        if softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1])
+        n_rep = q.shape[1] // k.shape[1]
+        scores = q @ repeat_kv(k, n_rep).transpose(2, 3) * (scale or q.shape[-1] ** -0.5)
+        scores = softcap * torch.tanh(scores / softcap)                   # (B, H, T, S)
+        if mask is None and T > 1:                                        # causal, S = T
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)         # (B, H, T, S)
+        return probs @ repeat_kv(v, n_rep)                                # (B, H, T, dv)
+
+
+def make_kv_cache(spec: LayerSpec, max_batch_size: int, max_seq_len: int, n_heads: int,
+                  k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+    """The cache a layer of this spec needs: a ring of window + margin slots for a local layer
+    whose window is shorter than the context, else every slot."""
+    if spec.window is not None and spec.window + WINDOW_CACHE_MARGIN < max_seq_len:
+        return SlidingWindowKVCache(max_batch_size, max_seq_len, n_heads, k_dim, v_dim, dtype,
+                                    device, window=spec.window, margin=WINDOW_CACHE_MARGIN)
+    return KVCache(max_batch_size, max_seq_len, n_heads, k_dim, v_dim, dtype, device)
 
 
 class Attention(nn.Module):
@@ -98,36 +142,45 @@ class Attention(nn.Module):
 
     n_kv_heads ≤ n_heads key/value heads are shared by groups of n_heads / n_kv_heads query
     heads (Ainslie et al. 2023): n_kv_heads = n_heads is multi-head attention (Vaswani et al.
-    2017), n_kv_heads = 1 multi-query attention (Shazeer 2019).
+    2017), n_kv_heads = 1 multi-query attention (Shazeer 2019). Options from `ModelArgs`:
+    head_dim, biases on q/k/v (Qwen2) and on the output projection (GPT-2), QK-norm (each head's
+    q and k normalized before RoPE, Dehghani et al. 2023; Gemma 3), the softmax scale, attention
+    logit soft-capping (Gemma 2); the layer's `LayerSpec` gives its sliding window.
 
     Args:
-        dim: model width.
-        n_heads, n_kv_heads: query and key/value heads.
-        head_dim: width of one head.
+        args: the model's hyperparameters.
+        spec: this layer's spec (global/local, window).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
         super().__init__()
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = hd = args.head_dim
+        self.spec = spec
+        self.scale = args.attn_scale
+        self.softcap = args.attn_logit_softcap
+        self.rope = args.position == "rope"
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
+        if args.qk_norm:                                   # over each head's hd dims
+            self.q_norm, self.k_norm = make_norm(args, hd), make_norm(args, hd)
         self.kv_cache: Optional[KVCache] = None
 
     def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                    device: torch.device) -> KVCache:
-        """A KV cache for this layer: n_kv_heads keys and values of head_dim per slot."""
-        return KVCache(max_batch_size, max_seq_len, self.n_kv_heads, self.head_dim,
-                       self.head_dim, dtype, device)
+        """A KV cache for this layer: n_kv_heads keys and values of head_dim per slot (only the
+        window's slots for a local layer)."""
+        return make_kv_cache(self.spec, max_batch_size, max_seq_len, self.n_kv_heads,
+                             self.head_dim, self.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """
         Args:
             x: (B, T, dim) normalised hidden states of the T new tokens.
-            inputs: start_pos, RoPE rotations, mask and cache rows of this call.
+            inputs: start_pos, RoPE rotations, mask, bias and cache rows of this call.
 
         Returns:
             (B, T, dim).
@@ -136,10 +189,15 @@ class Attention(nn.Module):
         xq = self.wq(x).view(B, T, self.n_heads, self.head_dim)      # (B, T, H, hd)
         xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)   # (B, T, KV, hd)
         xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)   # (B, T, KV, hd)
+        if hasattr(self, "q_norm"):                                   # QK-norm, before RoPE
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
 
         dtype = attention_dtype(x)
-        xq = apply_rotary_emb(xq, inputs.freqs_cis, dtype)            # (B, T, H, hd)
-        xk = apply_rotary_emb(xk, inputs.freqs_cis, dtype)            # (B, T, KV, hd)
+        if self.rope:
+            xq = apply_rotary_emb(xq, inputs.freqs_cis, dtype)        # (B, T, H, hd)
+            xk = apply_rotary_emb(xk, inputs.freqs_cis, dtype)        # (B, T, KV, hd)
+        else:
+            xq, xk = xq.to(dtype), xk.to(dtype)
 
         xq = xq.transpose(1, 2).contiguous()   # (B, H, T, hd); contiguous: faster CPU SDPA
         xk = xk.transpose(1, 2)                                       # (B, KV, T, hd)
@@ -148,7 +206,102 @@ class Attention(nn.Module):
             keys, values = self.kv_cache.update(inputs.start_pos, xk, xv, inputs.cache_rows)
         else:
             keys, values = xk, xv                                     # (B, KV, T, hd), S = T
-        out = attend(xq, keys, values, inputs.mask,                   # (B, H, T, hd)
-                     causal=inputs.mask is None and T > 1)
+        out = attend(xq, keys, values, inputs, scale=self.scale,      # (B, H, T, hd)
+                     softcap=self.softcap)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
         return self.wo(out)                                           # (B, T, D)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, Liu et al. 2024, §2.1; DeepSeek-V3), with
+    DeepSeek's parameter names (inference/model.py `MLA`).
+
+    Keys and values are compressed jointly into a latent c_kv of kv_lora_rank dims per token
+    (eq. 9), from which each head's key part and value are re-expanded (eq. 10-11); queries are
+    compressed likewise through a rank q_lora_rank (eq. 12-13). RoPE cannot pass through the
+    re-expansion, so it goes on separate dims ("decoupled RoPE", eq. 14-19): each head's query
+    has qk_rope_head_dim rotated dims, and all heads share one rotated key of that width.
+
+        c_q  = RMSNorm(W_DQ·x)           q = W_UQ·c_q → per head [q_nope (dn), q_rope (dr)]
+        [c_kv, k_rope] = W_DKV·x         c_kv = RMSNorm(c_kv)     (kv_lora_rank + dr)
+        [k_nope, v] = W_UKV·c_kv          per head (dn + dv)
+        k = [k_nope, RoPE(k_rope)] (k_rope shared by all heads), q = [q_nope, RoPE(q_rope)]
+        out = W_O · softmax(q·kᵀ / √(dn + dr)) · v
+
+    The KV cache holds only c_kv and the rotated k_rope per token: (kv_lora_rank + dr) numbers
+    instead of 2·n_heads·head_dim (DeepSeek-V3: 576 vs 32,768). They are re-expanded at every
+    step (the "naive" form; DeepSeek's "absorb" form folds W_UK into the query instead).
+    With YaRN, DeepSeek multiplies the softmax scale by mscale(s, mscale_all_dim)².
+    The latent norms use eps 1e-6, as DeepSeek's reference (and transformers) do.
+
+    Args:
+        args: the model's hyperparameters (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+            qk_rope_head_dim, v_head_dim).
+        spec: this layer's spec.
+    """
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
+        super().__init__()
+        self.n_heads = H = args.n_heads
+        self.spec = spec
+        self.dn, self.dr, self.dv = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        if args.q_lora_rank:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)         # W_DQ
+            self.q_norm = RMSNorm(args.q_lora_rank, eps=1e-6)
+            self.wq_b = nn.Linear(args.q_lora_rank, H * (self.dn + self.dr), bias=False)  # W_UQ
+        else:
+            self.wq = nn.Linear(args.dim, H * (self.dn + self.dr), bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.dr, bias=False)  # W_DKV
+        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=1e-6)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, H * (self.dn + self.dv), bias=False)  # W_UKV
+        self.wo = nn.Linear(H * self.dv, args.dim, bias=args.out_bias)
+        self.scale = args.attn_scale or (self.dn + self.dr) ** -0.5
+        scaling = spec.scaling
+        if scaling and scaling["type"] == "yarn" and scaling.get("mscale_all_dim"):
+            self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        self.softcap = args.attn_logit_softcap
+        self.kv_cache: Optional[KVCache] = None
+
+    def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                   device: torch.device) -> KVCache:
+        """The latent cache: one "head" of c_kv (kv_lora_rank) as keys and the rotated shared
+        k_rope (qk_rope_head_dim) as values, per slot."""
+        return make_kv_cache(self.spec, max_batch_size, max_seq_len, 1, self.kv_lora_rank,
+                             self.dr, dtype, device)
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """x (B, T, dim) → (B, T, dim); see the class docstring."""
+        B, T, _ = x.shape
+        H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
+        if hasattr(self, "wq_a"):
+            q = self.wq_b(self.q_norm(self.wq_a(x)))                  # (B, T, H·(dn+dr))
+        else:
+            q = self.wq(x)
+        q_nope, q_rope = q.view(B, T, H, dn + dr).split([dn, dr], dim=-1)  # (B, T, H, dn|dr)
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, dr], dim=-1)  # (B, T, r|dr)
+        c_kv = self.kv_norm(c_kv)                                     # (B, T, r)
+
+        dtype = attention_dtype(x)
+        q_rope = apply_rotary_emb(q_rope, inputs.freqs_cis, dtype)    # (B, T, H, dr)
+        k_rope = apply_rotary_emb(k_rope[:, :, None], inputs.freqs_cis, dtype)  # (B, T, 1, dr)
+        c_kv, k_rope = c_kv[:, None].to(dtype), k_rope.transpose(1, 2)   # (B, 1, T, r|dr)
+        if self.kv_cache is not None:                                 # (B, 1, S, r|dr)
+            c_kv, k_rope = self.kv_cache.update(inputs.start_pos, c_kv, k_rope,
+                                                inputs.cache_rows)
+        S = c_kv.shape[2]
+        kv = self.wkv_b(c_kv[:, 0].to(x.dtype)).view(B, S, H, dn + dv).transpose(1, 2)
+        k_nope, v = kv.split([dn, dv], dim=-1)                        # (B, H, S, dn|dv)
+        k = torch.cat([k_nope.to(dtype), k_rope.to(dtype).expand(B, H, S, dr)], dim=-1)
+        q = torch.cat([q_nope.to(dtype), q_rope], dim=-1).transpose(1, 2)  # (B, H, T, dn+dr)
+        out = attend(q.contiguous(), k, v.to(dtype), inputs, scale=self.scale,
+                     softcap=self.softcap)                            # (B, H, T, dv)
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * dv).to(x.dtype))  # (B, T, D)
+
+
+def make_attention(args: ModelArgs, spec: LayerSpec) -> nn.Module:
+    """The attention module of one layer: `MultiHeadLatentAttention` for attention "mla", else
+    `Attention`."""
+    if args.attention == "mla":
+        return MultiHeadLatentAttention(args, spec)
+    return Attention(args, spec)

@@ -7,9 +7,16 @@ counter and mask each row's padding slots.
 
 Callers (Session, generate_batch, the engine) use this interface and nothing else:
 
-    update(start_pos, k, v, rows)  write the new tokens' keys/values, return those to attend to
-    shift(d, end)                  move every row's slots [0, end) by d (the engine's re-packing)
-    zero(rows, start, end)         make slots finite (padding that was never written)
+    update(start_pos, k, v, rows)   write the new tokens' keys/values, return those to attend to
+    key_slots(start_pos, T)         the slot of each key `update` returns (for masks and biases)
+    can_write_at(start_pos)         whether a write may start there (rewinding a window cache)
+    shift(d, end)                   move every row's slots [0, end) by d (the engine's re-packing)
+    zero(rows, start, end)          make slots finite (padding that was never written)
+
+Two kinds: `KVCache` keeps every slot (global attention); `SlidingWindowKVCache` keeps only the
+last window (+ a margin) of slots in a ring buffer (local attention, Mistral / Gemma). MLA's
+latent cache is a `KVCache` with one "head" holding the latent c_kv as keys and the decoupled
+RoPE key as values.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from torch import nn
 
 class KVCache(nn.Module):
     """Preallocated keys and values of one attention layer, written at the slots of new tokens.
+    `update` returns slots 0..start_pos+T-1 in order (`in_slot_order`), so plain causal
+    attention needs no mask.
 
     Buffers k_cache (max_batch_size, n_heads, max_seq_len, k_dim) and v_cache (…, v_dim). They are
     allocated uninitialised (untouched pages cost no memory): `update` only returns slots
@@ -32,10 +41,13 @@ class KVCache(nn.Module):
     Args:
         max_batch_size: rows.
         max_seq_len: slots per row.
-        n_heads: key/value heads (n_kv_heads).
-        k_dim, v_dim: width of one head's key and value (head_dim).
+        n_heads: key/value heads (n_kv_heads; 1 for MLA's latent).
+        k_dim, v_dim: width of one head's key and value (MLA: kv_lora_rank and
+            qk_rope_head_dim).
         dtype, device: of the buffers.
     """
+
+    in_slot_order = True
 
     def __init__(self, max_batch_size: int, max_seq_len: int, n_heads: int, k_dim: int,
                  v_dim: int, dtype: torch.dtype, device: torch.device | str | None = None):
@@ -53,6 +65,7 @@ class KVCache(nn.Module):
 
     @property
     def max_seq_len(self) -> int:
+        """Slots a row can address (the context this cache serves)."""
         return self.k_cache.shape[2]
 
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
@@ -72,6 +85,14 @@ class KVCache(nn.Module):
         self.v_cache[rows, :, start_pos:end] = xv
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
+    def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
+        """Slot of each key `update(start_pos, …T tokens)` returns: 0..start_pos+T-1, (S,)."""
+        return torch.arange(start_pos + T, device=device)
+
+    def can_write_at(self, start_pos: int) -> bool:
+        """Every slot is kept, so a write may start anywhere (rewinding is free)."""
+        return True
+
     def shift(self, d: int, end: int) -> None:
         """Move the slots [0, end) of every row by d (right if d > 0, left if d < 0); slots
         uncovered on the left by a right shift are zeroed (they become padding)."""
@@ -86,3 +107,111 @@ class KVCache(nn.Module):
         """Set slots [start, end) of `rows` to 0."""
         self.k_cache[rows, :, start:end] = 0
         self.v_cache[rows, :, start:end] = 0
+
+
+class SlidingWindowKVCache(KVCache):
+    """The keys and values of the last `capacity` slots only, in a ring buffer: slot s lives at
+    index s mod capacity. For local attention layers, whose queries see only the last `window`
+    tokens (Mistral, Gemma: Beltagy et al. 2020's sliding window), so memory is
+    O(window) instead of O(context).
+
+    capacity = window + margin: the margin lets a caller rewind (write again from a slot up to
+    margin + 1 before the furthest slot written, e.g. a chat turn that re-tokenizes the end of
+    the previous answer) without losing the window the rewound queries need; `can_write_at`
+    tells when a rewind goes further, and the caller must then start over from slot 0.
+
+    Two ways to attend, chosen by `update`:
+    - appending one token (decode): write it, then attend over the whole ring in storage order
+      (no copy); `key_slots` tells the mask which slot each ring index holds;
+    - several tokens, or a rewind: attend over the ring as it was *plus* the new keys
+      (concatenated), then write the newest `capacity` of them.
+    Never-written indices hold zeros (the buffer is zero-initialised) and negative slots, so masks
+    exclude them.
+
+    Args:
+        window: tokens a query sees, itself included.
+        margin: extra slots kept for rewinds.
+        (others: as `KVCache`; max_seq_len is the context, the slots a row can address.)
+    """
+
+    in_slot_order = False
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, n_heads: int, k_dim: int,
+                 v_dim: int, dtype: torch.dtype, device: torch.device | str | None = None, *,
+                 window: int, margin: int = 64):
+        capacity = min(window + margin, max_seq_len)
+        nn.Module.__init__(self)
+        self.register_buffer("k_cache", torch.zeros(
+            (max_batch_size, n_heads, capacity, k_dim), dtype=dtype, device=device),
+            persistent=False)
+        self.register_buffer("v_cache", torch.zeros(
+            (max_batch_size, n_heads, capacity, v_dim), dtype=dtype, device=device),
+            persistent=False)
+        self.window, self.capacity, self.context = window, capacity, max_seq_len
+        self.high = 0                  # one past the furthest slot written (all rows)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.context
+
+    def _appends_one(self, start_pos: int, T: int) -> bool:
+        return T == 1 and start_pos >= self.high
+
+    def _ring_slots(self, end: int, device: torch.device) -> torch.Tensor:
+        """Slot held at each ring index when `end` is one past the last slot written: the
+        largest s < end with s ≡ index (mod capacity); negative = never written. (C,)"""
+        C = self.capacity
+        index = torch.arange(C, device=device)
+        return end - 1 - (end - 1 - index) % C
+
+    def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
+        """(C,) when appending one token, else (C + T,): the ring's slots, then the new ones."""
+        if self._appends_one(start_pos, T):
+            return self._ring_slots(start_pos + 1, device)
+        return torch.cat([self._ring_slots(start_pos, device),
+                          torch.arange(start_pos, start_pos + T, device=device)])
+
+    def can_write_at(self, start_pos: int) -> bool:
+        """False when rewinding to start_pos would need slots already overwritten: a query at
+        start_pos needs slots from start_pos − window + 1, which the ring holds while
+        high − start_pos ≤ capacity − window + 1."""
+        return self.high - start_pos <= self.capacity - self.window + 1
+
+    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
+               rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write xk (B, KV, T, k_dim), xv (B, KV, T, v_dim) at slots start_pos..start_pos+T-1
+        (their ring indices) and return the keys and values to attend over, in the order
+        `key_slots` describes: the ring (B, KV, C, ·), or the ring before the write followed by
+        the new ones (B, KV, C + T, ·)."""
+        B, _, T, _ = xk.shape
+        rows = rows if rows is not None else slice(0, B)
+        C = self.capacity
+        if self._appends_one(start_pos, T):
+            self.k_cache[rows, :, start_pos % C] = xk[:, :, 0]
+            self.v_cache[rows, :, start_pos % C] = xv[:, :, 0]
+            self.high = start_pos + 1
+            return self.k_cache[rows], self.v_cache[rows]                 # (B, KV, C, ·)
+        keys = torch.cat([self.k_cache[rows], xk], dim=2)                 # (B, KV, C + T, ·)
+        values = torch.cat([self.v_cache[rows], xv], dim=2)
+        n = min(T, C)                                                     # the newest n slots
+        index = torch.arange(start_pos + T - n, start_pos + T, device=xk.device) % C
+        self.k_cache[rows, :, index] = xk[:, :, T - n:]
+        self.v_cache[rows, :, index] = xv[:, :, T - n:]
+        self.high = max(self.high, start_pos + T)
+        return keys, values
+
+    def shift(self, d: int, end: int) -> None:
+        """Move every row's slots by d: the ring rotates by d, so slot s + d sits where s + d
+        mod capacity says (the contents of slots [0, d) after a right shift are padding and
+        masked; they stay finite)."""
+        for buf in (self.k_cache, self.v_cache):
+            buf.copy_(torch.roll(buf, d, dims=2))
+        self.high = end + d
+
+    def zero(self, rows: slice, start: int, end: int) -> None:
+        """Zero the ring indices of slots [start, end) still held (those ≥ high − capacity)."""
+        start = max(start, self.high - self.capacity, 0)
+        if end > start:
+            index = torch.arange(start, end, device=self.k_cache.device) % self.capacity
+            self.k_cache[rows, :, index] = 0
+            self.v_cache[rows, :, index] = 0

@@ -26,7 +26,7 @@ import torch
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_size: int, want_grads: bool) -> torch.Tensor:
+                chunk_size: int, want_grads: bool, softcap: float | None) -> torch.Tensor:
         N = h.shape[0]
         # Matmuls in the autocast dtype when autocast is on (as nn.Linear would), else W's.
         dtype = (torch.get_autocast_dtype(h.device.type)
@@ -40,6 +40,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hc = h[start:start + chunk_size].to(dtype)               # (n, D)
                 yc = targets[start:start + chunk_size]                   # (n,)
                 logits = (hc @ w.t()).float()                            # (n, V) fp32
+                if softcap is not None:                                  # c·tanh(z/c)
+                    capped = torch.tanh(logits / softcap)                # (n, V)
+                    logits = capped * softcap
                 lse = torch.logsumexp(logits, dim=-1)                    # (n,)
                 loss_sum += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
                 if not want_grads:                                       # evaluation
@@ -47,6 +50,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # softmax − onehot, in place of the logits: (n, V)
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(yc), device=g.device), yc] -= 1.0
+                if softcap is not None:                                  # d(c·tanh(z/c))/dz
+                    g *= 1.0 - capped.square_()
                 g = g.to(dtype)
                 grad_h[start:start + chunk_size] = g @ w                 # (n, D)
                 grad_w += (g.t() @ hc).float()                           # (V, D)
@@ -59,21 +64,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss / ctx.n                                        # d loss / d loss_sum
         return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(grad_w.dtype), None, None,
-                None)
+                None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_size: int = 512) -> torch.Tensor:
+                         chunk_size: int = 512, softcap: float | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits h·Wᵀ against targets, without materialising the logits.
 
     Equal to `F.cross_entropy(F.linear(h, weight).float(), targets)` (to float rounding) in value
-    and gradients (tested against autograd).
+    and gradients (tested against autograd). With `softcap` c the logits are c·tanh(h·Wᵀ/c)
+    first (Gemma 2's final-logit soft-capping), and the gradient carries the factor
+    1 − tanh²(h·Wᵀ/c).
 
     Args:
         h: (N, D) final hidden states, any float dtype.
         weight: (V, D) output projection (requires grad for training).
         targets: (N,) int64 token ids in [0, V).
         chunk_size: positions per chunk; each chunk holds a (chunk_size, V) float32 block.
+        softcap: c of the final-logit soft-capping, or None.
 
     Returns:
         scalar float32 loss in nats per token.
@@ -89,4 +97,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     # Gradients are formed in the forward pass only when backward can happen (not under
     # torch.no_grad, e.g. during evaluation, where the loss alone is computed).
     want_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h, weight, targets, chunk_size, want_grads)
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk_size, want_grads, softcap)

@@ -27,10 +27,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -38,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 from torchllama.checkpoint import atomic_output
-from torchllama.config import ModelArgs, get_preset
+from torchllama.config import ModelArgs, get_preset, read_model_config
 from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
 from torchllama.train import checkpointing as ckpt_io
@@ -191,54 +189,6 @@ def resumed_config(config: TrainConfig, saved: dict[str, Any]) -> tuple[TrainCon
 # --------------------------------------------------------------------------------------------
 # Model args
 # --------------------------------------------------------------------------------------------
-
-def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
-    """ModelArgs fields from a YAML (.yaml/.yml) or JSON file; unknown fields are refused.
-
-    Raises:
-        ArgumentError: unreadable file, not a mapping, unknown fields.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ArgumentError(f"--config: cannot read {path}: {e.strerror or e}") from None
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-            fields = yaml.safe_load(text)
-        else:
-            fields = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - yaml and json errors: report the parser's words
-        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
-        raise ArgumentError(f"--config {path}: not valid {kind}: {' '.join(str(e).split())}"
-                            ) from None
-    if not isinstance(fields, dict):
-        raise ArgumentError(f"--config {path}: expected a mapping of ModelArgs fields")
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ArgumentError(f"--config {path}: unknown field(s) {', '.join(unknown)}; ModelArgs "
-                            f"fields are {', '.join(sorted(known))}")
-    hints = typing.get_type_hints(ModelArgs)
-    for name, value in fields.items():
-        kinds = [k for k in (typing.get_args(hints[name]) or (hints[name],)) if k is not type(None)]
-        kind = typing.get_origin(kinds[0]) or kinds[0]
-        if value is None and type(None) in typing.get_args(hints[name]):
-            continue
-        if kind is float and isinstance(value, str):       # YAML 1.1 reads 1e-5 as a string
-            try:
-                value = fields[name] = float(value)
-            except ValueError:
-                pass
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-              else isinstance(value, int) and not isinstance(value, bool) if kind is int
-              else isinstance(value, kind))
-        if not ok:
-            raise ArgumentError(f"--config {path}: field {name} is {value!r}, expected "
-                                f"{'a number' if kind is float else kind.__name__}")
-    return fields
-
 
 def model_args_for_run(config: TrainConfig, vocab_size: int) -> ModelArgs:
     """The run's ModelArgs from --preset or --config. A preset's vocab_size becomes the
