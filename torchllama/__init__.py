@@ -7,14 +7,16 @@ Python API::
     print(torchllama.generate(model, tokenizer, "The capital of France is", max_new_tokens=16))
 """
 
-from torchllama.checkpoint import convert, default_model_path, load, load_tokenizer, save
-from torchllama.config import PRESETS, ModelArgs, get_preset
+from torchllama.checkpoint import (convert, default_model_path, load, load_tokenizer,
+                                   read_model_args, save)
+from torchllama.config import PRESETS, LayerSpec, ModelArgs, get_preset, read_model_config
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError, TrainingError)
 from torchllama.generation import (Completion, Session, StreamDecoder, encode_chat,
                                    encode_prompt, generate, generate_batch, llama2_chat_ids)
 from torchllama.sampling import SamplingParams, sample, token_logprobs
 from torchllama.stopping import StopStrings
+from torchllama.kv_cache_size import kv_bytes_per_token, kv_cache_bytes
 from torchllama.model import Transformer
 from torchllama.tokenizer import Tokenizer
 
@@ -23,5 +25,6 @@ __all__ = [
     "llama2_chat_ids", "generate_batch", "Completion", "token_logprobs", "StopStrings", "Session", "SamplingParams",
     "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
     "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
-    "ArgumentError", "ContextLengthError", "TrainingError",
+    "ArgumentError", "ContextLengthError", "TrainingError", "LayerSpec", "read_model_config",
+    "kv_cache_bytes", "kv_bytes_per_token", "read_model_args",
 ]

@@ -20,6 +20,12 @@ architecture in ways we do not implement (`UNSUPPORTED_FIELDS`: MoE, quantizatio
 QK-norm, ...) are refused when set; fields that do not affect the weights (`IGNORED_FIELDS`) are
 ignored; any other field is ignored with a `UserWarning` naming it.
 
+**torchllama's extension.** A model of the variant zoo (LayerNorm, ALiBi, MLA, ...) has no Meta
+params.json of its own: `meta_params` then writes Meta's fields plus the zoo fields that differ
+from Llama 2's (`ModelArgs` names, e.g. ``"position": "alibi"``) and an explicit ``hidden_dim``,
+and the reader accepts them. A Llama's params.json stays exactly Meta's. This is how training run
+checkpoints of any variant are written and loaded.
+
 **Shards.** Llama 2 7B ships 1 shard, 13B 2, 70B 8: the ranks of fairscale's model parallelism,
 each holding its slice of every parallel layer under the full model's names. Merging undoes the
 split each layer type makes:

@@ -42,7 +42,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gelu": ("GELU MLP (4·d)", dict(mlp="gelu")),
     "geglu": ("GeGLU MLP", dict(mlp="geglu")),
     "parallel": ("parallel attention + MLP block", dict(parallel_block=True)),
-    "sinusoidal": ("sinusoidal positions", dict(position="sinusoidal")),
+    "sinusoidal": ("sinusoidal positions (embeddings × √d, as Vaswani et al. §3.4)",
+                   dict(position="sinusoidal", embed_scale=True)),
     "learned": ("learned absolute positions", dict(position="learned")),
     "t5-bias": ("T5 relative bias", dict(position="t5")),
     "alibi": ("ALiBi", dict(position="alibi")),
@@ -104,6 +105,26 @@ def ablation_args(name: str, vocab_size: int, context: int) -> ModelArgs:
     if not VARIANTS[name][1]:
         return base
     return budget_matched(base.replace(**VARIANTS[name][1]), non_embedding_params(base))
+
+
+def _check_existing_run(run: Path, args: ModelArgs) -> None:
+    """A run folder left by an earlier ablation must hold the same model (it is then resumed or
+    found finished); one of another configuration is not replaced.
+
+    Raises:
+        ArgumentError: the folder holds a run of other ModelArgs (names the fields).
+    """
+    from torchllama.train.checkpointing import latest_checkpoint, read_train_state
+
+    ckpt = latest_checkpoint(run) if run.is_dir() else None
+    if ckpt is None:
+        return
+    saved = read_train_state(ckpt)["model_args"]
+    diff = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in dataclasses.asdict(args).items()
+            if saved.get(k) != v]
+    if diff:
+        raise ArgumentError(f"{run} holds a run of another configuration ({'; '.join(diff)}): "
+                            "remove it or choose another --out")
 
 
 @torch.no_grad()
@@ -178,6 +199,7 @@ def run_ablation(data: str, out: str, steps: int = 100, variants: Optional[list[
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)}
         with atomic_output(config_file, folder=False, force=True) as tmp:
             tmp.write_text(json.dumps(fields, indent=2) + "\n")
+        _check_existing_run(run, args)
         write(f"[{i + 1}/{len(names)}] {name}: {VARIANTS[name][0]} "
               f"({non_embedding_params(args):,} non-embedding parameters)")
         t0 = time.perf_counter()
@@ -257,10 +279,12 @@ def plot_ablation(results: list[dict[str, Any]], seq_len: int, path: Path) -> No
     bars.set_xlim(low - 0.15, max(losses) + 0.05)
     bars.set_xlabel(f"validation loss at {seq_len} tokens (nats/token)")
     bars.set_title("same data, tokens, seed and parameter budget")
-    for r in results:
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
         ys = [r["val_loss"], r["val_loss_2x"], r["val_loss_4x"]]
         style = "-" if r["name"] in POSITION_VARIANTS else ":"
-        lines.plot([seq_len, 2 * seq_len, 4 * seq_len], ys, style, marker="o", label=r["name"])
+        lines.plot([seq_len, 2 * seq_len, 4 * seq_len], ys, style, marker="o", label=r["name"],
+                   color=colors[i % len(colors)])
     lines.set_xscale("log", base=2)
     lines.set_xticks([seq_len, 2 * seq_len, 4 * seq_len], [f"{seq_len} (trained)",
                                                          str(2 * seq_len), str(4 * seq_len)])
