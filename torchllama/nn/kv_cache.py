@@ -52,12 +52,16 @@ class KVCache(nn.Module):
     def __init__(self, max_batch_size: int, max_seq_len: int, n_heads: int, k_dim: int,
                  v_dim: int, dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
-        self.register_buffer("k_cache", torch.empty(
-            (max_batch_size, n_heads, max_seq_len, k_dim), dtype=dtype, device=device),
-            persistent=False)
-        self.register_buffer("v_cache", torch.empty(
-            (max_batch_size, n_heads, max_seq_len, v_dim), dtype=dtype, device=device),
-            persistent=False)
+        self._allocate(torch.empty, max_batch_size, n_heads, max_seq_len, k_dim, v_dim, dtype,
+                       device)
+
+    def _allocate(self, factory, rows: int, heads: int, slots: int, k_dim: int, v_dim: int,
+                  dtype: torch.dtype, device) -> None:
+        """Register k_cache (rows, heads, slots, k_dim) and v_cache (…, v_dim), made by
+        `factory` (torch.empty or torch.zeros), as non-persistent buffers."""
+        for name, width in (("k_cache", k_dim), ("v_cache", v_dim)):
+            self.register_buffer(name, factory((rows, heads, slots, width), dtype=dtype,
+                                               device=device), persistent=False)
 
     @property
     def max_batch_size(self) -> int:
@@ -141,12 +145,8 @@ class SlidingWindowKVCache(KVCache):
                  window: int, margin: int = 64):
         capacity = min(window + margin, max_seq_len)
         nn.Module.__init__(self)
-        self.register_buffer("k_cache", torch.zeros(
-            (max_batch_size, n_heads, capacity, k_dim), dtype=dtype, device=device),
-            persistent=False)
-        self.register_buffer("v_cache", torch.zeros(
-            (max_batch_size, n_heads, capacity, v_dim), dtype=dtype, device=device),
-            persistent=False)
+        self._allocate(torch.zeros, max_batch_size, n_heads, capacity, k_dim, v_dim, dtype,
+                       device)
         self.window, self.capacity, self.context = window, capacity, max_seq_len
         self.high = 0                  # one past the furthest slot written (all rows)
 
