@@ -170,7 +170,8 @@ def random_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) ->
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     assert cols % block_size == 0
-    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    # bytes below 0x3c: every f16 / fp8 / e8m0 scale field is finite, whatever the layout
+    blocks = rng.integers(0, 0x3C, size=(rows, cols // block_size, type_size), dtype=np.uint8)
     for offset in _KQUANT_F16_FIELDS.get(qtype, ()):
         scale = rng.uniform(0.001, 0.01, size=(rows, cols // block_size)).astype(np.float16)
         blocks[..., offset:offset + 2] = scale[..., None].view(np.uint8)
@@ -179,7 +180,7 @@ def random_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) ->
 
 def encode(array: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Raw stored form of `array` as `qtype`; norm vectors (1-D) are always F32."""
-    if qtype in QUANTIZABLE or qtype == Q.F32:
+    if qtype in QUANTIZABLE or qtype in CRUDE or qtype == Q.F32:
         return gguf.quants.quantize(array, qtype)
     return random_blocks(array.shape, qtype, rng)
 
@@ -286,23 +287,45 @@ def test_max_seq_len_override(small_file):
 # ------------------------------------------------------------------------------------------------
 
 # Types gguf.quants.quantize can produce: these are genuinely quantized from the random floats.
-QUANTIZABLE = {Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1}
+QUANTIZABLE = {Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
 # Max |dequantized - original| relative to the tensor's max |value| for the quantizable types:
 # half-ulp of f16 (11 bits) / bf16 (8 bits); Q8_0 step max/127; Q4_0 step max/8 (values on the
-# side opposite the block's extreme may clip by one step); Q4_1 step (max - min)/15.
-QUANT_TOLERANCE = {Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.13, Q.Q4_1: 0.07}
-# Types gguf cannot quantize (K-quants): written as valid blocks of random bytes.
-RANDOM_BLOCKS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# side opposite the block's extreme may clip by one step); Q4_1 step (max - min)/15; Q5_0 step
+# max/16; Q5_1 step (max - min)/31.
+QUANT_TOLERANCE = {Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.13, Q.Q4_1: 0.07,
+                   Q.Q5_0: 0.07, Q.Q5_1: 0.035}
+# Types gguf quantizes too coarsely for a tolerance (ternary, 4-bit floats with a power-of-two
+# block scale): quantized by gguf, compared with its dequantization only.
+CRUDE = {Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
+# Types gguf cannot quantize (K-quants, i-quants, NVFP4): valid blocks of random bytes.
+RANDOM_BLOCKS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS,
+                 Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.NVFP4}
+# Types gguf 0.19 cannot dequantize: refused with one line.
+UNSUPPORTED = [Q.Q8_1, Q.Q8_K, Q.Q1_0] if hasattr(Q, "Q1_0") else [Q.Q8_1, Q.Q8_K]
 
 
 def test_supported_types_are_the_ones_tested():
-    assert gguf_format.SUPPORTED_TYPES == QUANTIZABLE | RANDOM_BLOCKS | {Q.F32}
+    assert gguf_format.SUPPORTED_TYPES == QUANTIZABLE | CRUDE | RANDOM_BLOCKS | {Q.F32}
+    # every type the library dequantizes is supported, and only those
+    rng = np.random.default_rng(0)
+    for qtype in Q:
+        if qtype not in gguf.GGML_QUANT_SIZES:
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, 256 // block * size if 256 % block == 0
+                                             else size), np.uint8), qtype)
+            works = True
+        except NotImplementedError:
+            works = False
+        assert works == (qtype in gguf_format.SUPPORTED_TYPES), qtype.name
+    del rng
 
 
-@pytest.mark.parametrize("qtype", sorted(QUANTIZABLE | RANDOM_BLOCKS, key=lambda q: q.value),
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", sorted(QUANTIZABLE | CRUDE | RANDOM_BLOCKS,
+                                         key=lambda q: q.value), ids=lambda q: q.name)
 def test_quantized_weights_equal_gguf_dequantize(tmp_path, qtype):
-    cfg = KQUANT if qtype in RANDOM_BLOCKS else SMALL
+    cfg = SMALL if gguf.GGML_QUANT_SIZES[qtype][0] <= 32 else KQUANT
     weights = random_weights(cfg, seed=4)
     rng = np.random.default_rng(5)
     tensors = {}
@@ -409,22 +432,23 @@ def test_truncated_file(tmp_path, small_file):
 
 def test_unsupported_architecture(tmp_path):
     weights = random_weights(SMALL, seed=6)
-    path = write_gguf(tmp_path / "g.gguf", f32_tensors(weights), arch="gemma3")
-    assert_model_file_error(path, "'gemma3'", "general.architecture", "not supported", "llama")
+    path = write_gguf(tmp_path / "g.gguf", f32_tensors(weights), arch="falcon")
+    assert_model_file_error(path, "'falcon'", "general.architecture", "not supported", "llama",
+                            "qwen2", "gpt2", "deepseek2")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q2_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", UNSUPPORTED, ids=lambda q: q.name)
 def test_unsupported_quantization_type(tmp_path, qtype):
     cfg = KQUANT
     weights = random_weights(cfg, seed=7)
     tensors = f32_tensors(weights)
     name = "blk.1.attn_v.weight"
     rng = np.random.default_rng(8)
-    raw = (gguf.quants.quantize(weights[name], qtype) if qtype == Q.Q5_0
-           else random_blocks(weights[name].shape, qtype, rng))
-    tensors[name] = (raw, qtype)
+    tensors[name] = (random_blocks(weights[name].shape, qtype, rng), qtype)
     path = write_gguf(tmp_path / "m.gguf", tensors, cfg)
-    assert_model_file_error(path, f"'{name}'", qtype.name, "not supported")
+    error = assert_model_file_error(path, f"'{name}'", qtype.name, "not supported",
+                                    "Q4_K", "IQ4_XS", "MXFP4")
+    assert "\n" not in str(error)                    # one line
 
 
 REQUIRED_KEYS = ["context_length", "embedding_length", "block_count", "feed_forward_length",
@@ -490,16 +514,23 @@ def test_unexpected_tensor(tmp_path, extra):
     assert_model_file_error(path, "unexpected tensor", f"'{extra}'")
 
 
-@pytest.mark.parametrize("how", ["rope_freqs tensor", "rope.scaling.type"])
-def test_rope_scaling_is_refused(tmp_path, how):
+@pytest.mark.parametrize("how, words", [
+    ("rope_freqs tensor", ("rope_freqs.weight", "does not follow Llama 3.1's RoPE rule")),
+    ("longrope", ("RoPE scaling 'longrope'", "not supported")),
+    ("linear without factor", ("'llama.rope.scaling.factor'", "missing")),
+])
+def test_rope_scaling_we_cannot_read_is_refused(tmp_path, how, words):
+    # (linear, yarn and Llama 3.1's rope_freqs are read: tests/test_gguf_families.py)
     weights = random_weights(SMALL, seed=16)
     extra = None
-    if how == "rope_freqs tensor":  # Llama 3.1's scaled RoPE
-        weights["rope_freqs.weight"] = np.ones((SMALL.head_dim // 2,), np.float32)
+    if how == "rope_freqs tensor":  # per-frequency factors of no Llama 3.1 rule
+        weights["rope_freqs.weight"] = np.linspace(1, 2, SMALL.head_dim // 2, dtype=np.float32)
+    elif how == "longrope":
+        extra = {"llama.rope.scaling.type": ("add_string", "longrope")}
     else:
         extra = {"llama.rope.scaling.type": ("add_string", "linear")}
     path = write_gguf(tmp_path / "m.gguf", f32_tensors(weights), extra_keys=extra)
-    assert_model_file_error(path, "RoPE scaling", "not supported")
+    assert_model_file_error(path, *words)
 
 
 def test_partial_rope_is_refused(tmp_path):

@@ -31,6 +31,7 @@ from torchllama.checkpoint.common import expected_shapes
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
+from torchllama.families.base import Part
 from torchllama.tokenizer import tokenizer_from_gguf_metadata
 
 
@@ -56,23 +57,38 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         return gguf.GGUFReader(path, "r")
     except OSError as e:  # mapping the file failed: not a truncation
         raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:  # a key or tensor name (decoded while parsing the header)
+        raise ModelFileError(f"{path}: corrupt GGUF file: a metadata key or tensor name is not "
+                             f"valid UTF-8 ({e.reason})") from e
     except Exception as e:  # the library raises ValueError/IndexError/... on truncated headers
         raise ModelFileError(
             f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})"
         ) from e
 
 
-def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: gguf.GGUFReader, source: str | None = None) -> dict[str, Any]:
     """All metadata key/values of a GGUF file as plain Python values (str, int, float, bool, list).
 
     The tokenizer's large arrays (tokens, scores, merges) are decoded too; expect ~0.1 s for a
     50k vocabulary.
+
+    Raises:
+        ModelFileError: a value that cannot be decoded (a string that is not UTF-8, a damaged
+            array), naming the key.
     """
+    source = source or str(getattr(reader.data, "filename", None) or "GGUF file")
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # header fields (version, counts), not metadata
             continue
-        metadata[key] = field.contents()
+        try:
+            metadata[key] = field.contents()
+        except UnicodeDecodeError as e:
+            raise ModelFileError(f"{source}: metadata key {key!r} holds a string that is not "
+                                 f"valid UTF-8 ({e.reason} at byte {e.start})") from e
+        except Exception as e:  # a damaged value the library cannot decode
+            raise ModelFileError(f"{source}: metadata key {key!r} cannot be read "
+                                 f"({type(e).__name__}: {e})") from e
     return metadata
 
 
@@ -91,10 +107,14 @@ def _release_file_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
     file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
-# Tensor types we dequantize (with gguf.quants.dequantize) and test.
+# Tensor types we dequantize (with gguf.quants.dequantize) and test: every type gguf 0.19 can
+# dequantize (not Q8_1, Q8_K, Q1_0, the integer types or F64).
 SUPPORTED_TYPES = frozenset(
     getattr(gguf.GGMLQuantizationType, name)
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                 "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                 "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+    if hasattr(gguf.GGMLQuantizationType, name))
 
 # Unquantized tensor types: numpy dtype of the stored bytes and the torch dtype they hold.
 _FLOAT_TYPES = {
@@ -114,12 +134,52 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
     """
     source = str(path)
     reader = open_gguf(path)
-    metadata = read_metadata(reader)
+    metadata = read_metadata(reader, source)
     family = family_for_gguf(metadata, source)
-    args = family.args_from_gguf(metadata, {t.name for t in reader.tensors}, source)
+    args = family.args_from_gguf(metadata, tensor_index(reader, source), source)
     tokenizer = tokenizer_from_gguf_metadata(metadata, source)
+    if tokenizer.chat_template is None and family.chat_template is not None:
+        tokenizer.chat_template = family.chat_template      # the family's built-in format
     state = load_gguf_state_dict(reader, family, args, dtype, source, progress)
     return args, state, tokenizer
+
+
+def _dequantize(t: Any, source: str) -> torch.Tensor:
+    """The values of one GGUF tensor in our (out, in) row-major shape: float types as stored
+    (no float32 detour), quantized ones dequantized to float32 by the `gguf` library.
+
+    Raises:
+        ModelFileError: a type we do not read (one line: tensor, type, the supported types), or
+            data that is cut short or damaged.
+    """
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise ModelFileError(
+            f"{source}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which is "
+            "not supported (supported: "
+            f"{', '.join(q.name for q in sorted(SUPPORTED_TYPES, key=lambda q: q.value))})")
+    # ggml lists dims innermost first: (in, out) for a matrix whose rows are `out`.
+    shape = torch.Size(reversed([int(d) for d in t.shape]))
+    try:
+        if t.tensor_type in _FLOAT_TYPES:   # F32/F16/BF16: the stored values, no fp32 detour
+            np_dtype, stored = _FLOAT_TYPES[t.tensor_type]
+            raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+            values = raw.view(np_dtype).reshape(shape).copy()     # out of the file mapping
+            return torch.from_numpy(values).view(stored)
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+    except (ValueError, IndexError, TypeError) as e:
+        raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
+
+
+class TensorIndex(dict):
+    """The tensors of a GGUF file for a family's `args_from_gguf`: name → a function giving that
+    tensor's values (float32 torch tensor in our row-major shape). `in` works as on the set of
+    names; llama reads its `rope_freqs` factors through it."""
+
+
+def tensor_index(reader: gguf.GGUFReader, source: str) -> TensorIndex:
+    """A `TensorIndex` of the tensors of an open GGUF file."""
+    return TensorIndex({t.name: (lambda t=t: _dequantize(t, source).float())
+                        for t in reader.tensors})
 
 
 def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArgs,
@@ -145,36 +205,43 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     from tqdm import tqdm
 
     expected = expected_shapes(args)
-    by_name = {m.theirs: m for m in family.mappings("gguf", args.n_layers, set(expected))}
+    mappings = family.mappings("gguf", args.n_layers, set(expected))
+    by_name = {m.theirs: m for m in mappings}
+    # tensors stored in several parts (`Part`): our name → its mappings, in table order
+    groups: dict[str, list] = {}
+    for m in mappings:
+        if isinstance(m.layout, Part):
+            groups.setdefault(m.ours[0], []).append(m)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
                   leave=False):
         mapping = by_name.get(t.name)
         if mapping is None:
+            if family.gguf_ignored is not None and family.gguf_ignored.fullmatch(t.name):
+                continue
             raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
-        if t.tensor_type not in SUPPORTED_TYPES:
-            raise ModelFileError(
-                f"{source}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which "
-                f"is not supported (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
-        # ggml lists dims innermost first: (in, out) for a matrix whose rows are `out`.
         shape = torch.Size(reversed([int(d) for d in t.shape]))
-        want = mapping.layout.stored_shape(tuple(expected[n] for n in mapping.ours))
+        if isinstance(mapping.layout, Part):
+            want = mapping.layout.part_shape(expected[mapping.ours[0]], args)
+        else:
+            want = mapping.layout.stored_shape(tuple(expected[n] for n in mapping.ours))
         if shape != want:
             raise ModelFileError(
                 f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
                 f"{tuple(want)} for {', '.join(mapping.ours)}")
-        try:
-            if t.tensor_type in _FLOAT_TYPES:   # F32/F16/BF16: the stored values, no fp32 detour
-                np_dtype, stored = _FLOAT_TYPES[t.tensor_type]
-                raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-                values = raw.view(np_dtype).reshape(shape).copy()     # out of the file mapping
-                tensor = torch.from_numpy(values).view(stored)
-            else:
-                tensor = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)
-                                          .reshape(shape))
-        except ValueError as e:
-            raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short ({e})") from e
-        state.update(zip(mapping.ours, (x.to(dtype) for x in mapping.layout.load(tensor, args))))
+        tensor = _dequantize(t, source)
+        loaded = mapping.layout.load(tensor, args)
+        if isinstance(mapping.layout, Part):
+            name = mapping.ours[0]
+            got = parts.setdefault(name, {})
+            got[mapping.theirs] = loaded[0]
+            group = groups[name]
+            if all(m.theirs in got for m in group):
+                state[name] = group[0].layout.join(
+                    [got[m.theirs] for m in group], args).to(dtype)
+        else:
+            state.update(zip(mapping.ours, (x.to(dtype) for x in loaded)))
         _release_file_pages(reader, t)
     missing = [f"{family.their_name('gguf', n, args.n_layers)} ({n})" for n in expected
                if n not in state and not (n == "output.weight" and args.tie_embeddings)]
@@ -268,8 +335,12 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         if args.tie_embeddings:
             state.pop("output.weight", None)
         mappings = family.mappings("gguf", args.n_layers, set(state))
+        written: set[str] = set()     # a tensor held by several rows is written once
         for m in tqdm(mappings, desc="writing GGUF", unit="tensor", disable=not progress,
                       leave=False):
+            if not isinstance(m.layout, Part) and all(n in written for n in m.ours):
+                continue
+            written.update(m.ours)
             tensor = m.layout.save(tuple(state[n].detach() for n in m.ours), args)
             t = gguf_tensor_type(tensor.shape, qtype)
             data = tensor.float().contiguous().numpy()

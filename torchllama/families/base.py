@@ -145,6 +145,10 @@ class Family:
         unsupported: (ModelArgs, format "hf" | "gguf") → why this family's files of that format
             cannot hold such a model, or None.
         hf_ignored: HF keys that hold no weights (buffers some checkpoints carry), skipped.
+        chat_template: the family's chat format as a Jinja template, given to a tokenizer whose
+            checkpoint carries none (Gemma's GGUF files); None: no built-in format.
+        gguf_ignored: GGUF tensors that hold no weights of ours (llama's `rope_freqs`, which
+            `args_from_gguf` reads as a hyperparameter), skipped by the weight loader.
     """
 
     name: str
@@ -159,6 +163,8 @@ class Family:
     unsupported: Callable[["ModelArgs", str], Optional[str]] = field(
         default=lambda args, fmt: None)
     hf_ignored: Optional[re.Pattern] = None
+    chat_template: Optional[str] = None
+    gguf_ignored: Optional[re.Pattern] = None
 
     def mappings(self, fmt: str, n_layers: int, ours: Optional[set[str]] = None
                  ) -> list[Mapping]:
@@ -210,6 +216,21 @@ class Transposed(Layout):
 
     def save(self, ts, args):
         return ts[0].t()
+
+
+class Part(Layout):
+    """One of several stored tensors that together hold one of our tensors (llama.cpp stores
+    DeepSeek's wkv_b as attn_k_b and attn_v_b). `load` gives this part in our layout, `join`
+    puts all parts of one tensor (in table order) back together, `save` cuts this part out of
+    ours, `part_shape` gives this part's stored shape. Loaders collect the parts of a tensor
+    before joining them; a tensor several table rows hold (a part and a legacy whole) is
+    written once, under its first rows."""
+
+    def part_shape(self, shape: torch.Size, args: "ModelArgs") -> torch.Size:
+        raise NotImplementedError
+
+    def join(self, parts: list[torch.Tensor], args: "ModelArgs") -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -10,32 +10,74 @@ Mixture-of-experts layers are not implemented: configs whose MLPs are all dense
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from torchllama.config import ModelArgs
-from torchllama.errors import ArgumentError, ModelFileError
-from torchllama.families.base import (Family, Tensors, hf_key, hf_max_positions, hf_rope,
+from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
+from torchllama.families.base import (Family, Part, Tensors, hf_key, hf_max_positions, hf_rope,
                                       hf_rope_parameters, unsupported_fields)
+
+@dataclass(frozen=True)
+class _KVBPart(Part):
+    """llama.cpp's split of wkv_b (H·(dn + dv), r) for its absorbed MLA: attn_k_b holds each
+    head's k_nope rows transposed, (H, r, dn); attn_v_b each head's v rows, (H, dv, r)."""
+
+    value: bool          # False: attn_k_b, True: attn_v_b
+
+    def part_shape(self, shape, args):
+        H, dn, dv = args.n_heads, args.qk_nope_head_dim, args.v_head_dim
+        r = shape[1]
+        return torch.Size((H, dv, r) if self.value else (H, r, dn))
+
+    def load(self, t, args):
+        return (t if self.value else t.transpose(1, 2),)   # (H, dv, r) | (H, dn, r)
+
+    def join(self, parts, args):
+        k, v = parts                                       # (H, dn, r), (H, dv, r)
+        return torch.cat([k, v], dim=1).reshape(-1, k.shape[-1]).contiguous()
+
+    def save(self, ts, args):
+        H, dn, dv = args.n_heads, args.qk_nope_head_dim, args.v_head_dim
+        k, v = ts[0].reshape(H, dn + dv, -1).split([dn, dv], dim=1)
+        return (v if self.value else k.transpose(1, 2)).contiguous()
+
 
 _L = "model.layers.{i}."
 _A = "layers.{i}.attention."
+_B = "blk.{i}."
 TENSORS = (
-    Tensors("tok_embeddings.weight", "model.embed_tokens.weight"),
-    Tensors("norm.weight", "model.norm.weight"),
-    Tensors("output.weight", "lm_head.weight"),
-    Tensors("layers.{i}.attention_norm.weight", _L + "input_layernorm.weight"),
-    Tensors(_A + "wq.weight", _L + "self_attn.q_proj.weight"),
-    Tensors(_A + "wq_a.weight", _L + "self_attn.q_a_proj.weight"),
-    Tensors(_A + "q_norm.weight", _L + "self_attn.q_a_layernorm.weight"),
-    Tensors(_A + "wq_b.weight", _L + "self_attn.q_b_proj.weight"),
-    Tensors(_A + "wkv_a.weight", _L + "self_attn.kv_a_proj_with_mqa.weight"),
-    Tensors(_A + "kv_norm.weight", _L + "self_attn.kv_a_layernorm.weight"),
-    Tensors(_A + "wkv_b.weight", _L + "self_attn.kv_b_proj.weight"),
-    Tensors(_A + "wo.weight", _L + "self_attn.o_proj.weight"),
-    Tensors("layers.{i}.ffn_norm.weight", _L + "post_attention_layernorm.weight"),
-    Tensors("layers.{i}.feed_forward.w1.weight", _L + "mlp.gate_proj.weight"),
-    Tensors("layers.{i}.feed_forward.w2.weight", _L + "mlp.down_proj.weight"),
-    Tensors("layers.{i}.feed_forward.w3.weight", _L + "mlp.up_proj.weight"),
+    Tensors("tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight"),
+    Tensors("norm.weight", "model.norm.weight", "output_norm.weight"),
+    Tensors("output.weight", "lm_head.weight", "output.weight"),
+    Tensors("layers.{i}.attention_norm.weight", _L + "input_layernorm.weight",
+            _B + "attn_norm.weight"),
+    Tensors(_A + "wq.weight", _L + "self_attn.q_proj.weight", _B + "attn_q.weight"),
+    Tensors(_A + "wq_a.weight", _L + "self_attn.q_a_proj.weight", _B + "attn_q_a.weight"),
+    Tensors(_A + "q_norm.weight", _L + "self_attn.q_a_layernorm.weight",
+            _B + "attn_q_a_norm.weight"),
+    Tensors(_A + "wq_b.weight", _L + "self_attn.q_b_proj.weight", _B + "attn_q_b.weight"),
+    Tensors(_A + "wkv_a.weight", _L + "self_attn.kv_a_proj_with_mqa.weight",
+            _B + "attn_kv_a_mqa.weight"),
+    Tensors(_A + "kv_norm.weight", _L + "self_attn.kv_a_layernorm.weight",
+            _B + "attn_kv_a_norm.weight"),
+    # llama.cpp (since its absorbed MLA) writes wkv_b as attn_k_b + attn_v_b; older files hold
+    # it whole as attn_kv_b, which we read (and do not write: the rows above come first)
+    Tensors(_A + "wkv_b.weight", _L + "self_attn.kv_b_proj.weight", _B + "attn_k_b.weight",
+            gguf_layout=_KVBPart(False)),
+    Tensors(_A + "wkv_b.weight", None, _B + "attn_v_b.weight", gguf_layout=_KVBPart(True)),
+    Tensors(_A + "wkv_b.weight", None, _B + "attn_kv_b.weight"),
+    Tensors(_A + "wo.weight", _L + "self_attn.o_proj.weight", _B + "attn_output.weight"),
+    Tensors("layers.{i}.ffn_norm.weight", _L + "post_attention_layernorm.weight",
+            _B + "ffn_norm.weight"),
+    Tensors("layers.{i}.feed_forward.w1.weight", _L + "mlp.gate_proj.weight",
+            _B + "ffn_gate.weight"),
+    Tensors("layers.{i}.feed_forward.w2.weight", _L + "mlp.down_proj.weight",
+            _B + "ffn_down.weight"),
+    Tensors("layers.{i}.feed_forward.w3.weight", _L + "mlp.up_proj.weight",
+            _B + "ffn_up.weight"),
 )
 
 
@@ -95,11 +137,136 @@ def deepseek_hf_config(args: ModelArgs) -> dict[str, Any]:
             "hidden_act": "silu", "attention_bias": False}
 
 
+# ---- GGUF (llama.cpp's deepseek2) ---------------------------------------------------------------
+
+def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `deepseek2.*` metadata, dense models only.
+
+    Head sizes: files of llama.cpp's absorbed MLA (key_length_mla present) state the per-head
+    q/k width as key_length_mla and v as value_length_mla (key_length, value_length are then
+    the latent's); older files state them as key_length, value_length. YaRN: the softmax
+    scale's mscale(s, mscale_all_dim)² comes from yarn_log_multiplier = 0.1·mscale_all_dim,
+    and llama.cpp's deepseek2 leaves q and k unscaled (attention factor 1).
+
+    Raises:
+        ModelFileError: mixture-of-experts layers, a missing required key, RoPE scaling other
+            than YaRN, or values that do not form a valid model.
+    """
+    arch = "deepseek2"
+
+    def need(key: str, kind: type = int, default=MISSING):
+        return checked_field(metadata, f"{arch}.{key}", kind, source, default,
+                             what="metadata key")
+
+    n_layers = need("block_count")
+    dense = need("leading_dense_block_count", int, 0)
+    experts = need("expert_count", int, 0)
+    if dense < n_layers and (experts or any("_exps" in n for n in tensor_names)):
+        raise ModelFileError(
+            f"{source}: mixture-of-experts layers ({arch}.leading_dense_block_count {dense} < "
+            f"{arch}.block_count {n_layers}) are not supported; only dense DeepSeek models load")
+    rope = need("rope.dimension_count")
+    if f"{arch}.attention.key_length_mla" in metadata:
+        qk, v = need("attention.key_length_mla"), need("attention.value_length_mla")
+    else:
+        qk, v = need("attention.key_length"), need("attention.value_length")
+    n_vocab = need("vocab_size", int, None) or len(metadata.get("tokenizer.ggml.tokens") or [])
+    if not n_vocab:
+        raise ModelFileError(f"{source}: vocabulary size unknown ({arch}.vocab_size and "
+                             "tokenizer.ggml.tokens are both missing)")
+    kind = need("rope.scaling.type", str, "none")
+    scaling = None
+    if kind == "yarn":
+        mscale = need("rope.scaling.yarn_log_multiplier", float, 0.0) / 0.1
+        scaling = {"type": "yarn", "factor": need("rope.scaling.factor", float),
+                   "original_max_seq_len": need("rope.scaling.original_context_length")}
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if need(f"rope.scaling.{theirs}", float, None) is not None:
+                scaling[ours] = need(f"rope.scaling.{theirs}", float)
+        if mscale > 0:
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        else:
+            scaling["attention_factor"] = 1.0
+    elif kind != "none":
+        raise ModelFileError(f"{source}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is "
+                             "not supported (supported: none, yarn)")
+    n_heads = need("attention.head_count")
+    try:
+        return ModelArgs(
+            dim=need("embedding_length"), n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=n_heads, vocab_size=n_vocab, hidden_dim=need("feed_forward_length"),
+            norm_eps=need("attention.layer_norm_rms_epsilon", float),
+            rope_theta=need("rope.freq_base", float, 10000.0), rope_scaling=scaling,
+            max_seq_len=need("context_length"),
+            tie_embeddings="output.weight" not in tensor_names,
+            attention="mla", q_lora_rank=need("attention.q_lora_rank", int, None) or None,
+            kv_lora_rank=need("attention.kv_lora_rank"), qk_nope_head_dim=qk - rope,
+            qk_rope_head_dim=rope, v_head_dim=v)
+    except ArgumentError as e:
+        raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
+
+
+def deepseek_gguf_metadata(writer, args: ModelArgs) -> None:
+    """The `deepseek2.*` keys of llama.cpp's converter (absorbed-MLA convention: one KV head
+    of the latent's width), for a dense model: every block is a leading dense block and the
+    expert keys llama.cpp requires say no experts."""
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_leading_dense_block_count(args.n_layers)
+    if args.q_lora_rank:
+        writer.add_q_lora_rank(args.q_lora_rank)
+    writer.add_kv_lora_rank(args.kv_lora_rank)
+    writer.add_key_length(args.kv_lora_rank + args.qk_rope_head_dim)
+    writer.add_value_length(args.kv_lora_rank)
+    writer.add_key_length_mla(args.qk_nope_head_dim + args.qk_rope_head_dim)
+    writer.add_value_length_mla(args.v_head_dim)
+    writer.add_expert_feed_forward_length(0)
+    writer.add_expert_count(0)
+    writer.add_expert_used_count(0)
+    writer.add_expert_shared_count(0)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_rope_dimension_count(args.qk_rope_head_dim)
+    scaling = args.rope_scaling
+    if scaling:
+        arch = writer.arch
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", scaling["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          scaling["original_max_seq_len"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier",
+                           0.1 * (scaling.get("mscale_all_dim") or 0.0))
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if scaling.get(ours) is not None:
+                writer.add_float32(f"{arch}.rope.scaling.{theirs}", scaling[ours])
+
+
+def _gguf_rope_unsupported(args: ModelArgs) -> Optional[str]:
+    scaling = args.rope_scaling
+    if not scaling:
+        return None
+    if scaling["type"] != "yarn":
+        return "llama.cpp's deepseek2 has YaRN RoPE scaling only"
+    m, m_all = scaling.get("mscale") or 0.0, scaling.get("mscale_all_dim") or 0.0
+    if m_all and m != m_all:
+        return "llama.cpp's deepseek2 leaves q and k unscaled (YaRN mscale = mscale_all_dim)"
+    if not m_all and scaling.get("attention_factor") != 1.0:
+        return ("llama.cpp's deepseek2 leaves q and k unscaled (YaRN attention_factor 1, or "
+                "mscale = mscale_all_dim)")
+    return None
+
+
 def _deepseek_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt == "gguf":
-        return "no GGUF writer for deepseek2 yet"
     if args.attention != "mla":
         return "DeepSeek-V3 has attention: mla"
+    if fmt == "gguf" and _gguf_rope_unsupported(args):
+        return _gguf_rope_unsupported(args)
     return unsupported_fields(args, {name: (lambda a: True) for name in (
         "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
         "v_head_dim", "rope_scaling", "head_dim")})
@@ -108,6 +275,8 @@ def _deepseek_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
 DEEPSEEK_V3 = Family(
     name="deepseek_v3", tensors=TENSORS,
     hf_architectures=("DeepseekV3ForCausalLM",), hf_model_type="deepseek_v3",
+    gguf_architecture="deepseek2",
     args_from_hf=deepseek_args_from_hf, hf_config=deepseek_hf_config,
+    args_from_gguf=deepseek_args_from_gguf, gguf_metadata=deepseek_gguf_metadata,
     unsupported=_deepseek_unsupported,
 )

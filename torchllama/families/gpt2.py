@@ -11,7 +11,7 @@ import re
 from typing import Any, Optional
 
 from torchllama.config import ModelArgs
-from torchllama.errors import ArgumentError, ModelFileError
+from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
 from torchllama.families.base import Family, Fused, Tensors, Transposed, hf_key, unsupported_fields
 
 
@@ -20,29 +20,35 @@ def _qkv_sizes(args: ModelArgs) -> tuple[int, int, int]:
 
 
 _QKV = Fused(_qkv_sizes, dim=0, transposed=True)
+# llama.cpp's gpt2: the same fused q/k/v rows, as nn.Linear (out, in) (its converter transposes
+# the Conv1D weights back)
+_GGUF_QKV = Fused(_qkv_sizes, dim=0)
 _H = "transformer.h.{i}."
+_B = "blk.{i}."
 _Q, _K, _V = ("layers.{i}.attention.wq", "layers.{i}.attention.wk", "layers.{i}.attention.wv")
 TENSORS = (
-    Tensors("tok_embeddings.weight", "transformer.wte.weight"),
-    Tensors("pos_embeddings.weight", "transformer.wpe.weight"),
-    Tensors("layers.{i}.attention_norm.weight", _H + "ln_1.weight"),
-    Tensors("layers.{i}.attention_norm.bias", _H + "ln_1.bias"),
+    Tensors("tok_embeddings.weight", "transformer.wte.weight", "token_embd.weight"),
+    Tensors("pos_embeddings.weight", "transformer.wpe.weight", "position_embd.weight"),
+    Tensors("layers.{i}.attention_norm.weight", _H + "ln_1.weight", _B + "attn_norm.weight"),
+    Tensors("layers.{i}.attention_norm.bias", _H + "ln_1.bias", _B + "attn_norm.bias"),
     Tensors((_Q + ".weight", _K + ".weight", _V + ".weight"), _H + "attn.c_attn.weight",
-            hf_layout=_QKV),
+            _B + "attn_qkv.weight", hf_layout=_QKV, gguf_layout=_GGUF_QKV),
     Tensors((_Q + ".bias", _K + ".bias", _V + ".bias"), _H + "attn.c_attn.bias",
-            hf_layout=_QKV),
-    Tensors("layers.{i}.attention.wo.weight", _H + "attn.c_proj.weight", hf_layout=Transposed()),
-    Tensors("layers.{i}.attention.wo.bias", _H + "attn.c_proj.bias"),
-    Tensors("layers.{i}.ffn_norm.weight", _H + "ln_2.weight"),
-    Tensors("layers.{i}.ffn_norm.bias", _H + "ln_2.bias"),
-    Tensors("layers.{i}.feed_forward.w1.weight", _H + "mlp.c_fc.weight", hf_layout=Transposed()),
-    Tensors("layers.{i}.feed_forward.w1.bias", _H + "mlp.c_fc.bias"),
-    Tensors("layers.{i}.feed_forward.w2.weight", _H + "mlp.c_proj.weight",
+            _B + "attn_qkv.bias", hf_layout=_QKV, gguf_layout=_GGUF_QKV),
+    Tensors("layers.{i}.attention.wo.weight", _H + "attn.c_proj.weight",
+            _B + "attn_output.weight", hf_layout=Transposed()),
+    Tensors("layers.{i}.attention.wo.bias", _H + "attn.c_proj.bias", _B + "attn_output.bias"),
+    Tensors("layers.{i}.ffn_norm.weight", _H + "ln_2.weight", _B + "ffn_norm.weight"),
+    Tensors("layers.{i}.ffn_norm.bias", _H + "ln_2.bias", _B + "ffn_norm.bias"),
+    Tensors("layers.{i}.feed_forward.w1.weight", _H + "mlp.c_fc.weight", _B + "ffn_up.weight",
             hf_layout=Transposed()),
-    Tensors("layers.{i}.feed_forward.w2.bias", _H + "mlp.c_proj.bias"),
-    Tensors("norm.weight", "transformer.ln_f.weight"),
-    Tensors("norm.bias", "transformer.ln_f.bias"),
-    Tensors("output.weight", "lm_head.weight"),
+    Tensors("layers.{i}.feed_forward.w1.bias", _H + "mlp.c_fc.bias", _B + "ffn_up.bias"),
+    Tensors("layers.{i}.feed_forward.w2.weight", _H + "mlp.c_proj.weight",
+            _B + "ffn_down.weight", hf_layout=Transposed()),
+    Tensors("layers.{i}.feed_forward.w2.bias", _H + "mlp.c_proj.bias", _B + "ffn_down.bias"),
+    Tensors("norm.weight", "transformer.ln_f.weight", "output_norm.weight"),
+    Tensors("norm.bias", "transformer.ln_f.bias", "output_norm.bias"),
+    Tensors("output.weight", "lm_head.weight", "output.weight"),
 )
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -92,9 +98,50 @@ def gpt2_hf_config(args: ModelArgs) -> dict[str, Any]:
                                     "relu": "relu"}[args.mlp]}
 
 
+def gpt2_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `gpt2.*` metadata (llama.cpp's gpt2: LayerNorm with
+    biases, learned positions, tanh-GELU MLP, biases everywhere; tied unless `output.weight`).
+
+    Raises:
+        ModelFileError: a missing required key, or values that do not form a valid model.
+    """
+    def need(key: str, kind: type = int, default=MISSING):
+        return checked_field(metadata, f"gpt2.{key}", kind, source, default,
+                             what="metadata key")
+
+    n_vocab = need("vocab_size", int, None) or len(metadata.get("tokenizer.ggml.tokens") or [])
+    if not n_vocab:
+        raise ModelFileError(f"{source}: vocabulary size unknown (gpt2.vocab_size and "
+                             "tokenizer.ggml.tokens are both missing)")
+    n_heads = need("attention.head_count")
+    try:
+        return ModelArgs(
+            dim=need("embedding_length"), n_layers=need("block_count"), n_heads=n_heads,
+            n_kv_heads=need("attention.head_count_kv", int, n_heads),
+            vocab_size=n_vocab, hidden_dim=need("feed_forward_length"),
+            norm_eps=need("attention.layer_norm_epsilon", float),
+            max_seq_len=need("context_length"),
+            tie_embeddings="output.weight" not in tensor_names,
+            norm="layernorm", norm_bias=True, mlp="gelu_tanh", position="learned",
+            qkv_bias=True, out_bias=True, mlp_bias=True)
+    except ArgumentError as e:
+        raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
+
+
+def gpt2_gguf_metadata(writer, args: ModelArgs) -> None:
+    """The `gpt2.*` keys llama.cpp's converter writes (and the vocabulary size)."""
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_layer_norm_eps(args.norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+
+
 def _gpt2_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt == "gguf":
-        return "no GGUF writer for gpt2 yet"
+    if fmt == "gguf" and args.mlp != "gelu_tanh":
+        return "llama.cpp's gpt2 has the tanh GELU MLP (mlp: gelu_tanh)"
     needed = {"norm": "layernorm", "norm_bias": True, "position": "learned", "qkv_bias": True,
               "out_bias": True, "mlp_bias": True}
     for name, value in needed.items():
@@ -108,8 +155,9 @@ def _gpt2_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
 
 GPT2 = Family(
     name="gpt2", tensors=TENSORS,
-    hf_architectures=("GPT2LMHeadModel",), hf_model_type="gpt2",
+    hf_architectures=("GPT2LMHeadModel",), hf_model_type="gpt2", gguf_architecture="gpt2",
     args_from_hf=gpt2_args_from_hf, hf_config=gpt2_hf_config,
+    args_from_gguf=gpt2_args_from_gguf, gguf_metadata=gpt2_gguf_metadata,
     unsupported=_gpt2_unsupported,
     hf_ignored=re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias"),
 )

@@ -11,7 +11,12 @@ config keys and defaults); llama.cpp's gguf-py constants (GGUF names and `llama.
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import replace
 from typing import Any, Optional
+
+import torch
 
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
@@ -134,7 +139,8 @@ _HF_ROPE = ("linear", "dynamic", "yarn", "llama3")
 
 def _llama_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
     if fmt == "gguf":
-        return unsupported_fields(args, {})
+        return gguf_rope_unsupported(args) or unsupported_fields(args, {
+            "head_dim": lambda a: True, "rope_scaling": lambda a: True})
     return unsupported_fields(args, {
         "head_dim": lambda a: True,
         "qkv_bias": lambda a: a.out_bias == a.qkv_bias,
@@ -175,10 +181,12 @@ def qwen2_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def _qwen2_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt == "gguf":
-        return "no GGUF writer for qwen2 yet"
     if not args.qkv_bias:
         return "Qwen2 has biases on q, k and v (qkv_bias: true)"
+    if fmt == "gguf":
+        return gguf_rope_unsupported(args) or unsupported_fields(args, {
+            "head_dim": lambda a: True, "qkv_bias": lambda a: True,
+            "rope_scaling": lambda a: True})
     return unsupported_fields(args, {
         "head_dim": lambda a: True, "qkv_bias": lambda a: True,
         "rope_scaling": lambda a: a.rope_scaling["type"] in _HF_ROPE,
@@ -203,12 +211,12 @@ def mistral_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def _mistral_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt == "gguf":
-        return "no GGUF writer for mistral yet"
     if args.sliding_window is None:
         return "Mistral has a sliding window"
     if args.layer_types and "global" in args.layer_types:
         return "Mistral's sliding window is on every layer (layer_types all local)"
+    if fmt == "gguf" and gguf_rope_unsupported(args):
+        return gguf_rope_unsupported(args)
     return unsupported_fields(args, {
         "head_dim": lambda a: True, "sliding_window": lambda a: True,
         "layer_types": lambda a: True,
@@ -233,60 +241,246 @@ def hf_layer_types(args: ModelArgs) -> list[str]:
 
 
 # ---- GGUF metadata -----------------------------------------------------------------------------
+#
+# llama.cpp's `llama` architecture (also Mistral: its converter writes MistralForCausalLM as
+# `llama`) stores q/k rows in Meta's interleaved RoPE layout (its converter permutes HF's back),
+# `qwen2` keeps HF's rotate_half rows (llama.cpp rotates them NeoX-style), hence the permuted
+# layouts of the Qwen2 table. RoPE scaling: `{arch}.rope.scaling.type` linear / yarn with its
+# keys; Llama 3.1's rule has no type key but a `rope_freqs` tensor of per-frequency divisors.
 
-def args_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: str) -> ModelArgs:
-    """`ModelArgs` from a GGUF file's `llama.*` metadata.
+ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FREQS = re.compile(re.escape(ROPE_FREQS))
+#: llama.cpp's converter computes rope_freqs with these when a config does not say (factor,
+#: low_freq_factor, high_freq_factor, original context: Llama 3.1's values).
+LLAMA3_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_seq_len": 8192}
 
-    Args:
-        metadata: all key/values of the file.
-        tensor_names: names of the tensors in the file (an absent `output.weight` means tied
-            embeddings).
-        source: file path, for error messages.
 
-    Raises:
-        ModelFileError: RoPE scaling, a missing required key, or values that do not form a
-            valid model.
-    """
-    arch = "llama"
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` for Llama 3.1's rule (its converter's `generate_extra_tensors`):
+    per frequency θ_i the divisor 1 (short wavelengths), factor (long ones) or
+    1 / ((1 − smooth)/factor + smooth) in between; float32 (head_dim/2,)."""
+    s, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    L = scaling["original_max_seq_len"]
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < L / high:
+            out.append(1.0)
+        elif wavelen > L / low:
+            out.append(s)
+        else:
+            smooth = (L / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / s + smooth))
+    return torch.tensor(out, dtype=torch.float32)
 
+
+def llama3_from_rope_factors(factors: torch.Tensor, head_dim: int, theta: float,
+                             original: int) -> Optional[dict[str, Any]]:
+    """A Llama 3.1 rope_scaling whose `llama3_rope_factors` equal `factors` (rtol 1e-4), with
+    the given original context: factor = the largest divisor; low/high_freq_factor 1 and 4, or
+    solved from two divisors of the smooth band. {} when every divisor is 1 (no scaling); None
+    when no such rule gives them."""
+    factors = factors.float().flatten()
+    if factors.shape != (head_dim // 2,) or not torch.isfinite(factors).all():
+        return None
+    if torch.all(factors == 1):
+        return {}
+    s = float(factors.max())
+    candidates = [{"type": "llama3", "factor": s, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_seq_len": original}]
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    band = [(original * float(f) / (2 * math.pi), (1 / float(x) - 1 / s) / (1 - 1 / s))
+            for f, x in zip(freqs, factors) if 1.0001 < float(x) < s / 1.0001]
+    if len(band) >= 2 and s > 1:                 # smooth = (L/λ − low) / (high − low)
+        (r0, m0), (r1, m1) = band[0], band[-1]
+        if abs(m1 - m0) > 1e-6:
+            width = (r1 - r0) / (m1 - m0)
+            low = r0 - m0 * width
+            if low > 0 and width > 0:
+                candidates.append({**candidates[0], "low_freq_factor": low,
+                                   "high_freq_factor": low + width})
+    for scaling in candidates:
+        if torch.allclose(llama3_rope_factors(head_dim, theta, scaling), factors, rtol=1e-4,
+                          atol=0):
+            return scaling
+    return None
+
+
+def _gguf_rope_scaling(arch: str, metadata: dict[str, Any], tensors, source: str,
+                       head_dim: int, theta: float) -> Optional[dict[str, Any]]:
+    """ModelArgs.rope_scaling from `{arch}.rope.scaling.*` keys and a `rope_freqs` tensor."""
+    def key(name: str, kind: type, default=MISSING):
+        return checked_field(metadata, f"{arch}.rope.scaling.{name}", kind, source, default,
+                             what="metadata key")
+
+    kind = key("type", str, "none")
+    attn = key("attn_factor", float, 1.0)
+    if attn != 1.0:
+        raise ModelFileError(f"{source}: {arch}.rope.scaling.attn_factor={attn} is not supported")
+    if ROPE_FREQS in tensors:
+        if kind != "none":
+            raise ModelFileError(f"{source}: RoPE scaling {kind!r} together with a "
+                                 f"{ROPE_FREQS} tensor is not supported")
+        original = key("original_context_length", int, LLAMA3_DEFAULTS["original_max_seq_len"])
+        get = tensors.get(ROPE_FREQS) if isinstance(tensors, dict) else None
+        if get is None:    # names only (read_model_args): llama.cpp's converter's defaults
+            return {"type": "llama3", **LLAMA3_DEFAULTS, "original_max_seq_len": original}
+        factors = get()
+        scaling = llama3_from_rope_factors(factors, head_dim, theta, original)
+        if scaling is None:
+            shown = ", ".join(f"{x:.4g}" for x in factors.flatten()[:8].tolist())
+            raise ModelFileError(
+                f"{source}: {ROPE_FREQS} ({shown}, ...) does not follow Llama 3.1's RoPE rule "
+                f"(factor = its largest value, low_freq_factor 1, high_freq_factor 4, original "
+                f"context {original}); other per-frequency RoPE factors are not supported")
+        return scaling or None
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelFileError(f"{source}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is "
+                             "not supported (supported: none, linear, yarn, and Llama 3.1's "
+                             f"{ROPE_FREQS})")
+    factor = key("factor", float)
+    if factor < 1:
+        raise ModelFileError(f"{source}: {arch}.rope.scaling.factor={factor} must be ≥ 1")
+    if kind == "linear":
+        return {"type": "linear", "factor": factor}
+    ext = key("yarn_ext_factor", float, 1.0)
+    if ext != 1.0:
+        raise ModelFileError(f"{source}: {arch}.rope.scaling.yarn_ext_factor={ext} is not "
+                             "supported (only 1)")
+    scaling: dict[str, Any] = {"type": "yarn", "factor": factor,
+                               "original_max_seq_len": key("original_context_length", int)}
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                         ("attention_factor", "yarn_attn_factor")):
+        value = key(theirs, float, None)
+        if value is not None:
+            scaling[ours] = value
+    return scaling
+
+
+def _write_gguf_rope_scaling(writer, args: ModelArgs) -> None:
+    """`{arch}.rope.scaling.*` keys (linear, yarn) or llama.cpp's rope_freqs tensor (llama3),
+    as llama.cpp's converter writes them."""
+    scaling = args.rope_scaling
+    if not scaling:
+        return
+    arch = writer.arch
+    if scaling["type"] == "llama3":
+        writer.add_tensor(ROPE_FREQS, llama3_rope_factors(
+            args.head_dim, args.rope_theta, scaling).numpy())
+        # not a key llama.cpp reads for llama3 (only YaRN does): it tells our reader the rule's
+        # original context; a factor key would make llama.cpp scale linearly too
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          scaling["original_max_seq_len"])
+        return
+    writer.add_string(f"{arch}.rope.scaling.type", scaling["type"])
+    writer.add_float32(f"{arch}.rope.scaling.factor", scaling["factor"])
+    if scaling["type"] == "yarn":
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          scaling["original_max_seq_len"])
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                             ("attention_factor", "yarn_attn_factor")):
+            if scaling.get(ours) is not None:
+                writer.add_float32(f"{arch}.rope.scaling.{theirs}", scaling[ours])
+
+
+def gguf_rope_unsupported(args: ModelArgs) -> Optional[str]:
+    """Why args.rope_scaling cannot go to a llama-shaped GGUF file, or None."""
+    scaling = args.rope_scaling
+    if not scaling:
+        return None
+    if scaling["type"] == "yarn" and (scaling.get("mscale") or scaling.get("mscale_all_dim")):
+        return "GGUF llama/qwen2/mistral files hold YaRN without mscale / mscale_all_dim"
+    if scaling["type"] == "llama3":
+        factors = llama3_rope_factors(args.head_dim, args.rope_theta, scaling)
+        if llama3_from_rope_factors(factors, args.head_dim, args.rope_theta,
+                                    scaling["original_max_seq_len"]) is None:
+            return "these llama3 RoPE parameters cannot be read back from a rope_freqs tensor"
+        return None
+    if scaling["type"] not in ("linear", "yarn"):
+        return f"GGUF has no {scaling['type']!r} RoPE scaling (linear, yarn, llama3 only)"
+    return None
+
+
+def _gguf_args(arch: str, metadata: dict[str, Any], tensors, source: str,
+               **extra) -> ModelArgs:
+    """`ModelArgs` from the `{arch}.*` keys llama.cpp's llama-shaped architectures share."""
     def need(key: str, kind: type = int, default=MISSING):
         return checked_field(metadata, f"{arch}.{key}", kind, source, default,
                              what="metadata key")
 
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise ModelFileError(f"{source}: RoPE scaling ({scaling!r}) is not supported yet")
     n_heads = need("attention.head_count")
-    n_vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+    n_vocab = need("vocab_size", int, None) or len(metadata.get("tokenizer.ggml.tokens") or [])
     if not n_vocab:
         raise ModelFileError(
             f"{source}: vocabulary size unknown ({arch}.vocab_size and tokenizer.ggml.tokens "
             "are both missing)")
+    dim = need("embedding_length")
+    head_dim = need("attention.key_length", int, None)
+    value_dim = need("attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise ModelFileError(f"{source}: {arch}.attention.value_length={value_dim} differs from "
+                             f"{arch}.attention.key_length={head_dim}; not supported")
+    theta = need("rope.freq_base", float, 10000.0)
     try:
         args = ModelArgs(
-            dim=need("embedding_length"),
+            dim=dim,
             n_layers=need("block_count"),
             n_heads=n_heads,
             n_kv_heads=need("attention.head_count_kv", int, n_heads),
+            head_dim=head_dim,
             vocab_size=n_vocab,
             hidden_dim=need("feed_forward_length"),
             norm_eps=need("attention.layer_norm_rms_epsilon", float),
-            rope_theta=need("rope.freq_base", float, 10000.0),
+            rope_theta=theta,
             max_seq_len=need("context_length"),
-            tie_embeddings="output.weight" not in tensor_names,
-        )
+            tie_embeddings="output.weight" not in tensors,
+            **extra)
     except ArgumentError as e:
         raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count", args.head_dim)
+    rope_dims = need("rope.dimension_count", int, args.head_dim)
     if rope_dims != args.head_dim:
         raise ModelFileError(
             f"{source}: partial RoPE ({arch}.rope.dimension_count={rope_dims}, head_dim="
             f"{args.head_dim}) is not supported")
-    return args
+    scaling = _gguf_rope_scaling(arch, metadata, tensors, source, args.head_dim, theta)
+    try:
+        return args.replace(rope_scaling=scaling) if scaling else args
+    except ArgumentError as e:
+        raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
+
+
+def args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `llama.*` metadata: Llama, with RoPE scaling (linear, yarn
+    or Llama 3.1's rope_freqs), and Mistral when `llama.attention.sliding_window` is set.
+
+    Args:
+        metadata: all key/values of the file.
+        tensor_names: names of the tensors in the file (an absent `output.weight` means tied
+            embeddings); a mapping name → values getter (`checkpoint.gguf.TensorIndex`) lets
+            the rope_freqs factors be checked against Llama 3.1's rule.
+        source: file path, for error messages.
+
+    Raises:
+        ModelFileError: unsupported RoPE scaling, a missing required key, or values that do not
+            form a valid model.
+    """
+    window = checked_field(metadata, "llama.attention.sliding_window", int, source, None,
+                           what="metadata key")
+    return _gguf_args("llama", metadata, tensor_names, source, sliding_window=window or None)
+
+
+def qwen2_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `qwen2.*` metadata (as `args_from_gguf`; q/k/v biases)."""
+    return _gguf_args("qwen2", metadata, tensor_names, source, qkv_bias=True)
 
 
 def gguf_metadata(writer, args: ModelArgs) -> None:
-    """Write the `llama.*` hyperparameter keys llama.cpp reads."""
+    """Write the `{arch}.*` hyperparameter keys llama.cpp reads (arch: the writer's), the
+    RoPE scaling, and Mistral's sliding window."""
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
@@ -296,7 +490,13 @@ def gguf_metadata(writer, args: ModelArgs) -> None:
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_rope_dimension_count(args.head_dim)
+    if args.head_dim != args.dim // args.n_heads:
+        writer.add_key_length(args.head_dim)
+        writer.add_value_length(args.head_dim)
     writer.add_vocab_size(args.vocab_size)
+    if args.sliding_window is not None:
+        writer.add_uint32(f"{writer.arch}.attention.sliding_window", args.sliding_window)
+    _write_gguf_rope_scaling(writer, args)
 
 
 LLAMA = Family(
@@ -305,19 +505,31 @@ LLAMA = Family(
     gguf_architecture="llama",
     args_from_hf=llama_args_from_hf, hf_config=llama_hf_config,
     args_from_gguf=args_from_gguf, gguf_metadata=gguf_metadata,
-    unsupported=_llama_unsupported,
+    unsupported=_llama_unsupported, gguf_ignored=_ROPE_FREQS,
 )
+
+# llama.cpp's qwen2 keeps HF's rotate_half q/k rows (and biases): the GGUF layouts are HF's.
+QWEN2_TENSORS = tuple(replace(t, gguf_layout=t.hf_layout) if isinstance(t.hf_layout, RopePermuted)
+                      else t for t in TENSORS)
 
 QWEN2 = Family(
-    name="qwen2", tensors=TENSORS,
+    name="qwen2", tensors=QWEN2_TENSORS,
     hf_architectures=("Qwen2ForCausalLM",), hf_model_type="qwen2",
+    gguf_architecture="qwen2",
     args_from_hf=qwen2_args_from_hf, hf_config=qwen2_hf_config,
-    unsupported=_qwen2_unsupported,
+    args_from_gguf=qwen2_args_from_gguf, gguf_metadata=gguf_metadata,
+    unsupported=_qwen2_unsupported, gguf_ignored=_ROPE_FREQS,
 )
 
+# Mistral's GGUF files are `llama` files (llama.cpp's converter writes MistralForCausalLM so);
+# `llama.attention.sliding_window` holds the window, which llama.cpp's llama architecture and
+# transformers' GGUF loader do not apply (the same model up to the window). Read through LLAMA
+# (the same architecture and reader).
 MISTRAL = Family(
     name="mistral", tensors=TENSORS,
     hf_architectures=("MistralForCausalLM",), hf_model_type="mistral",
+    gguf_architecture="llama",
     args_from_hf=mistral_args_from_hf, hf_config=mistral_hf_config,
-    unsupported=_mistral_unsupported,
+    args_from_gguf=args_from_gguf, gguf_metadata=gguf_metadata,
+    unsupported=_mistral_unsupported, gguf_ignored=_ROPE_FREQS,
 )
