@@ -160,6 +160,19 @@ def test_deepseek2_equals_transformers_deepseek_v3(tmp_path, tokenizer, q_lora_r
         torch.testing.assert_close(loaded(tokens(40)), hf(tokens(40)).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gpt2", "mistral", "deepseek2", "llama3"])
+def test_convert_hf_folder_to_gguf_on_the_command_line(tmp_path, tokenizer, name, capsys):
+    from torchllama.cli import main
+
+    model = random_model(CASES[name][0])
+    torchllama.save(model, tokenizer, tmp_path / "hf", to="hf", progress=False)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0
+    loaded, _ = torchllama.load(tmp_path / "m.gguf", progress=False)
+    assert same_args(loaded.args, model.args)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens(30)), model(tokens(30)), atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Files as other writers make them
 # ------------------------------------------------------------------------------------------------
