@@ -223,9 +223,17 @@ def test_spm_user_defined_tokens(spm_metadata, spm):
     assert tok.stop_ids == frozenset({2, 32000})
     assert tok.encode("<tool>", special=True) == [32000]
     assert tok.encode("x<tool>y", special=True) == spm.encode("x") + [32000] + spm.encode("y")
+    # user-defined pieces match in any text, as in SentencePiece, llama.cpp and HF
     plain = tok.encode("x<tool>y")
-    assert 32000 not in plain and plain == spm.encode("x<tool>y")
+    assert plain[:2] == spm.encode("x") + [32000] and tok.decode(plain) == "x<tool>y"
     assert tok.decode([15043, 32000]) == "Hello<tool>"  # user-defined tokens are text
+    # a control piece does not: without special=True its text is plain text
+    assert 2 not in tok.encode("x</s>y") and tok.encode("x</s>y", special=True)[1] == 2
+    # llama.cpp writes user-defined pieces with plain spaces; SentencePiece matches them escaped
+    meta["tokenizer.ggml.tokens"][-1] = "<a b>"
+    spaced = tokenizer_from_gguf_metadata(meta, "test")
+    assert 32000 in spaced.encode("x<a b>") and spaced.decode([32000]) == "<a b>"
+    assert spaced.gguf_fields()["tokenizer.ggml.tokens"][-1] == "<a b>"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -125,9 +125,9 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "float32",
               prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
               with_hf: bool = True, print_fn: Callable[[str], None] = print) -> list[Throughput]:
     """Measure and print the side-by-side table. Returns the measurements."""
-    from torchllama.checkpoint import default_model_path, load, resolve_dtype
+    from torchllama.checkpoint import load, resolve_dtype, resolve_model_path
 
-    path = str(model_path or default_model_path())
+    path = str(resolve_model_path(model_path))
     torch_dtype = resolve_dtype(dtype)
     model, _ = load(path, dtype=torch_dtype, progress=False)
     prompt = _prompt_ids(model.args.vocab_size, prompt_tokens)
@@ -312,10 +312,10 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         where = url
         results = measure(url.rstrip("/"))
     else:
-        from torchllama.checkpoint import default_model_path, resolve_dtype
+        from torchllama.checkpoint import resolve_dtype, resolve_model_path
         from torchllama.serve import create_app, load_for_engine
 
-        path = str(model_path or default_model_path())
+        path = str(resolve_model_path(model_path))
         resolve_dtype(dtype)
         model, tokenizer = load_for_engine(path, dtype, progress=False)
         app = create_app(model, tokenizer, Path(path).name, api_key,

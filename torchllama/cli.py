@@ -40,7 +40,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         prompt_file: a text file with one prompt per line, generated in batches; prints one
             JSON object per prompt (prompt, text, finish_reason, token counts) instead.
         batch_size: prompts per batch with --prompt-file.
-        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+        model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
+            the name of an installed packaged model: gemma3-270m (default: the embedded
             SmolLM2-135M-Instruct).
         max_new_tokens: maximum number of tokens to generate (≥ 1).
         temperature: sampling temperature ≥ 0 (0 = greedy); the default is Meta's.
@@ -155,7 +156,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
     Args:
-        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+        model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
+            the name of an installed packaged model: gemma3-270m (default: the embedded
             SmolLM2-135M-Instruct).
         system: system prompt.
         max_new_tokens: maximum tokens per answer (≥ 1).
@@ -238,7 +240,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
     preset vs transformers' LlamaForCausalLM of the same config and weights.
 
     Args:
-        model: a .gguf file or a Meta/Hugging Face checkpoint folder (default: the embedded
+        model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
+            the name of an installed packaged model: gemma3-270m (default: the embedded
             SmolLM2-135M-Instruct).
         dtype: weight dtype: float32, bfloat16 or float16.
         prompt_tokens: prompt length for the prefill figure.

@@ -55,6 +55,8 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+#: SentencePiece's stand-in for a space in pieces ("▁", U+2581)
+SPM_SPACE = "\u2581"
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
@@ -424,20 +426,12 @@ class SentencePieceTokenizer(Tokenizer):
             with open(path, "rb") as f:
                 proto = _parse_sp_proto(f.read(), path)
 
-        # The processor used for encoding sees user-defined pieces as UNUSED, so that it never
-        # matches them in text: with special=False they are plain text, with special=True the
-        # text is split at them before SentencePiece sees it.
+        # User-defined pieces (Gemma's whitespace runs, a trained model's user_defined_symbols)
+        # are matched in any text, as SentencePiece, llama.cpp and HF match them; only control
+        # pieces (<s>, <start_of_turn>) need special=True, which splits the text at them.
         Type = sp_pb2.ModelProto.SentencePiece.Type
         user_defined = {i for i, p in enumerate(proto.pieces) if p.type == Type.USER_DEFINED}
-        self._sp = _sp_processor(proto, source)
-        if user_defined:
-            enc_proto = sp_pb2.ModelProto()
-            enc_proto.CopyFrom(proto)
-            for i in user_defined:
-                enc_proto.pieces[i].type = Type.UNUSED
-            self._sp_encode = _sp_processor(enc_proto, source)
-        else:
-            self._sp_encode = self._sp
+        self._sp = self._sp_encode = _sp_processor(proto, source)
 
         def or_none(i: int) -> int | None:
             return i if i >= 0 else None
@@ -473,7 +467,9 @@ class SentencePieceTokenizer(Tokenizer):
         return {
             "tokenizer.ggml.model": "llama",
             "tokenizer.ggml.pre": "default",
-            "tokenizer.ggml.tokens": [p.piece for p in proto.pieces],
+            # llama.cpp's converter writes user-defined pieces with plain spaces
+            "tokenizer.ggml.tokens": [p.piece.replace(SPM_SPACE, " ") if p.type == 4 else p.piece
+                                      for p in proto.pieces],
             "tokenizer.ggml.scores": [p.score for p in proto.pieces],
             "tokenizer.ggml.token_type": [int(p.type) for p in proto.pieces],
             "tokenizer.ggml.add_space_prefix": proto.normalizer_spec.add_dummy_prefix,
@@ -531,6 +527,10 @@ class SentencePieceTokenizer(Tokenizer):
         for piece, score, typ in zip(tokens, scores, types):
             if typ not in (1, 2, 3, 4, 5, 6):
                 typ = TOKEN_TYPE_NORMAL
+            if typ == TOKEN_TYPE_USER_DEFINED:
+                # llama.cpp's converter stores user-defined pieces with plain spaces ("pre-
+                # normalized"); SentencePiece matches them in escaped text (U+2581 for a space)
+                piece = piece.replace(" ", SPM_SPACE)
             proto.pieces.add(piece=piece, score=score, type=typ)
         spec = proto.trainer_spec
         spec.model_type = sp_pb2.TrainerSpec.ModelType.BPE

@@ -10,11 +10,11 @@ io.py (load, save, convert, load_tokenizer).
 from torchllama.checkpoint.common import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, DTYPES,
                                           atomic_output, build_model, default_model_path,
                                           detect_format, fsync_path, resolve_dtype,
-                                          resolve_run_folder)
+                                          resolve_model_path, resolve_run_folder)
 from torchllama.checkpoint.io import (FORMATS, GGUF_TYPES, READERS, convert, load, load_tokenizer,
                                       read_model_args, save)
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "DTYPES", "FORMATS", "GGUF_TYPES",
            "READERS", "atomic_output", "build_model", "convert", "default_model_path",
            "detect_format", "fsync_path", "load", "load_tokenizer", "read_model_args",
-           "resolve_dtype", "resolve_run_folder", "save"]
+           "resolve_dtype", "resolve_model_path", "resolve_run_folder", "save"]

