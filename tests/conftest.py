@@ -13,6 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")          # transformers must never 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 REPO = Path(__file__).resolve().parents[1]
+# models assembled from packages (gemma3-270m) go to the repo's ignored .cache/, not the home
+os.environ.setdefault("TORCHLLAMA_CACHE", str(REPO / ".cache" / "models"))
 LLAMA_SPM_VOCAB = REPO.parent / "shared" / "testdata" / "ggml-vocab-llama-spm.gguf"
 
 
