@@ -7,10 +7,16 @@ GGUF (llama.cpp's file format) holds three things we need:
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``, each possibly
   quantized (Q4_1, Q8_0, ...). ``gguf.quants.dequantize`` turns them back into float32 arrays.
 - for Llama, q/k projection weights already in Meta's *interleaved* RoPE layout (llama.cpp's
-  converter permutes HF's rotate_half layout back), so they load into our model as they are.
+  converter permutes HF's rotate_half layout back), so they load into our model as they are;
+  other architectures differ (qwen2 keeps HF's rotate_half rows, gpt2 fuses q/k/v, deepseek2
+  splits wkv_b in two), which their family's table says.
 
-`general.architecture` picks the family adapter (`torchllama.families`), which turns the
-``{arch}.*`` keys into `ModelArgs` and gives each tensor's GGUF name and layout.
+`general.architecture` picks the family adapter (`torchllama.families`: llama, qwen2, gpt2,
+deepseek2, ...), which turns the ``{arch}.*`` keys into `ModelArgs` (it may read tensors that
+are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name and layout.
+
+Damaged files raise `ModelFileError` (a string that is not UTF-8 names its key; a tensor type
+the `gguf` library cannot dequantize names the tensor, its type and the supported types).
 
 Shapes in GGUF are listed innermost-first (ggml order): a (out, in) matrix is listed as [in, out].
 The numpy arrays that ``GGUFReader`` exposes are already in row-major (out, in) order.
@@ -296,8 +302,10 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
 
     Hyperparameters go to `{arch}.*` metadata (the family's `gguf_metadata`), the tokenizer to
     `tokenizer.*`, tensors under the family's GGUF names and layouts (Llama: q/k as they are,
-    GGUF uses Meta's interleaved RoPE layout). A tied output projection is not written
-    (llama.cpp ties when `output` is absent).
+    GGUF uses Meta's interleaved RoPE layout; Qwen2: HF's rotate_half rows; GPT-2: fused q/k/v;
+    DeepSeek: wkv_b as attn_k_b + attn_v_b), plus what the family's `gguf_metadata` adds
+    (Llama 3.1's rope_freqs). A tied output projection is not written (llama.cpp ties when
+    `output` is absent).
 
     Args:
         model: a `Transformer`.
