@@ -280,6 +280,7 @@ def test_llama3_with_other_band_parameters_round_trips(tmp_path, tokenizer):
     assert got["type"] == "llama3" and got["factor"] == 8.0
     assert got["low_freq_factor"] == pytest.approx(2.0) and got["high_freq_factor"] == \
         pytest.approx(16.0)
+    assert torchllama.read_model_args(path).rope_scaling == got      # metadata-only reader too
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens(40)), model(tokens(40)), atol=1e-5, rtol=0)
 

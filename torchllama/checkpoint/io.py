@@ -40,9 +40,10 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
     fmt = detect_format(path)
     if fmt == "gguf":
         reader = gguf_format.open_gguf(path)
-        metadata = gguf_format.read_metadata(reader)
+        metadata = gguf_format.read_metadata(reader, str(path))
         family = family_for_gguf(metadata, str(path))
-        return family.args_from_gguf(metadata, {t.name for t in reader.tensors}, str(path))
+        return family.args_from_gguf(metadata, gguf_format.tensor_index(reader, str(path)),
+                                     str(path))
     if fmt == "meta":
         params = meta.read_params(path / "params.json")
         vocab = None
