@@ -26,6 +26,7 @@ def tiny_sp_tokenizer(n: int = 300):
     <unk> 3, <start_of_turn> 105-style control pieces, no dummy prefix)."""
     pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "  "]
     types = [3, 3, 3, 2, 3, 3, 4]
+    pieces += ["▁", "w", "▁w", *"0123456789"]
     pieces += [f"▁w{i}" for i in range(n - len(pieces))]
     types += [1] * (n - len(types))
     return tokenizer_from_gguf_metadata({
@@ -88,6 +89,12 @@ def test_gguf_round_trip_and_transformers_reads_our_file(tmp_path, version):
     # no template in the file: Gemma's chat format is built in, <end_of_turn> stops
     assert "<start_of_turn>" in back_tokenizer.chat_template
     assert 5 in back_tokenizer.stop_ids
+    # our HF export of the tokenizer (no dummy prefix: GemmaTokenizer) gives transformers the ids
+    torchllama.save(back, back_tokenizer, tmp_path / "hf", to="hf", progress=False)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "w1 w2  w3"
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == back_tokenizer.encode(text)
+    assert 6 in back_tokenizer.encode(text)                  # "  ", a user-defined piece
 
 
 def test_gemma_gguf_writer_refuses_what_llama_cpp_hard_codes(tmp_path):
