@@ -460,10 +460,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def gguf_fields(self) -> dict[str, Any]:
         """GGUF ``'llama'`` vocabulary fields: pieces, scores and types of the SentencePiece model."""
-        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
-
-        proto = sp_pb2.ModelProto()
-        proto.ParseFromString(self.serialized_model_proto())
+        proto = self._sp_proto()
         return {
             "tokenizer.ggml.model": "llama",
             "tokenizer.ggml.pre": "default",
@@ -477,10 +474,20 @@ class SentencePieceTokenizer(Tokenizer):
         }
 
     def save_hf(self, folder: str | os.PathLike) -> None:
-        """``tokenizer.model`` and ``tokenizer_config.json`` (``LlamaTokenizer``)."""
+        """``tokenizer.model`` and ``tokenizer_config.json``: transformers' ``LlamaTokenizer``
+        for a vocabulary with SentencePiece's dummy-prefix space (Llama), ``GemmaTokenizer`` for
+        one without (Gemma: transformers' LlamaTokenizer would add the prefix space)."""
         with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
             f.write(self.serialized_model_proto())
-        self._write_hf_config(folder, "LlamaTokenizer")
+        prefix = self._sp_proto().normalizer_spec.add_dummy_prefix
+        self._write_hf_config(folder, "LlamaTokenizer" if prefix else "GemmaTokenizer")
+
+    def _sp_proto(self) -> Any:
+        from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+        proto = sp_pb2.ModelProto()
+        proto.ParseFromString(self.serialized_model_proto())
+        return proto
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> SentencePieceTokenizer:
