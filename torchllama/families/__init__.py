@@ -58,7 +58,8 @@ def family_for_gguf(metadata: dict[str, Any], source: str) -> Family:
     for family in FAMILIES.values():
         if family.gguf_architecture is not None and arch == family.gguf_architecture:
             return family
-    supported = ", ".join(f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
+    supported = ", ".join(dict.fromkeys(f.gguf_architecture for f in FAMILIES.values()
+                                        if f.gguf_architecture))   # Mistral's is llama's
     raise ModelFileError(
         f"{source}: architecture {arch!r} (general.architecture) is not supported; "
         f"supported: {supported}")
