@@ -208,6 +208,7 @@ def test_real_gemma3_token_ids_equal_transformers(gemma, hf_gemma):
                     *tokenizer.encode("model\n")]
 
 
+@pytest.mark.slow      # loads the model once more (≈ 20 s); the fixture's load is the same path
 def test_generate_cli_on_gemma(gemma_path, capsys):
     from torchllama.cli import main
 
