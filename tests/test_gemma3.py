@@ -225,3 +225,40 @@ def test_missing_package_is_one_line(monkeypatch):
     monkeypatch.setitem(common.PACKAGED_MODELS, "gemma3-270m", "no_such_package_xyz")
     with pytest.raises(ModelFileError, match=r"gemma3-270m is not installed: run `make gemma`"):
         common.resolve_model_path("gemma3-270m")
+
+
+def test_damaged_chunk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    """A package whose chunks do not join into the file its SHA-256 names (the real package's
+    `assemble` raises ValueError): one ModelFileError, nothing left in the cache folder."""
+    import sys
+    import textwrap
+
+    from torchllama.checkpoint import common
+    from torchllama.errors import ModelFileError
+
+    package = tmp_path / "site" / "fake_gemma_chunks"
+    package.mkdir(parents=True)
+    (package / "part0").write_bytes(b"GGUF damaged")
+    (package / "__init__.py").write_text(textwrap.dedent('''
+        import hashlib
+        from pathlib import Path
+        MODEL_NAME = "fake.gguf"
+        EXPECTED_SHA256 = hashlib.sha256(b"GGUF intact").hexdigest()
+        def chunk_paths():
+            return [Path(__file__).parent / "part0"]
+        def assemble(output_path, overwrite=False):
+            data = b"".join(p.read_bytes() for p in chunk_paths())
+            Path(output_path).write_bytes(data)
+            if hashlib.sha256(data).hexdigest() != EXPECTED_SHA256:
+                raise ValueError("Assembled file sha256 did not match expected value")
+            return Path(output_path)
+    '''))
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setitem(common.PACKAGED_MODELS, "gemma3-270m", "fake_gemma_chunks")
+    monkeypatch.setenv("TORCHLLAMA_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelFileError, match=r"^gemma3-270m: the package's chunks do not "
+                                             r"assemble into the checked file \(Assembled file "
+                                             r"sha256 did not match expected value\); reinstall"):
+        common.resolve_model_path("gemma3-270m")
+    assert list((tmp_path / "cache").iterdir()) == []
+    sys.modules.pop("fake_gemma_chunks", None)
