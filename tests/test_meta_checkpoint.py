@@ -274,9 +274,12 @@ def test_params_explicit_values():
     ({"norm_eps": True}, r"field 'norm_eps' is true, expected a number"),
     ({"n_heads": 33}, r"does not describe a valid model: .*n_heads \(33\) must divide dim"),
     ({"n_kv_heads": 5}, r"does not describe a valid model: .*n_kv_heads \(5\)"),
-    ({"use_scaled_rope": True}, r"use_scaled_rope=true asks for RoPE scaling.*not supported yet"),
+    ({"use_scaled_rope": "yes"}, r"field 'use_scaled_rope' is \"yes\", expected true or false"),
+    ({"use_scaled_rope": True, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"both use_scaled_rope .* and rope_scaling are set"),
     ({"moe_args": {"num_experts": 16}}, r"moe_args=.* mixture of experts.*not supported yet"),
-], ids=["vocab-too-small", "dim-str", "eps-bool", "heads", "kv-heads", "scaled-rope", "moe"])
+], ids=["vocab-too-small", "dim-str", "eps-bool", "heads", "kv-heads", "scaled-rope-str",
+        "scaled-rope-and-rope-scaling", "moe"])
 def test_params_errors(change, message):
     with pytest.raises(ModelFileError, match=r"^/x/params\.json: " + message):
         meta.model_args_from_params({**LLAMA2_PARAMS["llama2-7b"], **change}, 32000,
@@ -307,12 +310,12 @@ def test_bad_params_json(checkpoint, text, message):
     assert load_error(folder).startswith(f"{folder / 'params.json'}: {message}")
 
 
-def test_use_scaled_rope_refused(checkpoint):
+def test_use_scaled_rope_is_meta_llama3_scaling(checkpoint):
+    # Llama 3.1+: the llama3 rule with the constants of Meta's apply_scaling (tests/test_llama3.py
+    # compares the logits with transformers')
     folder, args, _ = checkpoint
     (folder / "params.json").write_text(json.dumps(params_of(args, use_scaled_rope=True)))
-    msg = load_error(folder)
-    assert msg.startswith(f"{folder / 'params.json'}: use_scaled_rope=true")
-    assert "not supported yet" in msg
+    assert torchllama.read_model_args(folder).rope_scaling == meta.META_ROPE_SCALING
 
 
 # ---- broken weight files -----------------------------------------------------------------------
@@ -459,12 +462,12 @@ def test_no_tokenizer(checkpoint):
     assert "not a valid Hugging Face tokenizer.json" in load_error(folder)
 
 
-def test_llama3_tiktoken_tokenizer_is_explained(checkpoint):
+def test_tiktoken_tokenizer_is_read(checkpoint):
+    # Llama 3's tokenizer.model (tests/test_llama3.py): a text file is read as tiktoken's format
     folder, _, _ = checkpoint
     (folder / "tokenizer.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")
-    assert load_error(folder) == (f"{folder / 'tokenizer.model'}: a tiktoken BPE vocabulary "
-                                  "(Llama 3), which is not supported yet; expected a "
-                                  "SentencePiece tokenizer.model")
+    assert load_error(folder) == (f"{folder / 'tokenizer.model'}: not a byte-level BPE "
+                                  "vocabulary: 253 single bytes have no token (first: 0x00)")
 
 
 def test_folder_tokenizer_wins_over_parent(checkpoint, tmp_path):

@@ -9,11 +9,19 @@ A Meta download is a folder per model::
         consolidated.01.pth    model-parallel shard 1
     tokenizer.model            SentencePiece model, in the folder or (as Meta ships it) its parent
 
+Llama 3 folders look the same, with a tiktoken ``tokenizer.model`` in the folder (text lines
+``base64(token) rank``; `torchllama.tokenizer.TiktokenTokenizer` adds Meta's special tokens and
+chat format) and params.json fields such as ``"rope_theta": 500000.0, "vocab_size": 128256,
+"ffn_dim_multiplier": 1.3, "multiple_of": 1024`` (8B) and, from Llama 3.1 on,
+``"use_scaled_rope": true``.
+
 **params.json** holds the fields of Meta's ``ModelArgs``, which ours keeps one to one: dim,
 n_layers, n_heads, n_kv_heads (absent = n_heads), vocab_size (-1 = the tokenizer's), multiple_of,
 ffn_dim_multiplier (absent/null = none), norm_eps, rope_theta (absent = 10000), use_scaled_rope
-(Llama 3.1; refused, no RoPE scaling yet). There is no hidden size: the SwiGLU width follows Meta's
-rule (`ModelArgs.ffn_hidden_dim`) and is checked against the weights. Nor is there usually a context
+(Llama 3.1+: Meta's ``apply_scaling`` of the RoPE frequencies, with constants fixed in Meta's
+code; read as our ``rope_scaling`` `META_ROPE_SCALING`, type "llama3"). There is no hidden size:
+the SwiGLU width follows Meta's rule (`ModelArgs.ffn_hidden_dim`) and is checked against the
+weights. Nor is there usually a context
 length: ``max_seq_len`` is taken from params.json when present, else `DEFAULT_MAX_SEQ_LEN` (4096,
 Llama 2's); `torchllama.load(max_seq_len=...)` overrides either. Fields known to change the
 architecture in ways we do not implement (`UNSUPPORTED_FIELDS`: MoE, quantization, LoRA, vision,
@@ -23,8 +31,11 @@ ignored; any other field is ignored with a `UserWarning` naming it.
 **torchllama's extension.** A model of the variant zoo (LayerNorm, ALiBi, MLA, ...) has no Meta
 params.json of its own: `meta_params` then writes Meta's fields plus the zoo fields that differ
 from Llama 2's (`ModelArgs` names, e.g. ``"position": "alibi"``) and an explicit ``hidden_dim``,
-and the reader accepts them. A Llama's params.json stays exactly Meta's. This is how training run
-checkpoints of any variant are written and loaded.
+and the reader accepts them. A Llama's params.json stays exactly Meta's: Meta's RoPE scaling is
+written as ``"use_scaled_rope": true``, any other ``rope_scaling`` (another type, or llama3 with
+other constants, e.g. Llama 3.2's factor 32 from a Hugging Face config) as our ``rope_scaling``
+field, which Meta's code ignores. This is how training run checkpoints of any variant are
+written and loaded.
 
 **Shards.** Llama 2 7B ships 1 shard, 13B 2, 70B 8: the ranks of fairscale's model parallelism,
 each holding its slice of every parallel layer under the full model's names. Merging undoes the
@@ -90,7 +101,6 @@ IGNORED_FIELDS = ("max_batch_size",)
 #: Fields (of Meta's llama-models ModelArgs) that change the architecture in ways torchllama does
 #: not implement: refused when set to anything but null/false/0/{}.
 UNSUPPORTED_FIELDS = {
-    "use_scaled_rope": "RoPE scaling (Llama 3.1+)",
     "moe_args": "mixture of experts",
     "quantization_args": "quantized weights",
     "lora_args": "LoRA adapters",
@@ -101,6 +111,12 @@ UNSUPPORTED_FIELDS = {
     "attention_chunk_size": "chunked attention",
     "nope_layer_interval": "layers without RoPE",
 }
+
+#: RoPE scaling of ``"use_scaled_rope": true``: Meta's ``apply_scaling`` (llama-models
+#: ``models/llama3/model.py``) with its constants scale_factor 8, low_freq_factor 1,
+#: high_freq_factor 4, old_context_len 8192 (Llama 3's context), as a `ModelArgs.rope_scaling`.
+META_ROPE_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_seq_len": 8192}
 
 #: torchllama's own params.json fields beyond Meta's: the architecture choices of the variant
 #: zoo (`ModelArgs`), written only when they differ from Llama 2's (`ModelArgs.variant_fields`),
@@ -163,12 +179,15 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
         max_seq_len: context length when params has no ``max_seq_len``.
 
     Returns:
-        ModelArgs with hidden_dim None (Meta's rule), tie_embeddings False, rope_scaling None.
+        ModelArgs with hidden_dim None (Meta's rule), tie_embeddings False, rope_scaling
+        `META_ROPE_SCALING` if use_scaled_rope is true, else None (unless torchllama's own
+        fields say otherwise).
 
     Raises:
         ModelFileError: a missing required field or a value of the wrong type (both name the
-            field), use_scaled_rope or another unsupported feature set, vocab_size -1 with no
-            tokenizer size, or values that do not form a valid model.
+            field), an unsupported feature set, use_scaled_rope together with our rope_scaling
+            field, vocab_size -1 with no tokenizer size, or values that do not form a valid
+            model.
     """
     for name, feature in UNSUPPORTED_FIELDS.items():
         value = params.get(name)
@@ -193,6 +212,7 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
     rope_theta = _field(params, "rope_theta", float, source, 10000.0)
     hidden_dim = _field(params, "hidden_dim", int, source, None)
     max_seq_len = _field(params, "max_seq_len", int, source, max_seq_len)
+    use_scaled_rope = _field(params, "use_scaled_rope", bool, source, False)
 
     if vocab_size == -1:
         if vocab_size_from_tokenizer is None:
@@ -204,6 +224,11 @@ def model_args_from_params(params: dict[str, Any], vocab_size_from_tokenizer: Op
             f"{source}: vocab_size is {vocab_size} but the tokenizer has "
             f"{vocab_size_from_tokenizer} tokens (the model needs a row for every token id)")
     zoo = _zoo_fields(params, source)
+    if use_scaled_rope:
+        if "rope_scaling" in zoo:
+            raise ModelFileError(f"{source}: both use_scaled_rope (Meta's RoPE scaling) and "
+                                 "rope_scaling are set; keep one")
+        zoo["rope_scaling"] = dict(META_ROPE_SCALING)
     try:
         return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          vocab_size=vocab_size, multiple_of=multiple_of,
@@ -418,7 +443,7 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
               ) -> tuple[ModelArgs, dict[str, torch.Tensor], Any]:
     """(args, state dict, tokenizer) of a Meta checkpoint folder.
 
-    Reads params.json, the tokenizer.model (folder or parent), and merges the model-parallel
+    Reads params.json, the tokenizer.model (folder or parent; SentencePiece or tiktoken), and merges the model-parallel
     shards consolidated.00.pth ... into one state dict (see the module docstring for the rules).
 
     Args:
@@ -434,7 +459,8 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
             `dtype` with the full model's shapes, e.g. ``tok_embeddings.weight`` (vocab, dim),
             ``layers.N.attention.wq.weight`` (n_heads·head_dim, dim); ``rope.freqs`` dropped.
             A single shard already in `dtype` yields the memory-mapped tensors themselves.
-        tokenizer: a `SentencePieceTokenizer` (add_bos True).
+        tokenizer: a `SentencePieceTokenizer` (add_bos True), or for Llama 3's tiktoken
+            tokenizer.model a `TiktokenTokenizer` (see `torchllama.tokenizer.load_tokenizer_file`).
 
     Raises:
         ModelFileError: naming the file and the problem: params.json unreadable, invalid, missing
@@ -478,6 +504,9 @@ def meta_params(args: ModelArgs) -> dict[str, Any]:
     explicit hidden_dim: such a params.json is torchllama's own.
 
     Meta's format has no hidden size: it is derived from dim, multiple_of and ffn_dim_multiplier.
+    RoPE scaling equal to Meta's (`META_ROPE_SCALING`) is written as Meta writes it,
+    ``"use_scaled_rope": true``; any other stays torchllama's ``rope_scaling`` zoo field.
+
     When `args.hidden_dim` is not what Meta's rule gives for args' own multiple_of and
     ffn_dim_multiplier, we choose multiple_of = hidden_dim, plus ffn_dim_multiplier < 1 when
     the rule's unrounded size 8·dim/3 is larger, so that the rule rounds up to exactly
@@ -486,6 +515,9 @@ def meta_params(args: ModelArgs) -> dict[str, Any]:
     hidden = args.ffn_hidden_dim
     multiple_of, multiplier = args.multiple_of, args.ffn_dim_multiplier
     variant = args.variant_fields()
+    scaled = variant.get("rope_scaling") == META_ROPE_SCALING
+    if scaled:
+        del variant["rope_scaling"]
     explicit = None
     if variant:                     # not a Llama: torchllama's params.json states the width
         explicit = hidden
@@ -497,7 +529,7 @@ def meta_params(args: ModelArgs) -> dict[str, Any]:
               "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
               "multiple_of": multiple_of, "ffn_dim_multiplier": multiplier,
               "hidden_dim": explicit, "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-              "max_seq_len": args.max_seq_len}
+              "max_seq_len": args.max_seq_len, "use_scaled_rope": True if scaled else None}
     params = {k: v for k, v in params.items() if v is not None}
     return {**params, **variant}
 
