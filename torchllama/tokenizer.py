@@ -1128,6 +1128,15 @@ class TiktokenTokenizer(BPETokenizer):
         )
         self._ranks = list(ranks)
         self._special_names = list(special_tokens)
+        if self.bos_id is not None:
+            # For transformers, which reads add_special_tokens off tokenizer.json (our encode
+            # adds none): BOS before each sequence, as in Meta's Hugging Face Llama 3 release.
+            from tokenizers import processors
+
+            bos = self._pieces[self.bos_id]
+            self._tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, self.bos_id)])
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> TiktokenTokenizer:
