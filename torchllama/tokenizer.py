@@ -1167,12 +1167,16 @@ class TiktokenTokenizer(BPETokenizer):
 
 def _is_tiktoken_file(path: str | os.PathLike) -> bool:
     """Whether a tokenizer.model is a tiktoken text file rather than a SentencePiece protobuf:
-    its start is printable ASCII (a SentencePiece model starts with binary protobuf fields)."""
+    its start is printable ASCII (a SentencePiece model starts with binary protobuf fields).
+
+    Raises:
+        ModelFileError: the file cannot be read.
+    """
     try:
         with open(path, "rb") as f:
             head = f.read(256)
-    except OSError:
-        return False
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
     return bool(head) and re.fullmatch(rb"[\x20-\x7e\t\r\n]*", head) is not None
 
 
@@ -1432,11 +1436,6 @@ def load_tokenizer_file(path: Path) -> Tokenizer:
         raise ModelFileError(f"{path}: no such tokenizer file")
     if path.name == "tokenizer.json":
         return load_hf_tokenizer(path.parent)
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
     if _is_tiktoken_file(path):
         return TiktokenTokenizer.from_file(path)
     return SentencePieceTokenizer.from_file(path, add_bos=True)
