@@ -431,6 +431,24 @@ def test_our_hf_export_loads_in_transformers_with_the_same_logits(tmp_path, name
     assert_same_logits(back, ours, T=30)
 
 
+@pytest.mark.parametrize("name, hf", _tiny_hf_models(), ids=lambda x: x if isinstance(x, str)
+                         else "")
+def test_transformers_save_pretrained_loads_with_the_same_logits(tmp_path, name, hf):
+    """transformers' own `save_pretrained` of each family (config.json + safetensors) →
+    `torchllama.load` (format detection, the family's adapter, strict names and shapes): the
+    same logits."""
+    import torchllama
+    from tests.test_gemma3 import tiny_sp_tokenizer
+
+    hf = perturbed(hf.float(), seed=2)
+    for config in (hf.config, hf.generation_config):     # GPT-2's defaults name id 50256
+        config.bos_token_id, config.eos_token_id = 2, 1
+    hf.save_pretrained(tmp_path)
+    tiny_sp_tokenizer(hf.config.vocab_size).save_hf(tmp_path)   # a tokenizer of the same size
+    ours, _ = torchllama.load(tmp_path, progress=False)
+    assert_same_logits(hf, ours, T=30)
+
+
 def test_variants_no_format_holds_are_refused_by_the_hf_and_gguf_writers(tmp_path):
     from torchllama.checkpoint.gguf import save_gguf
     from torchllama.checkpoint.hf import save_hf
