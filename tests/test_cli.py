@@ -43,7 +43,7 @@ def bad_files(tmp_path_factory, smollm2_gguf):
     truncated = d / "truncated.gguf"
     truncated.write_bytes(smollm2_gguf.read_bytes()[:2_000_000])
     gemma = d / "gemma.gguf"
-    writer = gguf.GGUFWriter(str(gemma), "gemma3")
+    writer = gguf.GGUFWriter(str(gemma), "falcon")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -58,7 +58,7 @@ def bad_files(tmp_path_factory, smollm2_gguf):
     ("missing", ["--model", "{missing}"], "no such file"),
     ("truncated", ["--model", "{truncated}"], "truncated or corrupt GGUF"),
     ("text", ["--model", "{text}"], "not a GGUF file"),
-    ("gemma", ["--model", "{gemma}"], "architecture 'gemma3'"),
+    ("gemma", ["--model", "{gemma}"], "architecture 'falcon'"),
     ("temperature", ["--temperature", "-1"], "temperature must be ≥ 0"),
     ("top_p_zero", ["--top-p", "0"], "top_p must be in (0, 1]"),
     ("top_p_big", ["--top-p", "1.5"], "top_p must be in (0, 1]"),
