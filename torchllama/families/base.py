@@ -352,3 +352,14 @@ def unsupported_fields(args: "ModelArgs", allowed: dict[str, Callable[["ModelArg
         if ok is None or not ok(args):
             return f"{name}={value!r}"
     return None
+
+
+def gguf_sizes(writer, args: "ModelArgs") -> None:
+    """Write the `{arch}.*` size keys every llama.cpp architecture reads the same way: context
+    length, width, block count, feed-forward width, query and key/value head counts."""
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)

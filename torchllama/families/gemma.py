@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
-from torchllama.families.base import (Family, Layout, RopePermuted, Tensors, hf_key, hf_rope,
-                                      hf_rope_parameters, unsupported_fields)
+from torchllama.families.base import (Family, Layout, RopePermuted, Tensors, gguf_sizes, hf_key,
+                                      hf_rope, hf_rope_parameters, unsupported_fields)
 from torchllama.families.llama import _our_layer_types, hf_layer_types
 
 
@@ -298,12 +298,7 @@ def gemma_args_from_gguf(metadata: dict[str, Any], tensor_names: set[str], sourc
 
 def gemma_gguf_metadata(writer, args: ModelArgs, version: int) -> None:
     """Write the `gemma2.*` / `gemma3.*` hyperparameter keys llama.cpp reads."""
-    writer.add_context_length(args.max_seq_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_hidden_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
+    gguf_sizes(writer, args)
     writer.add_key_length(args.head_dim)
     writer.add_value_length(args.head_dim)
     writer.add_layer_norm_rms_eps(args.norm_eps)

@@ -20,8 +20,9 @@ import torch
 
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
-from torchllama.families.base import (Family, RopePermuted, Tensors, hf_key, hf_max_positions,
-                                      hf_rope, hf_rope_parameters, unsupported_fields)
+from torchllama.families.base import (Family, RopePermuted, Tensors, gguf_sizes, hf_key,
+                                      hf_max_positions, hf_rope, hf_rope_parameters,
+                                      unsupported_fields)
 
 # ours, HF, GGUF `llama`, layout in HF files, Meta's model-parallel split dim:
 # ColumnParallelLinear splits output features (dim 0 of (out, in)), RowParallelLinear input
@@ -481,12 +482,7 @@ def qwen2_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) ->
 def gguf_metadata(writer, args: ModelArgs) -> None:
     """Write the `{arch}.*` hyperparameter keys llama.cpp reads (arch: the writer's), the
     RoPE scaling, and Mistral's sliding window."""
-    writer.add_context_length(args.max_seq_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_hidden_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
+    gguf_sizes(writer, args)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_rope_dimension_count(args.head_dim)
