@@ -184,9 +184,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False,
                 pad: Optional[torch.Tensor] = None, cache_rows: Optional[slice] = None,
-                targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+                targets: Optional[torch.Tensor] = None, hidden: bool = False) -> torch.Tensor:
         """Logits of the next token after each of the given tokens, or, given targets, the
-        training loss.
+        training loss, or with hidden=True the final hidden states.
 
         Args:
             tokens: (B, T) int64 token ids in cache slots start_pos..start_pos+T-1.
@@ -201,10 +201,13 @@ class Transformer(nn.Module):
             targets: (B, T) int64 next-token ids: return the mean cross-entropy of the logits
                 against them instead of the logits, computed chunk by chunk without
                 materialising the (B, T, vocab_size) logits (`torchllama.nn.loss`).
+            hidden: return the hidden states after the final norm, (B, T, dim) in the model's
+                dtype, without the output projection (per-token losses over long texts
+                chunk by chunk, the logit lens).
 
         Returns:
             float32 logits (B, T, vocab_size), or (B, 1, vocab_size) with last_only; with
-            targets, a float32 scalar loss (nats per token).
+            targets, a float32 scalar loss (nats per token); with hidden, (B, T|1, dim).
 
         Raises:
             ContextLengthError: start_pos + T exceeds the context (args.max_seq_len or the
@@ -227,12 +230,20 @@ class Transformer(nn.Module):
             h = h[:, -1:, :]                                 # (B, 1, D)
         if hasattr(self, "norm"):
             h = self.norm(h)                                 # (B, T, D)
+        if hidden:
+            return h
         softcap = self.args.final_logit_softcap
         if targets is not None:                              # training: fused output + loss
             return linear_cross_entropy(h.flatten(0, 1), self.output.weight,  # (B·T, D)
                                         targets.flatten(), softcap=softcap)   # → () fp32
-        logits = self.output(h).float()                      # (B, T, V) fp32
-        if softcap is not None:                              # Gemma 2: c·tanh(logits/c)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection of final-normed hidden states h (..., dim) → float32 logits
+        (..., vocab_size), soft-capped where the model says so (Gemma 2: c·tanh(logits/c))."""
+        logits = self.output(h).float()                      # (..., V) fp32
+        softcap = self.args.final_logit_softcap
+        if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         return logits
 

@@ -81,14 +81,16 @@ def attention_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, *,
-           scale: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+           scale: Optional[float] = None, softcap: Optional[float] = None,
+           capture: Optional[list] = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias + mask)·v with grouped-query heads.
 
     Without soft-capping this is torch's fused SDPA kernel: the mask (bool) or the bias (float,
     mask folded in) is its attn_mask, and enable_gqa does what Meta's `repeat_kv` does without
     copying K/V H/KV times (the copies cost more than the attention itself during decode). With
     soft-capping (Gemma 2: scores → c·tanh(scores/c) before the mask, so no fused kernel can do
-    it) the scores are formed explicitly, as transformers' eager attention does.
+    it), or when the caller captures the attention probabilities, the scores are formed
+    explicitly, as transformers' eager attention does.
 
     Args:
         q: (B, H, T, d) queries (contiguous: the CPU flash kernel is ~15% faster on it).
@@ -96,6 +98,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
         inputs: the mask / bias of this call (see `AttentionInputs`).
         scale: the softmax scale (default 1/√d).
         softcap: c of the attention-logit soft-capping, or None.
+        capture: a list to append the attention probabilities to, (B, H, T, S) float32 (one
+            row per query head, so with GQA each head of a group has its own), detached. None
+            (the default) takes the fused kernel and costs nothing.
 
     Returns:
         (B, H, T, dv) in q's dtype. Runs with autocast off when q is float32 under CPU autocast
@@ -110,21 +115,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)                    # SDPA wants a float mask in q's dtype
     with torch.autocast("cpu", enabled=False) if fp32 else nullcontext():
-        if softcap is None:
+        if softcap is None and capture is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1])
         n_rep = q.shape[1] // k.shape[1]
         scores = q @ repeat_kv(k, n_rep).transpose(2, 3) * (scale or q.shape[-1] ** -0.5)
-        scores = softcap * torch.tanh(scores / softcap)                   # (B, H, T, S)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)               # (B, H, T, S)
         if mask is None and T > 1:                                        # causal, S = T
             mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         if mask is not None and mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         elif mask is not None:
             scores = scores + mask
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)         # (B, H, T, S)
-        return probs @ repeat_kv(v, n_rep)                                # (B, H, T, dv)
+        probs = torch.softmax(scores.float(), dim=-1)                     # (B, H, T, S) fp32
+        if capture is not None:
+            capture.append(probs.detach())
+        return probs.to(q.dtype) @ repeat_kv(v, n_rep)                    # (B, H, T, dv)
 
 
 def make_kv_cache(spec: LayerSpec, max_batch_size: int, max_seq_len: int, n_heads: int,
@@ -168,6 +176,9 @@ class Attention(nn.Module):
         if args.qk_norm:                                   # over each head's hd dims
             self.q_norm, self.k_norm = make_norm(args, hd), make_norm(args, hd)
         self.kv_cache: Optional[KVCache] = None
+        #: a list to append each call's attention probabilities (B, H, T, S) to, or None (see
+        #: `torchllama.anatomy.capture_attention`)
+        self.capture: Optional[list] = None
 
     def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                    device: torch.device) -> KVCache:
@@ -207,7 +218,7 @@ class Attention(nn.Module):
         else:
             keys, values = xk, xv                                     # (B, KV, T, hd), S = T
         out = attend(xq, keys, values, inputs, scale=self.scale,      # (B, H, T, hd)
-                     softcap=self.softcap)
+                     softcap=self.softcap, capture=self.capture)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
         return self.wo(out)                                           # (B, T, D)
 
@@ -262,6 +273,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
         self.softcap = args.attn_logit_softcap
         self.kv_cache: Optional[KVCache] = None
+        self.capture: Optional[list] = None        # as Attention.capture
 
     def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                    device: torch.device) -> KVCache:
@@ -294,8 +306,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([dn, dv], dim=-1)                        # (B, H, S, dn|dv)
         k = torch.cat([k_nope.to(dtype), k_rope.to(dtype).expand(B, H, S, dr)], dim=-1)
         q = torch.cat([q_nope.to(dtype), q_rope], dim=-1).transpose(1, 2)  # (B, H, T, dn+dr)
-        out = attend(q.contiguous(), k, v.to(dtype), inputs, scale=self.scale,
-                     softcap=self.softcap)                            # (B, H, T, dv)
+        out = attend(q.contiguous(), k, v.to(dtype), inputs, scale=self.scale,  # (B, H, T, dv)
+                     softcap=self.softcap, capture=self.capture)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * dv).to(x.dtype))  # (B, T, D)
 
 
