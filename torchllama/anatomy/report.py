@@ -104,6 +104,8 @@ class AnatomyContext:
         notes: things the page must state (e.g. the text was truncated).
         run_dir: the training run folder when --model named one, else None.
         seed: seed of every random choice (induction sequences, random directions).
+        options: section options from the caller (e.g. "long_text_file" and
+            "extrapolation_factor" for the extrapolation section).
         progress: called with a short status line as work advances.
     """
 
@@ -116,6 +118,7 @@ class AnatomyContext:
     notes: list[str] = field(default_factory=list)
     run_dir: Optional[Path] = None
     seed: int = 0
+    options: dict = field(default_factory=dict)
     progress: Callable[[str], None] = lambda message: None
 
 
