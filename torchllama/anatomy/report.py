@@ -66,6 +66,15 @@ class Figure:
 
 
 @dataclass
+class Table:
+    """A small table of a section: a caption, column names, rows of cells (str or numbers)."""
+
+    caption: str
+    header: list[str]
+    rows: list[list]
+
+
+@dataclass
 class Section:
     """What one analysis produced.
 
@@ -74,6 +83,7 @@ class Section:
         title: heading on the page.
         look_for: one paragraph (plain text) on what the figures show and what to look for.
         figures: the figures, in page order.
+        tables: small tables shown after the figures.
         headline: short sentences with the key measured numbers (shown as a list).
         data: every number behind the figures, JSON-able (lists, floats, strings).
         tensors: raw tensors for notebooks (not written).
@@ -84,6 +94,7 @@ class Section:
     title: str
     look_for: str
     figures: list[Figure] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
     headline: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
@@ -99,7 +110,7 @@ class AnatomyContext:
         tokenizer: its tokenizer.
         model_name: how the page names the model (path or packaged name).
         text: the analysed text (after truncation).
-        tokens: (1, T) int64 ids of text, with BOS where the tokenizer adds one.
+        tokens: (1, T) int64 ids of text (with BOS where the tokenizer adds one).
         labels: the T tokens as printable strings (axis labels).
         notes: things the page must state (e.g. the text was truncated).
         run_dir: the training run folder when --model named one, else None.
@@ -141,9 +152,10 @@ def token_labels(tokenizer, ids: list[int]) -> list[str]:
     """Printable labels of token ids for axes: each decoded alone, spaces shown as '·',
     newlines as '⏎', empty pieces by their id."""
     labels = []
+    special = set(tokenizer.special_tokens.values()) | {tokenizer.bos_id, tokenizer.eos_id}
     for i in ids:
-        if i in getattr(tokenizer, "special_ids", ()) or i == getattr(tokenizer, "bos_id", None):
-            piece = tokenizer.id_to_piece(i) if hasattr(tokenizer, "id_to_piece") else f"<{i}>"
+        if i in special:
+            piece = tokenizer.id_to_piece(i)
         else:
             piece = tokenizer.decode([i])
         piece = piece.replace(" ", "·").replace("\n", "⏎")
@@ -208,6 +220,10 @@ def _jsonable(value):
     return value
 
 
+def _cell(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
@@ -224,7 +240,10 @@ h1 { margin-bottom: .2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 
 .meta, .caption, .time { color: #666; font-size: .9em; }
 .look { background: #f5f7fb; border-left: 4px solid #4a7bd0; padding: .6em 1em; }
 figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
-nav a { margin-right: 1em; } code { background: #f2f2f2; padding: 0 .2em; }
+nav a { margin-right: 1em; }
+table { border-collapse: collapse; margin: 1em 0; font-size: .9em; }
+th, td { border: 1px solid #ddd; padding: .2em .6em; text-align: right; }
+caption { text-align: left; color: #666; padding-bottom: .3em; } code { background: #f2f2f2; padding: 0 .2em; }
 .notes { color: #8a5300; }
 </style></head><body>
 <h1>Anatomy of {{ model_name }}</h1>
@@ -242,11 +261,39 @@ text: {{ n_tokens }} tokens</p>
 <figure id="{{ s.name }}-{{ f.name }}"><img alt="{{ f.caption }}" src="data:image/png;base64,{{ f.b64 }}">
 <figcaption class="caption">{{ f.caption }}</figcaption></figure>
 {% endfor %}
+{% for t in s.tables %}
+<table class="table"><caption>{{ t.caption }}</caption>
+<tr>{% for h in t.header %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for r in t.rows %}<tr>{% for c in r %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
+</table>
+{% endfor %}
 <p class="time">{{ "%.1f"|format(s.seconds) }} s · numbers in anatomy.json under "{{ s.name }}"</p>
 </section>
 {% endfor %}
 </body></html>
 """
+
+
+def _manifest_files(out: Path) -> set[str]:
+    try:
+        return set(json.loads((out / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def check_out_folder(out: str | os.PathLike, targets: tuple[str, ...] = ("index.html",
+                     "anatomy.json"), *, force: bool = False) -> None:
+    """Raise ArgumentError, before any work, if `out` is not a folder or already holds one of
+    the report's files (`targets`) that an earlier report did not write (and not force)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ArgumentError(f"--out {out}: exists and is not a folder")
+    ours = _manifest_files(out)
+    clash = [t for t in targets if (out / t).exists() and t not in ours]
+    if clash and not force:
+        raise ArgumentError(f"--out {out}: would overwrite {', '.join(clash[:3])}"
+                            f"{' …' if len(clash) > 3 else ''}, which an earlier report did not "
+                            f"write; choose another folder or pass --force")
 
 
 def write_report(report: Report, out: str | os.PathLike, *, force: bool = False) -> Path:
@@ -261,22 +308,11 @@ def write_report(report: Report, out: str | os.PathLike, *, force: bool = False)
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ArgumentError(f"--out {out}: exists and is not a folder")
-    manifest_path = out / MANIFEST
-    ours: set[str] = set()
-    if manifest_path.is_file():
-        try:
-            ours = set(json.loads(manifest_path.read_text())["files"])
-        except (ValueError, KeyError, TypeError):
-            ours = set()
     pngs = {f"figures/{s.name}-{f.name}.png": (s, f) for s in report.sections for f in s.figures}
     targets = ["index.html", "anatomy.json", *pngs]
-    clash = [t for t in targets if (out / t).exists() and t not in ours]
-    if clash and not force:
-        raise ArgumentError(f"--out {out}: would overwrite {', '.join(clash[:3])}"
-                            f"{' …' if len(clash) > 3 else ''}, which an earlier report did not "
-                            f"write; choose another folder or pass --force")
+    check_out_folder(out, tuple(targets), force=force)
+    ours = _manifest_files(out)
+    manifest_path = out / MANIFEST
     (out / "figures").mkdir(parents=True, exist_ok=True)
 
     ctx = report.ctx
@@ -290,7 +326,10 @@ def write_report(report: Report, out: str | os.PathLike, *, force: bool = False)
             figures.append({"name": f.name, "caption": f.caption,
                             "b64": base64.b64encode(data).decode("ascii")})
         views.append({"name": s.name, "title": s.title, "look_for": s.look_for,
-                      "headline": s.headline, "figures": figures, "seconds": s.seconds})
+                      "headline": s.headline, "figures": figures, "seconds": s.seconds,
+                      "tables": [{"caption": t.caption, "header": t.header,
+                                  "rows": [[_cell(c) for c in r] for r in t.rows]}
+                                 for t in s.tables]})
     args = ctx.model.args
     arch = (f"{args.n_layers} layers · dim {args.dim} · {args.n_heads} heads · "
             f"{args.n_kv_heads} KV heads · {args.norm} · {args.position}")
@@ -300,7 +339,10 @@ def write_report(report: Report, out: str | os.PathLike, *, force: bool = False)
         n_tokens=ctx.tokens.shape[1], text_preview=preview, sections=views)
     data = {"model": ctx.model_name, "text": ctx.text, "tokens": ctx.tokens[0].tolist(),
             "labels": ctx.labels, "notes": ctx.notes, "seconds": report.seconds,
-            **{s.name: {"headline": s.headline, "seconds": s.seconds, **_jsonable(s.data)}
+            **{s.name: {"headline": s.headline, "seconds": s.seconds, **_jsonable(s.data),
+                        **({"tables": [{"caption": t.caption, "header": t.header,
+                                        "rows": _jsonable(t.rows)} for t in s.tables]}
+                           if s.tables else {})}
                for s in report.sections}}
     _write_atomic(out / "anatomy.json", json.dumps(data, indent=1, allow_nan=False).encode())
     _write_atomic(out / "index.html", page.encode("utf-8"))
