@@ -47,8 +47,7 @@ def _heatmap(ax, probs: torch.Tensor, labels: list[str] | None, title: str, mask
     if mask is not None:
         import numpy as np
         data = np.ma.masked_where(~mask.numpy(), data)
-    cmap = _plt().get_cmap("viridis").copy()
-    cmap.set_bad("#d0d0d0")
+    cmap = _plt().get_cmap("viridis").with_extremes(bad="#d0d0d0")
     ax.imshow(data, cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
     ax.set_title(title, fontsize=8)
     if labels:
