@@ -1,0 +1,625 @@
+"""Sections 3 and 4 of the report: what RoPE does to queries and keys, with torchllama's own
+rotations (`torchllama.nn.position`), and how the real model's loss behaves when the text runs
+past its trained context, without and with each RoPE scaling of the zoo.
+
+Sources: RoFormer (Su et al. 2021): θ_i = base^(−2i/d) (eq. 15), the rotation of each pair of
+coordinates by m·θ_i (eq. 34), q_m·k_n depending on m − n only (eq. 16), the long-term decay
+(§3.4.3). Position interpolation, "linear" (Chen et al. 2023); NTK-aware scaling, "ntk"
+(bloc97 2023); YaRN, "yarn" (Peng et al. 2023).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from torchllama.anatomy.report import AnatomyContext, Figure, Section, Table
+from torchllama.errors import ArgumentError
+from torchllama.nn.position import RotaryEmbedding, apply_rotary_emb
+
+#: the reference RoPE base of RoFormer and Llama 1/2
+BASE = 10000.0
+#: positions shown in the angle heatmap
+HEATMAP_POSITIONS = 256
+#: largest relative distance of the decay curves
+DECAY_DISTANCE = 8192
+#: random (q, k, m, n, s) draws of the translation-invariance check
+INVARIANCE_TRIALS = 4000
+#: the scalings the extrapolation section compares with plain RoPE ("none")
+SCALINGS = ("linear", "ntk", "yarn")
+#: positions per chunk of the output projection + cross-entropy
+LOSS_CHUNK = 512
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ---- RoPE's numbers --------------------------------------------------------------------------
+
+def rope_table(dim: int, n_positions: int, theta: float,
+               scaling: Optional[dict] = None) -> torch.Tensor:
+    """The model's rotations e^{i·m·θ_i} of positions 0..n_positions−1, exactly the table a
+    `Transformer` builds (`RotaryEmbedding`; dynamic NTK: plain RoPE, its table up to L).
+
+    Returns:
+        (n_positions, dim/2) complex64, on the CPU.
+    """
+    return RotaryEmbedding(dim, n_positions, theta, scaling).freqs_cis      # (P, dim/2) c64
+
+
+def rope_angles(dim: int, n_positions: int, theta: float,
+                scaling: Optional[dict] = None) -> torch.Tensor:
+    """Rotation angles m·θ_i mod 2π of positions m = 0..n_positions−1 and pairs i (RoFormer
+    eq. 34), read off the model's rotation table.
+
+    Returns:
+        (n_positions, dim/2) float32 in [0, 2π).
+    """
+    table = rope_table(dim, n_positions, theta, scaling)                    # (P, dim/2) c64
+    return torch.remainder(torch.angle(table), 2 * math.pi)                 # (P, dim/2) fp32
+
+
+def rope_wavelengths(dim: int, theta: float, scaling: Optional[dict] = None) -> torch.Tensor:
+    """Wavelength 2π/θ_i of each pair i, in positions: how far a token must move for pair i to
+    turn once; θ_i = theta^(−2i/dim) (RoFormer eq. 15), so 2π·theta^(2i/dim), from 2π (i = 0)
+    up to just below 2π·theta (i = dim/2 − 1). Read off the model's table: θ_i is the angle of
+    position 1.
+
+    Returns:
+        (dim/2,) float64.
+    """
+    table = rope_table(dim, 2, theta, scaling)                              # (2, dim/2) c64
+    inv_freq = torch.angle(table[1]).double()                               # θ_i (dim/2,)
+    return 2 * math.pi / inv_freq                                           # (dim/2,) fp64
+
+
+def decay_curves(dim: int, theta: float, max_distance: int = DECAY_DISTANCE,
+                 scaling: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """RoPE's long-term decay (RoFormer §3.4.3) at relative distances d = 0..max_distance.
+
+    - "ones": q_d·k_0 with q = k = the all-ones vector, each rotated by the model's own
+      `apply_rotary_emb`: Σ_i 2·cos(d·θ_i), divided by its value at d = 0 (dim, times the
+      square of a scaling's attention factor) so that it starts at 1.
+    - "bound": RoFormer's bound on |Σ_i h_i e^{i·d·θ_i}|: (1/(dim/2))·Σ_{j=1}^{dim/2} |S_j|,
+      S_j = Σ_{k<j} e^{i·d·θ_k} (§3.4.3, their Fig. 2), divided by its value at d = 0.
+
+    Returns:
+        {"distance": (D+1,) int64, "ones": (D+1,) float32, "bound": (D+1,) float32}.
+    """
+    table = rope_table(dim, max_distance + 1, theta, scaling)               # (D+1, dim/2) c64
+    ones = torch.ones(max_distance + 1, 1, 1, dim)                          # (B=D+1, T=1, H=1, dim)
+    q = apply_rotary_emb(ones, table[:, None])[:, 0, 0]                     # q at position d (D+1, dim)
+    k = apply_rotary_emb(ones[:1], table[:1, None])[0, 0, 0]                # k at position 0 (dim,)
+    dots = q @ k                                                            # q_d·k_0 (D+1,)
+    unit = table / table.abs()                                              # e^{i·d·θ_k} (D+1, dim/2)
+    partial = torch.cumsum(unit, dim=1)                                     # S_j, j = 1..dim/2 (D+1, dim/2)
+    bound = partial.abs().mean(dim=1)                                       # (1/(dim/2))·Σ_j |S_j| (D+1,)
+    return {"distance": torch.arange(max_distance + 1), "ones": dots / dots[0],
+            "bound": bound / bound[0]}
+
+
+def layer0_query_key(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real queries and keys of `tokens` in the model's first layer, before RoPE: token
+    embeddings (× √dim where the model scales them; absolute positions are not added, RoPE
+    models have none), the layer's attention norm, wq and wk (and QK-norm).
+
+    Args:
+        model: a `Transformer` with multi-head (grouped-query) attention.
+        tokens: (1, T) int64.
+
+    Returns:
+        (q (T·H, head_dim), k (T·KV, head_dim)) float32, one row per token and head.
+    """
+    args = model.args
+    block = model.layers[0]
+    attn = block.attention
+    with torch.no_grad():
+        h = model.tok_embeddings(tokens)                                    # (1, T, D)
+        if args.embed_scale:
+            h = h * torch.tensor(args.dim ** 0.5, dtype=h.dtype)
+        x = block.attention_norm(h) if block.placement != "post" else h     # (1, T, D)
+        T = tokens.shape[1]
+        q = attn.wq(x).view(1, T, args.n_heads, args.head_dim)              # (1, T, H, hd)
+        k = attn.wk(x).view(1, T, args.n_kv_heads, args.head_dim)           # (1, T, KV, hd)
+        if hasattr(attn, "q_norm"):                                         # QK-norm, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+    return q.reshape(-1, args.head_dim).float(), k.reshape(-1, args.head_dim).float()
+
+
+def translation_invariance(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, *,
+                           trials: int = INVARIANCE_TRIALS, max_position: Optional[int] = None,
+                           generator: Optional[torch.Generator] = None) -> float:
+    """max |q_m·k_n − q_{m+s}·k_{n+s}| over random draws (RoFormer eq. 16: the score depends on
+    m − n only), in float32 with the model's `apply_rotary_emb`. q and k are normalized to unit
+    length (the error of raw vectors scales with |q|·|k|); m, n, s are drawn uniformly in
+    [0, max_position/2), so every position stays below max_position.
+
+    Args:
+        q: (Nq, hd) float32 query vectors; k: (Nk, hd) float32 key vectors (rows drawn at
+            random for each trial).
+        table: (P, rot/2) complex64 rotations (`rope_table`), rot ≤ hd.
+        max_position: positions stay below it (default P).
+
+    Returns:
+        the largest absolute difference seen (a float).
+    """
+    P = table.shape[0] if max_position is None else min(max_position, table.shape[0])
+    g = generator if generator is not None else torch.Generator().manual_seed(0)
+    qi = torch.randint(0, q.shape[0], (trials,), generator=g)              # (N,)
+    ki = torch.randint(0, k.shape[0], (trials,), generator=g)              # (N,)
+    m, n, s = torch.randint(0, P // 2, (3, trials), generator=g)            # (N,) each
+    qs = F.normalize(q[qi], dim=-1)[:, None, None]                          # (N, 1, 1, hd)
+    ks = F.normalize(k[ki], dim=-1)[:, None, None]                          # (N, 1, 1, hd)
+
+    def score(qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        rq = apply_rotary_emb(qs, table[qpos][:, None])[:, 0, 0]            # (N, hd)
+        rk = apply_rotary_emb(ks, table[kpos][:, None])[:, 0, 0]            # (N, hd)
+        return (rq * rk).sum(-1)                                            # (N,)
+
+    return (score(m, n) - score(m + s, n + s)).abs().max().item()
+
+
+def _rounded(values, digits: int = 6) -> list:
+    """A tensor or list as a JSON-able list of floats with `digits` significant digits."""
+    values = values.tolist() if isinstance(values, torch.Tensor) else values
+    return [float(f"{v:.{digits}g}") for v in values]
+
+
+# ---- the RoPE section ------------------------------------------------------------------------
+
+def rope_section(ctx: AnatomyContext) -> Section:
+    """RoPE with the model's own θ and with 10,000: the rotation angles of the first positions,
+    the wavelength of each pair, the path of one vector as positions advance, the decay of
+    q·k with distance, and the translation invariance of the real layer-0 queries and keys.
+    Models without RoPE get the figures for base 10,000 and head_dim only.
+
+    Returns:
+        Section "rope"; data holds every plotted number (lists), tensors the raw angles,
+        wavelengths and decay curves.
+    """
+    plt = _pyplot()
+    model, args = ctx.model, ctx.model.args
+    has_rope = args.position == "rope"
+    dim = args.rope_dim if has_rope else args.head_dim
+    L = args.max_seq_len
+    scaling = args.rope_scaling if has_rope else None
+    bases: dict[str, tuple[float, Optional[dict]]] = {}           # label → (θ, scaling)
+    if has_rope:
+        label = f"model: θ = {args.rope_theta:,.0f}"
+        if scaling:
+            label += f", {scaling['type']} ×{scaling['factor']:g}"
+        bases[label] = (args.rope_theta, scaling)
+    if not has_rope or args.rope_theta != BASE or scaling:
+        bases[f"θ = {BASE:,.0f}"] = (BASE, None)
+    labels = list(bases)
+
+    ctx.progress("RoPE angles and wavelengths")
+    n_pos = HEATMAP_POSITIONS
+    angles = {b: rope_angles(dim, n_pos, t, s) for b, (t, s) in bases.items()}   # (P, dim/2)
+    waves = {b: rope_wavelengths(dim, t, s) for b, (t, s) in bases.items()}     # (dim/2,)
+    llama_waves = rope_wavelengths(128, BASE)                          # Llama 2: hd 128 (64,)
+
+    fig, axes = plt.subplots(1, len(bases) + 1, figsize=(5 * (len(bases) + 1), 4))
+    for ax, b in zip(axes, labels):
+        im = ax.imshow(angles[b].numpy(), aspect="auto", cmap="twilight", vmin=0,
+                       vmax=2 * math.pi, interpolation="nearest")
+        ax.set_title(f"m·θ_i mod 2π, {b}", fontsize=9)
+        ax.set_xlabel("pair i (θ_i = θ^(−2i/d))")
+        ax.set_ylabel("position m")
+    fig.colorbar(im, ax=axes[len(bases) - 1], label="angle (rad)")
+    ax = axes[-1]
+    for b in labels:
+        ax.semilogy(waves[b].numpy(), marker=".", label=b)
+    ax.axhline(L, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
+    ax.set_xlabel("pair i")
+    ax.set_ylabel("wavelength 2π/θ_i (positions)")
+    ax.set_title(f"Wavelengths, rotated dims d = {dim}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    figures = [Figure("angles", f"Left: the angle by which RoPE rotates each pair of "
+                      f"coordinates at the first {n_pos} positions (cyclic colour map: a colour "
+                      f"repeats after a full turn). Low pairs turn fast, high pairs barely move. "
+                      f"Right: each pair's wavelength in positions (log scale), with the "
+                      f"model's context length.", fig)]
+
+    # the path of one vector as positions advance
+    ctx.progress("RoPE: a vector's path")
+    if has_rope and args.attention == "mha":
+        q_real, k_real = layer0_query_key(model, ctx.tokens)               # (T·H|T·KV, hd)
+        source = "real layer-0 queries and keys of the analysed text"
+    else:
+        g = torch.Generator().manual_seed(ctx.seed)
+        q_real = torch.randn(256, dim, generator=g)                        # (256, d)
+        k_real = torch.randn(256, dim, generator=g)                        # (256, d)
+        source = "random Gaussian vectors" + ("" if has_rope else " (the model has no RoPE)")
+    vec = q_real[0] if has_rope and args.attention == "mha" else q_real[0, :dim]
+    b0 = labels[0]
+    t0, s0 = bases[b0]
+    path_pos = 64
+    table = rope_table(dim, path_pos, t0, s0)                              # (64, d/2) c64
+    path = apply_rotary_emb(vec.expand(path_pos, 1, 1, -1),                # (64, 1, 1, hd)
+                            table[:, None])[:, 0, 0]                       # → (64, hd)
+    slow = dim // 4                                                        # a middle pair
+    fig = plt.figure(figsize=(11, 4.5))
+    ax = fig.add_subplot(1, 2, 1, projection="3d")
+    ax.plot(*(path[:, j].numpy() for j in range(3)), color="tab:blue", linewidth=1)
+    ax.scatter(*(path[:, j].numpy() for j in range(3)), c=range(path_pos), cmap="viridis", s=8)
+    ax.set_xlabel("dim 0")
+    ax.set_ylabel("dim 1")
+    ax.set_zlabel("dim 2")
+    ax.set_title(f"dims 0-2 of one vector at positions 0..{path_pos - 1}", fontsize=9)
+    ax = fig.add_subplot(1, 2, 2, projection="3d")
+    pos = torch.arange(path_pos).numpy()
+    for j, color in ((0, "tab:red"), (slow, "tab:green"), (dim // 2 - 1, "tab:purple")):
+        ax.plot(path[:, 2 * j].numpy(), path[:, 2 * j + 1].numpy(), pos, color=color,
+                label=f"pair {j}: wavelength {waves[b0][j].item():,.0f}")
+    ax.set_xlabel("x[2i]")
+    ax.set_ylabel("x[2i+1]")
+    ax.set_zlabel("position m")
+    ax.legend(fontsize=7)
+    ax.set_title("each pair turns in its own plane", fontsize=9)
+    fig.tight_layout()
+    figures.append(Figure("path", f"One vector ({source}, first row; {b0}) rotated to positions "
+                          f"0..{path_pos - 1}. Left: its first three coordinates — pair 0 "
+                          f"(dims 0, 1) turns by 1 radian per position, dim 2 belongs to the "
+                          f"slower pair 1. Right: three pairs against position: the fast pair "
+                          f"is a tight helix, the slow ones hardly turn.", fig))
+
+    # the long-term decay (RoFormer §3.4.3)
+    ctx.progress("RoPE: decay with distance")
+    decay = {b: decay_curves(dim, t, DECAY_DISTANCE, s) for b, (t, s) in bases.items()}
+    fig, ax = plt.subplots(figsize=(9, 4))
+    d_axis = (decay[b0]["distance"] + 1).numpy()                           # log axis: d + 1
+    for b, color in zip(labels, ("tab:blue", "tab:orange")):
+        ax.plot(d_axis, decay[b]["ones"].numpy(), color=color, linewidth=0.6, alpha=0.7,
+                label=f"q·k, q = k = 1 ({b})")
+        ax.plot(d_axis, decay[b]["bound"].numpy(), color=color, linewidth=1.8,
+                label=f"RoFormer bound (1/(d/2))·Σ|S_j| ({b})")
+    if has_rope:
+        ax.axvline(L + 1, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
+    ax.set_xscale("log")
+    ax.set_xlabel("relative distance m − n (+1, log scale)")
+    ax.set_ylabel("relative to distance 0")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    figures.append(Figure("decay", "The same query and key (both all ones) scored at growing "
+                          "distance: Σ_i 2·cos((m−n)·θ_i), relative to distance 0 (thin), and "
+                          "RoFormer's upper bound on |q·k| for vectors of bounded variation "
+                          "(thick, §3.4.3). A larger θ keeps scores high further out.", fig))
+
+    # translation invariance in float32
+    ctx.progress("RoPE: translation invariance")
+    inv_pos = L if has_rope else 4096
+    inv_table = rope_table(dim, inv_pos, t0, s0)                           # (L, d/2) c64
+    g = torch.Generator().manual_seed(ctx.seed)
+    if not has_rope or args.attention != "mha":
+        q_real, k_real = q_real[:, :dim], k_real[:, :dim]
+    bands = sorted({p for p in (512, 2048, inv_pos) if p <= inv_pos})
+    invariance = {p: translation_invariance(q_real, k_real, inv_table, max_position=p,
+                                            generator=g) for p in bands}
+    worst = invariance[inv_pos]
+
+    def decay_at(b: str, d: int) -> float:
+        return decay[b]["ones"][d].item()
+
+    headline = [
+        f"Translation invariance (RoFormer eq. 16) in float32, {source}, unit length: max "
+        f"|q_m·k_n − q_(m+s)·k_(n+s)| = {worst:.2e} over {INVARIANCE_TRIALS:,} random "
+        f"(q, k, m, n, s) with every position < {inv_pos:,} "
+        + ", ".join(f"({invariance[p]:.1e} below {p:,})" for p in bands if p != inv_pos)
+        + " — float32 rounding of m·θ_i, growing with position.",
+    ]
+    for b in labels:
+        w = waves[b]
+        n_long = int((w > L).sum()) if has_rope else None
+        headline.append(
+            f"Wavelengths 2π/θ_i, {b}, d = {dim}: {w[0].item():.2f} to {w[-1].item():,.0f} "
+            f"positions (limit 2π·θ = {2 * math.pi * bases[b][0]:,.0f})"
+            + (f"; {n_long} of {dim // 2} pairs never complete a turn within the context "
+               f"L = {L:,}." if has_rope else "."))
+    headline.append(f"For reference, θ = 10,000 with head dim 128 (Llama 2): "
+                    f"{llama_waves[0].item():.2f} to {llama_waves[-1].item():,.0f} positions.")
+    headline.append(
+        "q·k of the all-ones vectors, relative to distance 0: " + "; ".join(
+            f"{b}: {decay_at(b, 10):.2f} at 10, {decay_at(b, 100):.2f} at 100, "
+            f"{decay_at(b, 1000):.2f} at 1,000, {decay_at(b, DECAY_DISTANCE):.2f} at "
+            f"{DECAY_DISTANCE:,}" for b in labels) + ".")
+    if has_rope and args.rope_local_theta is not None:
+        headline.append(f"Local (sliding-window) layers use θ = {args.rope_local_theta:,.0f}; "
+                        f"the figures show the global layers' θ.")
+
+    if has_rope:
+        look_for = (
+            "RoPE (Su et al. 2021) encodes position by rotating each pair of a query's and a "
+            "key's coordinates by m·θ_i, θ_i = θ^(−2i/d), so the score q_m·k_n depends only on "
+            "the offset m − n (the invariance number shows it holds to float32 rounding, which "
+            "grows with position because m·θ_i is rounded). In the heatmap the first pairs spin "
+            "through a full turn every few positions while the last barely move: the fast pairs "
+            "tell neighbours apart, the slow ones carry coarse position, and pairs whose "
+            "wavelength exceeds the training context never see a full turn — these are the "
+            "pairs that position interpolation, NTK-aware scaling and YaRN treat differently. A "
+            "larger base (SmolLM2 uses 100,000) stretches every wavelength, so the decay curve "
+            "stays high to longer distances: RoPE gives a soft preference for nearby tokens, not "
+            "a hard cut-off, and the curve oscillates rather than falling monotonically.")
+    else:
+        look_for = (
+            f"This model has no RoPE (position = {args.position!r}): it encodes position "
+            f"another way, so the figures show RoPE with base 10,000 and the model's head width "
+            f"({dim}) only, for comparison, and the invariance check uses random vectors. With "
+            f"RoPE each pair of coordinates turns by m·θ_i, so q_m·k_n depends only on m − n; "
+            f"fast pairs separate neighbours, slow pairs carry coarse position, and the score "
+            f"of a fixed query and key decays (with oscillations) as their distance grows.")
+    table_rows = [[b, f"{waves[b][0].item():.2f}", f"{waves[b][-1].item():,.0f}",
+                   f"{decay_at(b, 100):.3f}", f"{decay_at(b, 1000):.3f}"] for b in labels]
+    return Section(
+        "rope", "Rotary position embeddings (RoPE)", look_for, figures,
+        tables=[Table("Wavelengths and decay per base", ["base", "shortest wavelength",
+                                                          "longest wavelength",
+                                                          "q·k at 100 (rel.)",
+                                                          "q·k at 1,000 (rel.)"], table_rows)],
+        headline=headline,
+        data={"has_rope": has_rope, "rope_dim": dim, "context": L, "bases": labels,
+              "theta": {b: bases[b][0] for b in labels},
+              "angles": {b: [_rounded(r, 5) for r in angles[b]] for b in labels},
+              "wavelengths": {b: waves[b].tolist() for b in labels},
+              "wavelengths_theta10000_dim128": llama_waves.tolist(),
+              "path_positions": path_pos,
+              "path": [_rounded(r, 5) for r in path[:, :max(3, dim)].T],
+              "path_pairs": [0, slow, dim // 2 - 1],
+              "decay_distance": decay[b0]["distance"].tolist(),
+              "decay_ones": {b: _rounded(decay[b]["ones"], 5) for b in labels},
+              "decay_bound": {b: _rounded(decay[b]["bound"], 5) for b in labels},
+              "invariance_source": source, "invariance_trials": INVARIANCE_TRIALS,
+              "invariance_max_error": {str(p): invariance[p] for p in bands}},
+        tensors={"angles": angles, "wavelengths": waves, "decay": decay, "path": path,
+                 "q": q_real, "k": k_real})
+
+
+# ---- extrapolation past the trained context ---------------------------------------------------
+
+def _repo_shakespeare() -> Optional[Path]:
+    """The Shakespeare corpus folder `.cache/shakespeare` under the current directory or the
+    package's repository (the parent of the torchllama package), if either exists."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        folder = root / ".cache" / "shakespeare"
+        if folder.is_dir() and any(folder.glob("*.txt")):
+            return folder
+    return None
+
+
+def read_long_text(path: Optional[str | Path]) -> tuple[str, str]:
+    """The long text: a file, or every .txt file of a folder (sorted by name) concatenated with
+    blank lines between them; default the Shakespeare corpus (`make test` downloads it).
+
+    Returns:
+        (text, a short description of where it came from).
+
+    Raises:
+        ArgumentError: no path given and no corpus found, or the path is missing/unreadable or
+            a folder without .txt files.
+    """
+    if path is None:
+        folder = _repo_shakespeare()
+        if folder is None:
+            raise ArgumentError("extrapolation: no long text; pass --long-text-file FILE|DIR, or "
+                                "run `make test` once (it downloads the Shakespeare corpus into "
+                                ".cache/shakespeare)")
+        path = folder
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise ArgumentError(f"--long-text-file {path}: a folder without .txt files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ArgumentError(f"--long-text-file {path}: no such file or folder")
+    try:
+        parts = [f.read_text(encoding="utf-8") for f in files]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"--long-text-file {path}: cannot read it as UTF-8 text ({e})")
+    where = str(path) if len(files) == 1 else f"{path} ({len(files)} .txt files)"
+    return "\n\n".join(parts), where
+
+
+def _long_tokens(tokenizer, text: str, n: int) -> list[int]:
+    """The first n token ids of text (with BOS where the tokenizer adds one), tokenizing a
+    growing prefix instead of the whole corpus; fewer if the text is shorter."""
+    bos = bool(tokenizer.add_bos and tokenizer.bos_id is not None)
+    chars = 6 * n
+    while True:
+        ids = tokenizer.encode(text[:chars], bos=bos)
+        if len(ids) > n + 16 or chars >= len(text):    # margin: the cut may split a token
+            return ids[:n]
+        chars *= 2
+
+
+def scaled_model(model, max_seq_len: int, scaling: Optional[dict], dtype: torch.dtype,
+                 state: Optional[dict] = None):
+    """A `Transformer` with the model's weights (shared, not copied, when `state` holds them in
+    `dtype`), a context of max_seq_len and the given rope_scaling (None: the model's own), built
+    on the meta device and assigned.
+
+    Args:
+        model: a `Transformer`.
+        state: its state_dict already in `dtype` (default: model.state_dict() cast to dtype).
+
+    Returns:
+        the new model in eval mode.
+    """
+    from torchllama.model import Transformer
+
+    args = model.args.replace(max_seq_len=max_seq_len,
+                              rope_scaling=scaling if scaling is not None
+                              else model.args.rope_scaling)
+    if state is None:
+        state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        net = Transformer(args)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.tie_weights()
+    return net.eval().requires_grad_(False)
+
+
+def position_losses(model, tokens: torch.Tensor, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+    """Cross-entropy of each next token: one forward to the final hidden states, then the
+    output projection and the loss `chunk` positions at a time, never the (T, vocab) logits.
+
+    Args:
+        model: a `Transformer` whose context holds T tokens.
+        tokens: (1, T) int64.
+
+    Returns:
+        (T − 1,) float32 losses in nats: entry p is −log P(token p+1 | tokens 0..p).
+    """
+    with torch.no_grad():
+        h = model(tokens, hidden=True)[0]                                   # (T, D)
+        targets = tokens[0, 1:]                                             # (T−1,)
+        out = torch.empty(targets.shape[0], dtype=torch.float32)
+        for start in range(0, targets.shape[0], chunk):
+            end = min(start + chunk, targets.shape[0])
+            logits = model.logits(h[start:end])                             # (c, V) fp32
+            out[start:end] = F.cross_entropy(logits, targets[start:end].to(logits.device),
+                                             reduction="none").cpu()        # (c,)
+    return out
+
+
+def _scaling(kind: str, factor: float, L: int) -> dict:
+    """The rope_scaling dict of one method: linear (Chen et al. 2023), ntk (bloc97 2023), yarn
+    (Peng et al. 2023, default beta_fast 32, beta_slow 1), all with factor s and the trained
+    context L as original_max_seq_len where the type takes it."""
+    if kind == "yarn":
+        return {"type": "yarn", "factor": factor, "original_max_seq_len": L}
+    return {"type": kind, "factor": factor}
+
+
+def extrapolation_section(ctx: AnatomyContext) -> Section:
+    """The real model's loss per position on a long text of factor·L tokens, L its trained
+    context: plain RoPE, then each RoPE scaling of the zoo (linear, ntk, yarn) with that factor.
+
+    Options (ctx.options): "extrapolation_factor" (default 2), "long_text_file" (a file or a
+    folder of .txt files; default .cache/shakespeare), "extrapolation_dtype" ("float32", the
+    default, or "bfloat16").
+
+    Returns:
+        Section "extrapolation"; data holds the bucketed mean losses per method and the
+        perplexities within and past L; tensors the per-position losses (T − 1,) per method.
+
+    Raises:
+        ArgumentError: no long text (names --long-text-file and `make test`), a text shorter
+            than factor·L tokens, a factor ≤ 1 or an unknown dtype.
+    """
+    plt = _pyplot()
+    model, args = ctx.model, ctx.model.args
+    factor = ctx.options.get("extrapolation_factor", 2)
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+        raise ArgumentError(f"extrapolation_factor must be a number > 1, got {factor!r}")
+    dtype_name = ctx.options.get("extrapolation_dtype", "float32")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype_name not in dtypes:
+        raise ArgumentError(f"extrapolation_dtype must be one of {', '.join(dtypes)}, got "
+                            f"{dtype_name!r}")
+    dtype = dtypes[dtype_name]
+    L = args.max_seq_len
+    N = int(factor * L)
+    if args.position != "rope":
+        return Section(
+            "extrapolation", "RoPE past the trained context",
+            f"This model has no RoPE (position = {args.position!r}), so there is no RoPE "
+            f"scaling to compare; the section is empty.",
+            headline=[f"No RoPE (position = {args.position!r}): nothing to extrapolate."],
+            data={"has_rope": False})
+
+    text, where = read_long_text(ctx.options.get("long_text_file"))
+    ctx.progress("tokenizing the long text")
+    ids = _long_tokens(ctx.tokenizer, text, N)
+    if len(ids) < N:
+        raise ArgumentError(f"extrapolation: the long text {where} has {len(ids):,} tokens; "
+                            f"{factor:g} × the context of {L:,} needs {N:,}")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([ids], device=device)                            # (1, N)
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}       # shared by every method
+
+    methods = ["none", *SCALINGS]
+    losses: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    for method in methods:
+        ctx.progress(f"{method}: forward over {N:,} tokens")
+        t0 = time.perf_counter()
+        scaling = None if method == "none" else _scaling(method, float(factor), L)
+        net = scaled_model(model, N, scaling, dtype, state)
+        losses[method] = position_losses(net, tokens)                       # (N−1,) fp32
+        seconds[method] = time.perf_counter() - t0
+        del net
+
+    bucket = max(L // 8, 1)
+    starts = list(range(0, N - 1, bucket))
+    buckets = {m: [losses[m][s:s + bucket].mean().item() for s in starts] for m in methods}
+    centers = [s + (min(s + bucket, N - 1) - s) / 2 for s in starts]
+    ppl_in = {m: math.exp(losses[m][:L].mean().item()) for m in methods}
+    ppl_out = {m: math.exp(losses[m][L:].mean().item()) for m in methods}
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for m in methods:
+        ax.plot(centers, buckets[m], marker="o", markersize=3,
+                label=f"{m}: ppl {ppl_in[m]:.1f} within L, {ppl_out[m]:.1f} past L")
+    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
+    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+    ax.set_xlabel("position in the text")
+    ax.set_ylabel(f"mean loss over {bucket:,} positions (nats)")
+    ax.set_yscale("log")
+    ax.set_title(f"Loss vs position, {N:,} tokens of {Path(where.split(' (')[0]).name}, "
+                 f"scaling factor {factor:g}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    figures = [Figure("loss", f"Next-token loss of the real model along {N:,} tokens, mean over "
+                      f"buckets of {bucket:,} positions, one line per RoPE scaling (factor "
+                      f"{factor:g}, original context {L:,}). Left of the dashed line the model "
+                      f"sees contexts it was trained on.", fig)]
+
+    headline = [f"{m}: perplexity {ppl_in[m]:.2f} on positions [0, {L:,}), {ppl_out[m]:.2f} "
+                f"on [{L:,}, {N:,}) ({seconds[m]:.0f} s)" for m in methods]
+    headline.append(f"Text: {where}, first {N:,} tokens; forwards in {dtype_name}"
+                    f"{' with the model' + chr(39) + 's own ' + args.rope_scaling['type'] + ' scaling for none' if args.rope_scaling else ''}.")
+    rows = [[m, ppl_in[m], ppl_out[m], seconds[m]] for m in methods]
+    return Section(
+        "extrapolation", "RoPE past the trained context",
+        f"The model was trained on contexts of L = {L:,} tokens. Here it reads {N:,} tokens of "
+        f"real text in one forward pass; each point is the mean next-token loss over "
+        f"{bucket:,} positions. With plain RoPE ('none') the loss typically shoots up soon after "
+        f"L: the attention scores meet rotation angles (offsets) never seen in training. "
+        f"Linear position interpolation (Chen et al. 2023) divides every position by the "
+        f"factor, so no angle is new but neighbouring tokens get closer than in training; "
+        f"NTK-aware scaling (bloc97 2023) raises the base so the fast pairs keep their "
+        f"resolution and only the slow ones are interpolated; YaRN (Peng et al. 2023) "
+        f"interpolates only the pairs whose wavelength exceeds the context and sharpens the "
+        f"softmax. Without fine-tuning, a good method keeps the loss past L close to the loss "
+        f"within L; compare also the cost within L, where the scalings change what the model "
+        f"was trained on. This section is opt-in (`--only extrapolation`): on SmolLM2 "
+        f"(L = 8,192) each method is one forward over 16,384 tokens, minutes on 2 CPU cores "
+        f"(float32 by default; bfloat16 measured barely faster on CPU: 11.0 vs 11.8 s for 2,048 "
+        f"tokens).",
+        figures,
+        tables=[Table("Perplexity within and past the trained context",
+                      ["method", f"ppl [0, {L:,})", f"ppl [{L:,}, {N:,})", "seconds"], rows)],
+        headline=headline,
+        data={"methods": methods, "factor": factor, "context": L, "tokens": N,
+              "text": where, "dtype": dtype_name, "bucket": bucket,
+              "bucket_starts": starts, "bucket_centers": centers,
+              "bucket_loss": buckets, "ppl_within": ppl_in, "ppl_beyond": ppl_out,
+              "seconds": seconds,
+              "scalings": {m: _scaling(m, float(factor), L) for m in SCALINGS}},
+        tensors={"losses": losses, "tokens": tokens.cpu()})
