@@ -282,18 +282,25 @@ def rope_section(ctx: AnatomyContext) -> Section:
     table = rope_table(dim, path_pos, t0, s0)                              # (64, d/2) c64
     path = apply_rotary_emb(vec.expand(path_pos, 1, 1, -1),                # (64, 1, 1, hd)
                             table[:, None])[:, 0, 0]                       # → (64, hd)
-    slow = dim // 4                                                        # a middle pair
+    # pairs by wavelength: integer positions sample pair 0 (1 rad per step) too coarsely to
+    # draw a path, so the 3-D path uses the pair that turns once in ≈ 24 positions
+    log_w = waves[b0].log()                                                # (d/2,)
+    near = lambda length: int((log_w - math.log(length)).abs().argmin())   # noqa: E731
+    j3 = min(near(24), dim // 2 - 2)                                       # dims 2j, 2j+1, 2j+2
+    pairs = [near(12), near(128), dim // 2 - 1]                            # fast, slow, slowest
+    dims3 = [2 * j3, 2 * j3 + 1, 2 * j3 + 2]
     fig = plt.figure(figsize=(11, 4.5))
     ax = fig.add_subplot(1, 2, 1, projection="3d")
-    ax.plot(*(path[:, j].numpy() for j in range(3)), color="tab:blue", linewidth=1)
-    ax.scatter(*(path[:, j].numpy() for j in range(3)), c=range(path_pos), cmap="viridis", s=8)
-    ax.set_xlabel("dim 0")
-    ax.set_ylabel("dim 1")
-    ax.set_zlabel("dim 2")
-    ax.set_title(f"dims 0-2 of one vector at positions 0..{path_pos - 1}", fontsize=9)
+    ax.plot(*(path[:, j].numpy() for j in dims3), color="tab:blue", linewidth=1)
+    ax.scatter(*(path[:, j].numpy() for j in dims3), c=range(path_pos), cmap="viridis", s=8)
+    ax.set_xlabel(f"dim {dims3[0]}")
+    ax.set_ylabel(f"dim {dims3[1]}")
+    ax.set_zlabel(f"dim {dims3[2]}")
+    ax.set_title(f"dims {dims3[0]}-{dims3[2]} of one vector at positions 0..{path_pos - 1}",
+                 fontsize=9)
     ax = fig.add_subplot(1, 2, 2, projection="3d")
     pos = torch.arange(path_pos).numpy()
-    for j, color in ((0, "tab:red"), (slow, "tab:green"), (dim // 2 - 1, "tab:purple")):
+    for j, color in zip(pairs, ("tab:red", "tab:green", "tab:purple")):
         ax.plot(path[:, 2 * j].numpy(), path[:, 2 * j + 1].numpy(), pos, color=color,
                 label=f"pair {j}: wavelength {waves[b0][j].item():,.0f}")
     ax.set_xlabel("x[2i]")
@@ -303,10 +310,13 @@ def rope_section(ctx: AnatomyContext) -> Section:
     ax.set_title("each pair turns in its own plane", fontsize=9)
     fig.tight_layout()
     figures.append(Figure("path", f"One vector ({source}, first row; {b0}) rotated to positions "
-                          f"0..{path_pos - 1}. Left: its first three coordinates — pair 0 "
-                          f"(dims 0, 1) turns by 1 radian per position, dim 2 belongs to the "
-                          f"slower pair 1. Right: three pairs against position: the fast pair "
-                          f"is a tight helix, the slow ones hardly turn.", fig))
+                          f"0..{path_pos - 1} (dots coloured by position). Left: dims "
+                          f"{dims3[0]}, {dims3[1]} (pair {j3}, wavelength "
+                          f"{waves[b0][j3].item():.0f} positions) and {dims3[2]} (the slower "
+                          f"pair {j3 + 1}): a closed-looking loop that never repeats exactly. "
+                          f"Right: three pairs against position: the fast pair is a tight "
+                          f"helix, the slow ones hardly turn; the length of each pair never "
+                          f"changes.", fig))
 
     # the long-term decay (RoFormer §3.4.3)
     ctx.progress("RoPE: decay with distance")
@@ -350,9 +360,9 @@ def rope_section(ctx: AnatomyContext) -> Section:
     headline = [
         f"Translation invariance (RoFormer eq. 16) in float32, {source}, unit length: max "
         f"|q_m·k_n − q_(m+s)·k_(n+s)| = {worst:.2e} over {INVARIANCE_TRIALS:,} random "
-        f"(q, k, m, n, s) with every position < {inv_pos:,} "
-        + ", ".join(f"({invariance[p]:.1e} below {p:,})" for p in bands if p != inv_pos)
-        + " — float32 rounding of m·θ_i, growing with position.",
+        f"(q, k, m, n, s) with every position < {inv_pos:,}"
+        + "".join(f"; {invariance[p]:.1e} below {p:,}" for p in bands if p != inv_pos)
+        + " (float32 rounding of m·θ_i grows with position).",
     ]
     for b in labels:
         w = waves[b]
@@ -409,8 +419,8 @@ def rope_section(ctx: AnatomyContext) -> Section:
               "wavelengths": {b: waves[b].tolist() for b in labels},
               "wavelengths_theta10000_dim128": llama_waves.tolist(),
               "path_positions": path_pos,
-              "path": [_rounded(r, 5) for r in path[:, :max(3, dim)].T],
-              "path_pairs": [0, slow, dim // 2 - 1],
+              "path": [_rounded(r, 5) for r in path.T],
+              "path_dims_3d": dims3, "path_pairs": pairs,
               "decay_distance": decay[b0]["distance"].tolist(),
               "decay_ones": {b: _rounded(decay[b]["ones"], 5) for b in labels},
               "decay_bound": {b: _rounded(decay[b]["bound"], 5) for b in labels},
