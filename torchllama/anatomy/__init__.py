@@ -108,8 +108,8 @@ def run(model: Optional[str | os.PathLike] = None, text: Optional[str] = None, *
     ctx.options.update(options or {})
     if only is None and ctx.run_dir is None:
         names = [n for n in names if n != "landscape"]
-        ctx.notes.append("The loss landscape needs a training run: `--model RUN` of a "
-                         "`torchllama train` folder.")
+        ctx.notes.append("The loss landscape is left out: it needs a training run "
+                         "(--model RUN, a torchllama train folder).")
     return run_sections(ctx, names)
 
 
