@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from torchllama import anatomy
-from torchllama.anatomy.rope import (extrapolation_section, invariance_error, position_losses,
-                                     relative_decay, rope_section, rotate, wavelengths)
+from torchllama.anatomy.rope import (decay_curves, extrapolation_section, position_losses,
+                                     rope_section, rope_table, rope_wavelengths,
+                                     translation_invariance)
+from torchllama.nn.position import apply_rotary_emb
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
 from torchllama.model import Transformer
@@ -46,7 +48,7 @@ def tiny_ctx(**options) -> anatomy.AnatomyContext:
 
 
 def test_wavelengths_are_roformers():
-    w = wavelengths(128, 10000.0)
+    w = rope_wavelengths(128, 10000.0)
     assert w[0] == pytest.approx(2 * math.pi)
     assert w[-1] == pytest.approx(2 * math.pi * 10000 ** (126 / 128))       # ≈ 54,410
     assert 54_000 < w[-1] < 62_832
@@ -55,12 +57,14 @@ def test_wavelengths_are_roformers():
 def test_qk_depends_only_on_relative_position_and_decays():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(64, generator=g), torch.randn(64, generator=g)
-    assert invariance_error(q, k, 10000.0, 4096) <= 1e-4
+    assert translation_invariance(q[None], k[None], rope_table(64, 4096, 10000.0)) <= 1e-4
     # rotating by the same positions is a rotation: norms kept
     x = torch.randn(5, 64, generator=g)
-    torch.testing.assert_close(rotate(x, torch.arange(5) * 100, 10000.0).norm(dim=-1),
+    table = rope_table(64, 401, 10000.0)[torch.arange(5) * 100]            # (5, 32)
+    rotated = apply_rotary_emb(x[:, None, None], table[:, None])[:, 0, 0]  # (5, 64)
+    torch.testing.assert_close(rotated.norm(dim=-1),
                                x.norm(dim=-1))
-    decay = relative_decay(64, 10000.0, 2048)
+    decay = decay_curves(64, 10000.0, 2048)["ones"]
     assert decay[0] == pytest.approx(1.0) and decay[1:].max() < 1.0
     assert decay[1000:].abs().mean() < decay[1:10].mean()
 
@@ -106,7 +110,7 @@ def test_extrapolation_section_compares_every_scaling(tmp_path):
 # ---- more oracles -----------------------------------------------------------------------------
 
 def test_wavelengths_hand_computed_for_smollm2s_base():
-    w = wavelengths(64, 100000.0)                          # SmolLM2: θ = 100,000, head dim 64
+    w = rope_wavelengths(64, 100000.0)                          # SmolLM2: θ = 100,000, head dim 64
     assert w.shape == (32,)
     assert w[0].item() == pytest.approx(2 * math.pi, rel=1e-6)
     assert w[-1].item() == pytest.approx(2 * math.pi * 100000 ** (62 / 64), rel=1e-5)  # ≈ 438,460

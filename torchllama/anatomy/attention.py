@@ -112,7 +112,7 @@ def attention_section(ctx: AnatomyContext) -> Section:
     pad_id = tok.pad_id if tok.pad_id is not None else 0
     batch = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids])   # (2, W) left-padded
     pad = torch.tensor([width - len(x) for x in ids])                       # (2,)
-    batched = attention_probs(model, batch, pad)[:, :, :, :, :]             # (L, 2, H, W, W)
+    batched = attention_probs(model, batch, pad)                             # (L, 2, H, W, W)
     alone_diff = 0.0
     for b, x in enumerate(ids):
         alone = attention_probs(model, torch.tensor([x]))[:, 0]             # (L, H, n, n)

@@ -168,39 +168,6 @@ def translation_invariance(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor
     return (score(m, n) - score(m + s, n + s)).abs().max().item()
 
 
-def wavelengths(dim: int, theta: float) -> torch.Tensor:
-    """2π/θ_i of plain RoPE with base theta over dim rotated dims: (dim/2,) float64
-    (`rope_wavelengths` without a scaling)."""
-    return rope_wavelengths(dim, theta)
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate vectors x (N, d) float32 to positions (N,) int64 with plain RoPE of base theta,
-    through the model's `apply_rotary_emb` (RoFormer eq. 34).
-
-    Returns:
-        (N, d) float32.
-    """
-    table = rope_table(x.shape[-1], int(positions.max()) + 1, theta)        # (P, d/2) c64
-    return apply_rotary_emb(x[:, None, None], table[positions][:, None])[:, 0, 0]  # (N, d)
-
-
-def relative_decay(dim: int, theta: float, max_distance: int = DECAY_DISTANCE) -> torch.Tensor:
-    """q_d·k_0 / q_0·k_0 for q = k = the all-ones vector, d = 0..max_distance (RoFormer
-    §3.4.3; `decay_curves`' "ones"): (max_distance + 1,) float32, 1 at d = 0."""
-    return decay_curves(dim, theta, max_distance)["ones"]
-
-
-def invariance_error(q: torch.Tensor, k: torch.Tensor, theta: float, max_position: int, *,
-                     trials: int = INVARIANCE_TRIALS, seed: int = 0) -> float:
-    """`translation_invariance` of query and key vectors q (Nq, d) or (d,), k (Nk, d) or (d,)
-    under plain RoPE of base theta, positions below max_position, unit-normalized, float32."""
-    q, k = q.reshape(-1, q.shape[-1]).float(), k.reshape(-1, k.shape[-1]).float()
-    table = rope_table(q.shape[-1], max_position, theta)                    # (P, d/2) c64
-    return translation_invariance(q, k, table, trials=trials,
-                                  generator=torch.Generator().manual_seed(seed))
-
-
 def _rounded(values, digits: int = 6) -> list:
     """A tensor or list as a JSON-able list of floats with `digits` significant digits."""
     values = values.tolist() if isinstance(values, torch.Tensor) else values
