@@ -229,12 +229,14 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
 
 
 def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: int = 512,
-          new_tokens: int = 128, repeats: int = 5, no_hf: bool = False, serve: bool = False,
+          new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
+          batch: int = 8, no_hf: bool = False, serve: bool = False,
           url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
           preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
           steps: int = 5, device: str = "cpu", compile: bool = False) -> int:
-    """Prefill and decode tokens/s of torchllama and, side by side in the same run, HF
-    transformers on the same weights and dtype (when installed). With --serve: the HTTP
+    """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
+    run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
+    llama.cpp, through llama-cpp-python: `make bench-peer` builds it). With --serve: the HTTP
     server's generated tokens/s at 1, 4 and 8 concurrent streaming requests, and the median
     time to first token. With --train: training tokens/s (forward, loss, backward, AdamW) of a
     preset vs transformers' LlamaForCausalLM of the same config and weights.
@@ -243,12 +245,16 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
             the name of an installed packaged model: gemma3-270m (default: the embedded
             SmolLM2-135M-Instruct).
-        dtype: weight dtype: float32, bfloat16 or float16.
-        prompt_tokens: prompt length for the prefill figure.
-        new_tokens: tokens generated (batch 1, greedy) for the decode figure; with --serve, the
+        dtype: weight dtype: float32, bfloat16 or float16 (transformers gets float32 for a
+            quantized choice).
+        prompt_tokens: prompt length for the prefill figure (and of each decoded sequence).
+        new_tokens: tokens generated (greedy) for the decode figures; with --serve, the
             max_tokens of every request.
         repeats: measurements per figure (the median is shown).
-        no_hf: skip transformers.
+        peer: the library measured side by side: transformers, llama.cpp (same GGUF file, same
+            threads, same token ids) or none.
+        batch: sequences decoded together for the batched-decode figure (1: none).
+        no_hf: the same as --peer none.
         serve: benchmark an OpenAI-compatible server instead (8 prompts per concurrency level,
             temperature 0, streaming completions).
         url: with --serve, the server's base URL (e.g. http://127.0.0.1:8000); without it the
@@ -260,7 +266,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         seq_len: with --train, tokens per sequence.
         steps: with --train, optimizer steps per measurement.
         device: with --train, cpu or cuda.
-        compile: with --train, torch.compile both models.
+        compile: with --train, torch.compile both models; otherwise compile our decode step
+            (the seconds it takes are printed).
     """
     import http.client
 
@@ -291,7 +298,10 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         raise ArgumentError("--url and --api-key go with --serve")
     from torchllama.bench import run_bench
 
-    run_bench(model, dtype, prompt_tokens, new_tokens, repeats, with_hf=not no_hf)
+    if no_hf and peer != "transformers" and peer != "none":
+        raise ArgumentError(f"--no-hf means --peer none; it does not go with --peer {peer}")
+    run_bench(model, dtype, prompt_tokens, new_tokens, repeats,
+              peer="none" if no_hf else peer, batch=batch, compile=compile)
     return 0
 
 
@@ -546,11 +556,40 @@ def anatomy(model: Optional[str] = None, text: Optional[str] = None,
     return 0
 
 
+def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
+               batch_size: int = 4, chunks: Optional[int] = None, dtype: str = "auto",
+               peer: Optional[str] = None, progress: bool = True) -> int:
+    """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does:
+    non-overlapping windows of --ctx tokens (BOS first when the model adds one), the second half
+    of each scored; prints the running PPL per chunk ([1]x,[2]y,...) and PPL ± its standard
+    error. Held-out Shakespeare (never in `make train-demo`'s training split):
+    `torchllama perplexity --text-file .cache/shakespeare/romeo_and_juliet_gut.txt`.
+
+    Args:
+        text_file: UTF-8 text file; it must hold at least 2 × ctx tokens.
+        model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
+            the name of an installed packaged model: gemma3-270m (default: the embedded
+            SmolLM2-135M-Instruct).
+        ctx: window length in tokens (llama.cpp's -c); the last ctx/2 − 1 of each are scored.
+        batch_size: windows per forward pass.
+        chunks: evaluate only the first N windows (llama.cpp's --chunks; default: all).
+        dtype: weight dtype, as for loading the model (auto keeps a GGUF's quantization).
+        peer: llama.cpp: also compute llama.cpp's own perplexity of the same GGUF file on the
+            same text (needs llama-cpp-python: `make bench-peer`).
+        progress: show progress bars.
+    """
+    from torchllama.perplexity import run_perplexity
+
+    run_perplexity(model, text_file, ctx=ctx, batch_size=batch_size, dtype=dtype,
+                   chunks=chunks, peer=peer, progress=progress)
+    return 0
+
+
 COMMANDS: dict[str, Callable[..., int]] = {
     "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
     "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
     "train": train, "plot-log": plot_log, "ablate": ablate,
-    "anatomy": anatomy}
+    "anatomy": anatomy, "perplexity": perplexity}
 
 
 def _write(text: str) -> None:
