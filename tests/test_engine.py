@@ -127,3 +127,107 @@ def test_submit_errors_and_queue_bound(tiny_model):
     engine.submit(Client([1], 1).request)
     with pytest.raises(QueueFull):
         engine.submit(Client([2], 1).request)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched and chunked prefill
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_model():
+    """The debug preset with a 4096-token context, for prompts longer than a prefill chunk."""
+    import dataclasses
+
+    from torchllama.model import Transformer
+    torch.manual_seed(0)
+    return Transformer(dataclasses.replace(get_preset("debug"), max_seq_len=4096)).eval()
+
+
+def random_prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 256, (n,), generator=g).tolist()
+
+
+def record_forwards(engine, log):
+    """Append ("forward", (B, T)) to log at every forward pass of the engine's model."""
+    engine.model.register_forward_pre_hook(
+        lambda module, args: log.append(("forward", tuple(args[0].shape))))
+
+
+def test_requests_arriving_together_share_one_prefill(tiny_model):
+    prompts = [[5, 6, 7], list(range(10, 40)), [50], list(range(60, 70))]
+    lengths = [6, 9, 12, 5]
+    for chunk, forwards in ((512, [(4, 30)]), (32, [(1, 3), (2, 30), (1, 10)])):
+        engine = Engine(copy.deepcopy(tiny_model), max_batch_size=4, prefill_chunk=chunk)
+        calls = []
+        record_forwards(engine, calls)
+        clients = [Client(p, n) for p, n in zip(prompts, lengths)]
+        for client in clients:                  # all waiting when the engine starts
+            engine.submit(client.request)
+        engine.start()
+        try:
+            for client in clients:
+                assert client.done.wait(60)
+            for prompt, n, client in zip(prompts, lengths, clients):
+                assert client.tokens == alone(tiny_model, prompt, n)
+            # One left-padded forward for all four (512), or as many as fit in 32 prompt tokens
+            # per iteration: [3] alone (30 > 32 − 3), then [30] and [1], then [10].
+            prefills = [shape for _, shape in calls if shape[1] > 1]
+            assert prefills == forwards and engine.prefills == len(forwards)
+        finally:
+            engine.shutdown()
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(long_model):
+    engine = Engine(copy.deepcopy(long_model), max_batch_size=2, prefill_chunk=512).start()
+    timeline = []
+    record_forwards(engine, timeline)
+    try:
+        running = Client([1, 2, 3], 300)
+        long = Client(random_prompt(2000, 1), 6)
+        running.request.on_token = lambda e, f=running.request.on_token: (
+            timeline.append(("running", e.token_id)), f(e))
+        long.request.on_token = lambda e, f=long.request.on_token: (
+            timeline.append(("long", e.token_id)), f(e))
+        engine.submit(running.request)
+        while len(running.tokens) < 3:
+            time.sleep(0.001)
+        engine.submit(long.request)
+        assert long.done.wait(60) and running.done.wait(60)
+        # Four chunks of 500 tokens, the running stream getting tokens between them.
+        chunks = [i for i, (kind, shape) in enumerate(timeline)
+                  if kind == "forward" and shape[1] > 3]
+        assert [timeline[i][1] for i in chunks] == [(1, 500)] * 4
+        first_long = next(i for i, (kind, _) in enumerate(timeline) if kind == "long")
+        between = [kind for kind, _ in timeline[chunks[0]:first_long]]
+        assert between.count("running") >= 3
+        assert long.tokens == alone(long_model, long.request.prompt_ids, 6)
+        assert running.tokens == alone(long_model, [1, 2, 3], 300)
+    finally:
+        engine.shutdown()
+
+
+def test_chunked_prefills_overlap_shift_and_run_alone(long_model):
+    """A long prompt admitted while another is mid-prefill (held back by the prefill budget)
+    shifts every row right; a long prompt with nothing else running advances alone."""
+    engine = Engine(copy.deepcopy(long_model), max_batch_size=3, prefill_chunk=256).start()
+    try:
+        running = Client([9, 8, 7], 200)
+        first = Client(random_prompt(1500, 2), 20)
+        second = Client(random_prompt(2500, 3), 20)
+        engine.submit(running.request)
+        while not running.tokens:
+            time.sleep(0.001)
+        engine.submit(first.request)
+        engine.submit(second.request)
+        for client in (running, first, second):
+            assert client.done.wait(60)
+        alone_prompt = random_prompt(1000, 4)
+        by_itself = Client(alone_prompt, 10)
+        run(engine, [(0.0, by_itself)])
+        assert running.tokens == alone(long_model, [9, 8, 7], 200)
+        assert first.tokens == alone(long_model, first.request.prompt_ids, 20)
+        assert second.tokens == alone(long_model, second.request.prompt_ids, 20)
+        assert by_itself.tokens == alone(long_model, alone_prompt, 10)
+    finally:
+        engine.shutdown()

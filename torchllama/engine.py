@@ -3,8 +3,10 @@
 The engine owns the model and a KV cache of `max_batch_size` rows, and runs one loop in a
 background thread:
 
-    admit waiting requests into free rows (one prefill each, into its own cache row)
-    one decode step for all rows at once            ─▶ one token for every active request
+    prefill: the next chunk of each long prompt being prefilled, then the requests waiting
+             for a free row, admitted together: one left-padded batched prefill per run of
+             adjacent rows (a long prompt's first chunk alone)
+    one decode step for all decoding rows at once  ─▶ one token for every running request
     retire finished or cancelled requests           ─▶ their rows are free for the next ones
 
 A request joins at the next decode step and leaves as soon as it is done, so concurrent requests
@@ -18,6 +20,18 @@ positions). A new request with a P-token prompt is prefilled into slots [cur −
 if P > cur, every row is first shifted right by P − cur slots (their pads grow by as much). When
 `cur` reaches the end of the cache, rows are shifted left by the smallest pad; a row with no pad
 left has used the whole context and finishes with "length".
+
+Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled in K = ⌈P / chunk⌉
+chunks, one per loop iteration, so the running rows get a decode step between two chunks instead
+of waiting for the whole prompt. Its row is laid out for the cursor its last chunk will see: the
+prompt takes slots [pad, pad + P) with pad + P = cur + K − 1 (K − 1 decode steps to come). Each
+chunk writes the next prompt tokens at their slots, but never past `cur`: the decode steps in
+between write slot `cur` of every row in the batch, the prefilling row's included (fed padding,
+attending only itself, as idle rows are), and that slot is one its later chunks overwrite. With
+gap = pad + P − cur (decode steps still to come) a chunk takes min(chunk, remaining − gap)
+tokens, so the prompt is complete exactly when gap reaches 0; only then is the row sampled and
+fed its tokens. Shifts move its slots and pad with every other row's, so the gap is unchanged.
+When no row is decoding, the cursor advances without a forward pass.
 """
 
 from __future__ import annotations
@@ -83,8 +97,15 @@ class Request:
 class _Row:
     request: Request
     generator: torch.Generator
-    generated: list[int]
-    pending: int                      # the sampled token to feed at the next decode step
+    generated: list[int] = field(default_factory=list)
+    pending: int = 0                  # the sampled token to feed at the next decode step
+    prefilled: int = 0                # prompt tokens in the cache so far
+    chunk: int = 0                    # prompt tokens per prefill chunk (≤ prefill_chunk)
+
+    @property
+    def prefilling(self) -> bool:
+        """Still being prefilled: not sampled, not fed its tokens."""
+        return self.prefilled < len(self.request.prompt_ids)
 
 
 class Engine:
@@ -95,17 +116,26 @@ class Engine:
         max_batch_size: rows decoded together.
         max_queue: requests that may wait for a row; beyond it `submit` raises QueueFull.
         pad_id: token fed to idle rows (never attended).
+        prefill_chunk: prompt tokens prefilled per loop iteration: a longer prompt is
+            prefilled in chunks with decode steps in between, and the requests admitted
+            together stop at this many prompt tokens (the others wait for the next iteration).
+
+    Raises:
+        ArgumentError: a size below 1.
     """
 
-    def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, pad_id: int = 0):
-        if max_batch_size < 1 or max_queue < 1:
-            raise ArgumentError("max_batch_size and max_queue must be ≥ 1")
+    def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, pad_id: int = 0,
+                 prefill_chunk: int = 512):
+        if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
+            raise ArgumentError("max_batch_size, max_queue and prefill_chunk must be ≥ 1")
         self.model = model
         self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
         self.context = model.args.max_seq_len
         self.pad_id = pad_id
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self._waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self._held: Optional[Request] = None     # taken from the queue, waits for a budget
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
         self._pad = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._cur = 0
@@ -113,6 +143,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.steps = 0                    # decode steps run (for tests and stats)
+        self.prefills = 0                 # prefill forward passes run (batches and chunks)
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -168,7 +199,7 @@ class Engine:
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
-                    self._admit()
+                    self._prefill_step()
                     if not self.active:
                         self._cur = 0                         # nothing cached: start over
                         self._wake.wait(timeout=0.1)
@@ -183,54 +214,155 @@ class Engine:
         for b, row in enumerate(self._rows):
             if row is not None:
                 self._finish(b, "cancelled")
+        if self._held is not None:
+            _notify(self._held.on_finish, "cancelled")
         while True:                                   # and those still waiting for a row
             try:
                 _notify(self._waiting.get_nowait().on_finish, "cancelled")
             except queue.Empty:
                 break
 
-    def _admit(self) -> None:
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def _prefill_step(self) -> None:
+        """One iteration's prefill work: the next chunk of each prompt being prefilled, then the
+        waiting requests admitted into free rows (see the module docstring)."""
+        for b, row in enumerate(self._rows):
+            if row is not None and row.prefilling:
+                self._guarded(self._prefill_chunk, [b])
+        new = self._admit()
+        whole = [b for b in new if self._gap(b) == 0]          # the whole prompt now
+        for rows in _adjacent_runs(whole):
+            self._guarded(self._prefill_batch, rows)
+        for b in new:
+            if b not in whole:
+                self._guarded(self._prefill_chunk, [b])
+
+    def _guarded(self, prefill: Callable[[list[int]], None], rows: list[int]) -> None:
+        """Run a prefill of these rows; if it fails, their requests fail, the other rows go on."""
+        try:
+            prefill(rows)
+        except Exception:
+            log.exception("prefill failed")
+            for b in rows:
+                if self._rows[b] is not None:
+                    self._finish(b, "error")
+
+    def _next_request(self) -> Optional[Request]:
+        """The oldest request waiting (cancelled ones are answered and skipped), or None."""
+        while True:
+            request, self._held = self._held, None
+            if request is None:
+                try:
+                    request = self._waiting.get_nowait()
+                except queue.Empty:
+                    return None
+            if not request.cancelled.is_set():
+                return request
+            _notify(request.on_finish, "cancelled")
+
+    def _admit(self) -> list[int]:
+        """Give free rows (lowest first) to waiting requests and lay out their slots.
+
+        The requests admitted in one call bring at most `prefill_chunk` prompt tokens in all (a
+        long prompt counts its first chunk; the first request always fits); the next one is
+        held for the next call. Every row is shifted right first if a new prompt needs more
+        slots before its end than `cur` leaves. Nothing is written into the new rows yet.
+
+        Returns:
+            the new rows, in increasing order.
+        """
+        new: list[int] = []
+        budget = self.prefill_chunk
         for b in range(self.max_batch_size):
             if self._rows[b] is not None:
                 continue
+            request = self._next_request()
+            if request is None:
+                break
+            cost = min(len(request.prompt_ids), self.prefill_chunk)
+            if new and cost > budget:
+                self._held = request
+                break
             try:
-                request = self._waiting.get_nowait()
-            except queue.Empty:
-                return
-            if request.cancelled.is_set():
-                _notify(request.on_finish, "cancelled")
+                generator = request.sampling.make_generator(self.device)
+            except Exception:
+                log.exception("admission failed")
+                _notify(request.on_finish, "error")
                 continue
-            try:
-                self._prefill(b, request)
-            except Exception:                   # this request fails; the other rows go on
-                log.exception("prefill failed")
-                if self._rows[b] is not None:
-                    self._finish(b, "error")
-                else:
-                    _notify(request.on_finish, "error")
+            budget -= cost
+            self._rows[b] = _Row(request, generator)
+            new.append(b)
+        if not new:
+            return new
+        chunks = {b: -(-len(self._rows[b].request.prompt_ids) // self.prefill_chunk)
+                  for b in new}                                 # K chunks per prompt
+        # The prompt ends where `cur` will be after its K − 1 decode steps: slots before its
+        # start must exist.
+        need = max(len(self._rows[b].request.prompt_ids) - (chunks[b] - 1) for b in new)
+        if need > self._cur:
+            self._shift(need - self._cur)
+        for b in new:
+            row = self._rows[b]
+            P = len(row.request.prompt_ids)
+            gap = min(chunks[b] - 1, self.context - self._cur)  # decode steps before its end
+            row.chunk = -(-P // (gap + 1))                      # ≤ prefill_chunk
+            start = self._cur + gap - P
+            self._pad[b] = start
+            # The padding slots are masked out, but attention still multiplies their values by
+            # a zero weight: they must be finite, and this row's may never have been written.
+            self.model.zero_cache_slots(slice(b, b + 1), 0, start)
+        return new
+
+    def _gap(self, b: int) -> int:
+        """Decode steps until row b's prompt ends at `cur` (0: it ends there now)."""
+        return int(self._pad[b]) + len(self._rows[b].request.prompt_ids) - self._cur
+
+    def _prefill_batch(self, rows: list[int]) -> None:
+        """Prefill the whole prompts of adjacent new rows in one left-padded forward pass (each
+        ends at slot cur), and sample their first tokens."""
+        b0, b1 = rows[0], rows[-1] + 1
+        prompts = [self._rows[b].request.prompt_ids for b in rows]
+        T = max(len(p) for p in prompts)
+        tokens = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts],
+                              device=self.device)                      # (b1 − b0, T)
+        logits = self.model(tokens, self._cur - T, last_only=True, pad=self._pad[b0:b1],
+                            cache_rows=slice(b0, b1))[:, -1]           # (b1 − b0, V)
+        self.prefills += 1
+        for i, b in enumerate(rows):
+            self._rows[b].prefilled = len(prompts[i])
+            self._take(b, logits[i:i + 1])
+
+    def _prefill_chunk(self, rows: list[int]) -> None:
+        """Prefill the next chunk of row b's prompt (rows = [b]): as many tokens as fit before
+        `cur`, at most row.chunk; the last chunk ends at cur and samples the first token."""
+        (b,) = rows
+        row = self._rows[b]
+        if row.request.cancelled.is_set():
+            self._finish(b, "cancelled")
+            return
+        prompt = row.request.prompt_ids
+        n = min(row.chunk, len(prompt) - row.prefilled - self._gap(b))
+        if n <= 0:                  # a decode step was skipped: the slots are not there yet
+            return
+        start_pos = int(self._pad[b]) + row.prefilled
+        tokens = torch.tensor([prompt[row.prefilled:row.prefilled + n]],
+                              device=self.device)                      # (1, n)
+        logits = self.model(tokens, start_pos, last_only=True, pad=self._pad[b:b + 1],
+                            cache_rows=slice(b, b + 1))[:, -1]         # (1, V)
+        self.prefills += 1
+        row.prefilled += n
+        if not row.prefilling:
+            self._take(b, logits)
+
+    # ---- decode ------------------------------------------------------------------------------
 
     def _shift(self, d: int) -> None:
         """Move every row's cached slots by d (right if d > 0, left if d < 0); slots uncovered
-        by a right shift are zeroed, so the new padding is finite (see _prefill)."""
+        by a right shift are zeroed, so the new padding is finite (see _admit)."""
         self.model.shift_caches(d, self._cur)
         self._pad += d
         self._cur += d
-
-    def _prefill(self, b: int, request: Request) -> None:
-        P = len(request.prompt_ids)
-        if P > self._cur:
-            self._shift(P - self._cur)
-        start = self._cur - P
-        self._pad[b] = start
-        # The padding slots are masked out, but attention still multiplies their values by a
-        # zero weight: they must be finite, and this row's may never have been written.
-        self.model.zero_cache_slots(slice(b, b + 1), 0, start)
-        tokens = torch.tensor([request.prompt_ids], device=self.device)          # (1, P)
-        logits = self.model(tokens, start, last_only=True, pad=self._pad[b:b + 1],
-                            cache_rows=slice(b, b + 1))[:, -1]                  # (1, V)
-        row = _Row(request, request.sampling.make_generator(self.device), [], self.pad_id)
-        self._rows[b] = row
-        self._take(b, logits)
 
     def _take(self, b: int, logits: torch.Tensor) -> None:
         """Sample row b's next token from its logits (1, V) and report or finish."""
@@ -272,28 +404,46 @@ class Engine:
 
     def _decode_step(self) -> None:
         if self._cur >= self.context:               # cache full: drop the common padding
-            active = [b for b, row in enumerate(self._rows) if row is not None]
-            d = int(self._pad[active].min())
+            held = [b for b, row in enumerate(self._rows) if row is not None]
+            d = int(self._pad[held].min())
             if d == 0:                              # these rows used the whole context
-                for b in active:
+                for b in held:
                     if int(self._pad[b]) == 0:
                         self._finish(b, "length")
                 return
             self._shift(-d)
-        # Rows are filled lowest first, so the active ones sit in rows 0..B-1: decode just those
-        # (B = last active row + 1), idle rows among them fed padding.
-        B = max(b for b, row in enumerate(self._rows) if row is not None) + 1
-        for b, row in enumerate(self._rows):        # idle rows stay all padding
-            if row is None:
-                self._pad[b] = self._cur
-        tokens = torch.tensor([[row.pending if row is not None else self.pad_id]
-                               for row in self._rows[:B]], device=self.device)  # (B, 1)
-        logits = self.model(tokens, self._cur, pad=self._pad[:B])[:, -1]         # (B, V)
+        decoding = [b for b, row in enumerate(self._rows)
+                    if row is not None and not row.prefilling]
+        if not decoding:           # only rows mid-prefill: move on as a decode step would
+            self._cur += 1
+            return
+        # Rows are filled lowest first, so the decoding ones sit in rows 0..B-1: decode just
+        # those (B = last decoding row + 1). Idle and prefilling rows among them are fed padding
+        # and attend only their own new slot (finite; a prefilling row's later chunks overwrite
+        # it).
+        B = decoding[-1] + 1
+        live = [row is not None and not row.prefilling for row in self._rows[:B]]
+        tokens = torch.tensor([[row.pending if ok else self.pad_id]
+                               for row, ok in zip(self._rows[:B], live)],
+                              device=self.device)                                # (B, 1)
+        pad = torch.where(torch.tensor(live, device=self.device), self._pad[:B],
+                          self._cur)                                             # (B,)
+        logits = self.model(tokens, self._cur, pad=pad)[:, -1]                   # (B, V)
         self._cur += 1
         self.steps += 1
-        for b, row in enumerate(self._rows[:B]):
-            if row is not None:
-                self._take(b, logits[b:b + 1])
+        for b in decoding:
+            self._take(b, logits[b:b + 1])
+
+
+def _adjacent_runs(rows: list[int]) -> list[list[int]]:
+    """Split increasing row indices into runs of adjacent ones: [0, 1, 3] → [[0, 1], [3]]."""
+    runs: list[list[int]] = []
+    for b in rows:
+        if runs and runs[-1][-1] == b - 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
 
 
 def _notify(callback: Callable, value) -> bool:
