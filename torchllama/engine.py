@@ -267,21 +267,27 @@ class Engine:
         The requests admitted in one call bring at most `prefill_chunk` prompt tokens in all (a
         long prompt counts its first chunk; the first request always fits); the next one is
         held for the next call. Every row is shifted right first if a new prompt needs more
-        slots before its end than `cur` leaves. Nothing is written into the new rows yet.
+        slots before its end than `cur` leaves; a prompt whose shift would push the end of a
+        prompt being prefilled past the context waits for it. Nothing is written into the new
+        rows yet.
 
         Returns:
             the new rows, in increasing order.
         """
         new: list[int] = []
         budget = self.prefill_chunk
+        reach = max((self._gap(b) for b, row in enumerate(self._rows)
+                     if row is not None and row.prefilling), default=0)   # slots after cur
         for b in range(self.max_batch_size):
             if self._rows[b] is not None:
                 continue
             request = self._next_request()
             if request is None:
                 break
-            cost = min(len(request.prompt_ids), self.prefill_chunk)
-            if new and cost > budget:
+            P = len(request.prompt_ids)
+            cost = min(P, self.prefill_chunk)
+            K = -(-P // self.prefill_chunk)
+            if (new and cost > budget) or max(P - (K - 1), self._cur) + reach > self.context:
                 self._held = request
                 break
             try:

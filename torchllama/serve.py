@@ -172,7 +172,7 @@ class _Choice:
 # --------------------------------------------------------------------------------------------
 
 def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
-               max_batch_size: int = 8, max_queue: int = 64) -> FastAPI:
+               max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -181,10 +181,13 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         api_key: when set, requests need `Authorization: Bearer <api_key>` (else 401).
         max_batch_size: requests decoded together.
         max_queue: requests that may wait for a free row (beyond: 429).
+        prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
+            prefilled in chunks while the running requests keep decoding (`Engine`).
     """
     from contextlib import asynccontextmanager
 
-    engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0)
+    engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0,
+                    prefill_chunk=prefill_chunk)
     context = model.args.max_seq_len
 
     @asynccontextmanager
@@ -437,14 +440,14 @@ def _chat_logprobs(choice: _Choice) -> dict:
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
-          max_queue: int = 64) -> None:
-    """Load a checkpoint and serve it with uvicorn until interrupted."""
+          max_queue: int = 64, prefill_chunk: int = 512) -> None:
+    """Load a checkpoint and serve it with uvicorn until interrupted (arguments: `create_app`)."""
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype)
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue)
+    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
