@@ -382,6 +382,33 @@ def test_eight_concurrent_streams_equal_single_answers(client, smollm2):
     assert results == expected
 
 
+def test_chunked_and_batched_prefill_equal_single_answers(smollm2):
+    """An in-process server prefilling at most 16 prompt tokens per engine iteration: a long
+    prompt goes in chunks while short ones are admitted and decode; every answer is still the
+    one `Session` gives alone. Also the non-streaming `bench --serve` figures."""
+    from torchllama.bench import run_serve_bench, serve_in_thread
+    from torchllama.serve import create_app
+
+    model, tokenizer = smollm2
+    prompts = ["The history of the printing press begins with " * 8] + CONCURRENT_PROMPTS[:3]
+    assert len(encode_prompt(tokenizer, prompts[0])) > 4 * 16
+    expected = [greedy(smollm2, encode_prompt(tokenizer, p), 6)[0] for p in prompts]
+    app = create_app(model, tokenizer, MODEL, max_batch_size=4, prefill_chunk=16)
+    with serve_in_thread(app) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
+        def run(prompt):
+            return c.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                        temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(run, prompts)) == expected
+        lines = []
+        results = run_serve_bench(url, new_tokens=2, concurrencies=(1, 2), prompts=prompts[1:],
+                                  stream=False, print_fn=lines.append)
+        assert [(r.concurrency, r.requests, r.tokens) for r in results] == [(1, 3, 6), (2, 3, 6)]
+        assert "non-streaming completions" in lines[0]
+
+
 def test_queue_full_gives_429_and_no_key_needed_without_api_key(servers):
     small = servers["small"]                       # one row, one waiting request, no API key
 
