@@ -221,11 +221,11 @@ def serve_in_thread(app, host: str = "127.0.0.1") -> Iterator[str]:
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, api_key: Optional[str] = None,
-                      timeout: float = 600.0) -> tuple[int, float, float]:
-    """One streaming /v1/completions request at temperature 0 over plain http.client.
+                      timeout: float = 600.0, stream: bool = True) -> tuple[int, float, float]:
+    """One /v1/completions request at temperature 0 over plain http.client, streaming or not.
 
-    Returns (completion tokens from the final usage chunk, seconds to the first text chunk,
-    total seconds).
+    Returns (completion tokens from the usage object, seconds to the first text chunk — the
+    whole answer when not streaming —, total seconds).
 
     Raises:
         RuntimeError: an HTTP error status or an error event in the stream.
@@ -238,8 +238,8 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: Optional[
     connection = (http.client.HTTPSConnection if parts.scheme == "https"
                   else http.client.HTTPConnection)
     conn = connection(parts.hostname, parts.port, timeout=timeout)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+    fields = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields})
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -250,7 +250,9 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: Optional[
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        for raw in response:
+        if not stream:
+            tokens = json.loads(response.read())["usage"]["completion_tokens"]
+        for raw in response if stream else ():
             line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -273,14 +275,14 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: Optional[
 
 
 def _serve_level(url: str, concurrency: int, prompts: list[str], new_tokens: int,
-                 api_key: Optional[str]) -> ServeResult:
+                 api_key: Optional[str], stream: bool = True) -> ServeResult:
     """All prompts, `concurrency` requests in flight at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: stream_completion(url, p, new_tokens, api_key),
-                                prompts))
+        results = list(pool.map(
+            lambda p: stream_completion(url, p, new_tokens, api_key, stream=stream), prompts))
     seconds = time.perf_counter() - t0
     return ServeResult(concurrency, len(prompts), sum(r[0] for r in results), seconds,
                        statistics.median(r[1] for r in results))
@@ -289,13 +291,14 @@ def _serve_level(url: str, concurrency: int, prompts: list[str], new_tokens: int
 def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
                     new_tokens: int = 64, model_path: Optional[str] = None,
                     dtype: str = "float32", concurrencies: tuple[int, ...] = (1, 4, 8),
-                    prompts: Optional[list[str]] = None,
+                    prompts: Optional[list[str]] = None, stream: bool = True,
                     print_fn: Callable[[str], None] = print) -> list[ServeResult]:
     """Generated tokens/s of an OpenAI-compatible server at each concurrency, and the median
     time to first token; prints a table with the speedup over the first concurrency.
 
     Every level sends the same prompts (8 by default) with the same max_tokens, temperature 0,
-    streaming completions, `concurrency` requests in flight at a time; tokens/s is the sum of
+    streaming completions (with stream=False: whole answers, whose "first token" arrives with
+    the last), `concurrency` requests in flight at a time; tokens/s is the sum of
     the completion tokens (the servers' usage counts) over the level's wall time. One warm-up
     request runs first. Without `url`, the model (`model_path`, default the embedded
     SmolLM2-135M-Instruct) is served in this process on a free loopback port, with a batch of
@@ -305,7 +308,7 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
 
     def measure(base_url: str) -> list[ServeResult]:
         stream_completion(base_url, prompts[0], min(new_tokens, 8), api_key)      # warm-up
-        return [_serve_level(base_url, c, prompts, new_tokens, api_key)
+        return [_serve_level(base_url, c, prompts, new_tokens, api_key, stream)
                 for c in concurrencies]
 
     if url is not None:
@@ -325,7 +328,7 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
                      f"{torch.get_num_threads()} threads, batch {max(concurrencies)})")
             results = measure(base_url)
     print_fn(f"server {where}\n{len(prompts)} requests per level, max_tokens {new_tokens}, "
-             f"temperature 0, streaming completions")
+             f"temperature 0, {'streaming' if stream else 'non-streaming'} completions")
     print_fn(f"{'concurrency':>11}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'speedup':>9}"
              f"{'median TTFT':>13}")
     base = results[0].tok_s
