@@ -30,6 +30,7 @@ float32 whatever the weights' dtype (llama.cpp's logits are float32 too).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -250,7 +251,7 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
                             f"{model.args.max_seq_len} tokens")
     ids = tokenize_text(tokenizer, text, ctx, source)
     windows = make_windows(ids, ctx, chunks, tokenizer.bos_id if tokenizer.add_bos else None)
-    device = model.tok_embeddings.weight.device
+    device = next(itertools.chain(model.parameters(), model.buffers())).device
     result = PerplexityResult(math.nan, math.nan, len(ids), 0, 0, ctx)
     started = time.perf_counter()
     with _bar(len(windows), progress, "perplexity") as bar:
@@ -318,9 +319,7 @@ def llama_cpp_perplexity(gguf_path: str | os.PathLike, text: str, ctx: int = 512
             raise ArgumentError(
                 f"{source} tokenizes (llama.cpp) to only {len(ids)} tokens; perplexity with "
                 f"--ctx {ctx} needs at least {2 * ctx}")
-        add_bos = bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(
-            llm.model))) if hasattr(llama_cpp, "llama_vocab_get_add_bos") else (
-            ids[0] == llm.token_bos())
+        add_bos = bool(llm._model.add_bos_token())           # llama_vocab_get_add_bos
         windows = make_windows(ids, ctx, chunks, llm.token_bos() if add_bos else None)
         first = ctx // 2
         result = PerplexityResult(math.nan, math.nan, len(ids), 0, 0, ctx, name="llama.cpp")
@@ -413,9 +412,10 @@ def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
             raise ArgumentError(f"--peer llama.cpp needs a .gguf --model, got {gguf_path}")
     source = f"--text-file {text_file}"
     model, tokenizer = load(model_path, dtype=dtype, progress=progress)
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in model.state_dict().values()
+                     if not t.is_complex()})
     print(f"model: {model_path or 'SmolLM2-135M-Instruct (embedded)'}, --dtype {dtype} "
-          f"(parameters: {', '.join(dtypes)}), {torch.get_num_threads()} threads", flush=True)
+          f"(tensors: {', '.join(dtypes)}), {torch.get_num_threads()} threads", flush=True)
     results = [perplexity(model, tokenizer, text, ctx, batch_size, chunks, progress, source)]
     del model
     if gguf_path is not None:
