@@ -22,7 +22,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-all bench train-demo ablation gemma anatomy anatomy-check setup setup-test clean
+.PHONY: demo test test-all bench bench-peer train-demo ablation gemma anatomy anatomy-check setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -68,6 +68,17 @@ test: setup-test $(CORPUS)/.done
 
 test-all: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q -m ""
+
+# The speed peer, llama.cpp, through llama-cpp-python built from the registry's source package
+# with native CPU flags (≈6 min on 2 cores). For benchmarks only: never part of demo or test.
+LLAMA_CPP := llama-cpp-python==0.3.36
+
+$(VENV)/.peer: $(VENV)/.test
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-binary llama-cpp-python $(LLAMA_CPP)
+	touch $@
+
+bench-peer: $(VENV)/.peer
+	$(VENV)/bin/torchllama bench --peer llama.cpp
 
 bench: setup-test
 	$(VENV)/bin/torchllama bench --dtype float32

@@ -55,7 +55,7 @@ def smollm2(smollm2_gguf):
     """(model, tokenizer) of the real SmolLM2 loaded by torchllama in float32, shared."""
     import torchllama
 
-    return torchllama.load(smollm2_gguf, progress=False)
+    return torchllama.load(smollm2_gguf, dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,7 @@ def test_gguf_round_trip_and_transformers_reads_our_file(tmp_path, version):
     tokenizer = tiny_sp_tokenizer()
     path = tmp_path / f"tiny-gemma{version}.gguf"
     save_gguf(ours, tokenizer.gguf_fields(), path, progress=False)
-    back, back_tokenizer = torchllama.load(path, progress=False)
+    back, back_tokenizer = torchllama.load(path, dtype="float32", progress=False)
     assert back.args.norm_eps == pytest.approx(ours.args.norm_eps)     # stored as float32
     assert back.args.replace(norm_eps=ours.args.norm_eps) == ours.args
     tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -149,7 +149,7 @@ def gemma_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path):
-    return torchllama.load("gemma3-270m", progress=False)
+    return torchllama.load("gemma3-270m", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_gguf_round_trip_and_transformers(tmp_path, tokenizer, name):
 
     reader = gguf_format.open_gguf(path)
     assert gguf_format.read_metadata(reader)["general.architecture"] == arch
-    loaded, tok = torchllama.load(path, progress=False)
+    loaded, tok = torchllama.load(path, dtype="float32", progress=False)
     assert same_args(loaded.args, model.args), (loaded.args, model.args)
     assert tok.decode(tok.encode("Hello 1234 world")) == "Hello 1234 world"
     state = loaded.state_dict()
@@ -150,7 +150,7 @@ def test_deepseek2_equals_transformers_deepseek_v3(tmp_path, tokenizer, q_lora_r
     model = random_model(fields, seed=1)
     torchllama.save(model, tokenizer, tmp_path / "m.gguf", to="gguf", progress=False)
     torchllama.save(model, tokenizer, tmp_path / "hf", to="hf", progress=False)
-    loaded, _ = torchllama.load(tmp_path / "m.gguf", progress=False)
+    loaded, _ = torchllama.load(tmp_path / "m.gguf", dtype="float32", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", dtype=torch.float32, attn_implementation="eager").eval()
     names = {t.name for t in gguf_format.open_gguf(tmp_path / "m.gguf").tensors}
@@ -167,7 +167,7 @@ def test_convert_hf_folder_to_gguf_on_the_command_line(tmp_path, tokenizer, name
     model = random_model(CASES[name][0])
     torchllama.save(model, tokenizer, tmp_path / "hf", to="hf", progress=False)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0
-    loaded, _ = torchllama.load(tmp_path / "m.gguf", progress=False)
+    loaded, _ = torchllama.load(tmp_path / "m.gguf", dtype="float32", progress=False)
     assert same_args(loaded.args, model.args)
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens(30)), model(tokens(30)), atol=0, rtol=0)
@@ -221,14 +221,14 @@ def test_deepseek2_legacy_whole_attn_kv_b(tmp_path, tokenizer):
                   "deepseek2.attention.value_length": ("add_uint32", 12),
                   "deepseek2.attention.head_count_kv": ("add_uint32", 4)},
         tensors={**parts, **wkv_b})
-    loaded, _ = torchllama.load(legacy, progress=False)
+    loaded, _ = torchllama.load(legacy, dtype="float32", progress=False)
     assert same_args(loaded.args, model.args)
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens(20)), model(tokens(20)), atol=0, rtol=0)
     # only one of the two parts: wkv_b is missing
     half = rewrite(path, tmp_path / "half.gguf", tensors={"blk.1.attn_v_b.weight": None})
     with pytest.raises(ModelFileError, match=r"missing tensors.*blk\.1\.attn_k_b"):
-        torchllama.load(half, progress=False)
+        torchllama.load(half, dtype="float32", progress=False)
 
 
 def test_deepseek2_mixture_of_experts_is_refused(tmp_path, tokenizer):
@@ -239,7 +239,7 @@ def test_deepseek2_mixture_of_experts_is_refused(tmp_path, tokenizer):
         "deepseek2.leading_dense_block_count": ("add_uint32", 1),
         "deepseek2.expert_count": ("add_uint32", 8)})
     with pytest.raises(ModelFileError, match="mixture-of-experts layers"):
-        torchllama.load(moe, progress=False)
+        torchllama.load(moe, dtype="float32", progress=False)
 
 
 def test_llama_cpp_llama3_file_without_our_key(tmp_path, tokenizer):
@@ -250,7 +250,7 @@ def test_llama_cpp_llama3_file_without_our_key(tmp_path, tokenizer):
     path = torchllama.save(model, tokenizer, tmp_path / "m.gguf", to="gguf", progress=False)
     cpp = rewrite(path, tmp_path / "cpp.gguf",
                   drop_keys=("llama.rope.scaling.original_context_length",))
-    loaded, _ = torchllama.load(cpp, progress=False)
+    loaded, _ = torchllama.load(cpp, dtype="float32", progress=False)
     assert loaded.args.rope_scaling == scaling
     assert torchllama.read_model_args(cpp).rope_scaling == scaling
 
@@ -264,10 +264,10 @@ def test_rope_freqs_that_follow_no_llama3_rule_are_refused(tmp_path, tokenizer):
         "rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)})
     with pytest.raises(ModelFileError, match=r"rope_freqs\.weight .* does not follow Llama "
                                              r"3\.1's RoPE rule"):
-        torchllama.load(bad, progress=False)
+        torchllama.load(bad, dtype="float32", progress=False)
     ones = rewrite(path, tmp_path / "ones.gguf", tensors={
         "rope_freqs.weight": np.ones(8, dtype=np.float32)})
-    assert torchllama.load(ones, progress=False)[0].args.rope_scaling is None
+    assert torchllama.load(ones, dtype="float32", progress=False)[0].args.rope_scaling is None
 
 
 def test_llama3_with_other_band_parameters_round_trips(tmp_path, tokenizer):
@@ -275,7 +275,7 @@ def test_llama3_with_other_band_parameters_round_trips(tmp_path, tokenizer):
                "original_max_seq_len": 64}
     model = random_model(dict(SMALL, rope_scaling=scaling))
     path = torchllama.save(model, tokenizer, tmp_path / "m.gguf", to="gguf", progress=False)
-    loaded, _ = torchllama.load(path, progress=False)
+    loaded, _ = torchllama.load(path, dtype="float32", progress=False)
     got = loaded.args.rope_scaling
     assert got["type"] == "llama3" and got["factor"] == 8.0
     assert got["low_freq_factor"] == pytest.approx(2.0) and got["high_freq_factor"] == \
@@ -338,14 +338,14 @@ def small_gguf(tmp_path_factory):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    torchllama.load(path, progress=False)               # valid as written
+    torchllama.load(path, dtype="float32", progress=False)               # valid as written
     return path
 
 
 def _load_is_clean(path) -> None:
     """torchllama.load either works or raises a TorchLlamaError."""
     try:
-        torchllama.load(path, progress=False)
+        torchllama.load(path, dtype="float32", progress=False)
     except TorchLlamaError:
         pass
 
@@ -363,7 +363,7 @@ def test_damaged_files_raise_only_torchllama_errors(tmp_path, small_gguf):
     for n in points:
         cut.write_bytes(data[:n])
         with pytest.raises(TorchLlamaError):
-            torchllama.load(cut, progress=False)
+            torchllama.load(cut, dtype="float32", progress=False)
     # single bytes overwritten in the header, metadata and tensor infos (lengths, types, counts,
     # dims, offsets) with 0x00, 0xff or a random byte
     for n in list(range(0, 24)) + list(rng.integers(24, data_start, 150)):
@@ -391,7 +391,7 @@ def test_invalid_utf8_anywhere_is_a_model_file_error(tmp_path, small_gguf, text,
     path = tmp_path / "bad.gguf"
     path.write_bytes(data[:at] + b"\xff" + data[at + 1:])
     with pytest.raises(ModelFileError) as info:
-        torchllama.load(path, progress=False)
+        torchllama.load(path, dtype="float32", progress=False)
     assert words in str(info.value) and str(path) in str(info.value), str(info.value)
 
 
@@ -402,4 +402,4 @@ def test_utf8_error_names_the_key(tmp_path, small_gguf):
     path.write_bytes(data[:at] + b"\xc3\x28" + data[at + 2:])
     with pytest.raises(ModelFileError, match=r"metadata key 'general\.name' holds a string that "
                                              r"is not valid UTF-8"):
-        torchllama.load(path, progress=False)
+        torchllama.load(path, dtype="float32", progress=False)

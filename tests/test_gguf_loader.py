@@ -198,6 +198,7 @@ def expected_args(cfg: Tiny, tied: bool) -> ModelArgs:
 
 
 def load(path, **kwargs):
+    kwargs.setdefault("dtype", "float32")         # the exact (dequantized) path
     return torchllama.load(path, progress=False, **kwargs)
 
 

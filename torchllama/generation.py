@@ -11,6 +11,7 @@ prefix of the next prompt, so a chat turn only prefills the new tokens.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -36,9 +37,65 @@ def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
     """One decode step: feed the last sampled token at position pos.
 
     Shapes: token (B, 1) int64 → next-token logits (B, V) float32.
-    Static shapes for a given (B, pos): the step torch.compile can take later.
+    Runs the step `compile_decode` compiled for this model, if any.
     """
+    step = getattr(model, "compiled_decode", None)
+    if step is not None:
+        try:
+            return step(token, pos)[:, -1]                              # (B, V)
+        except Exception as e:                 # a compiler failure must not stop generation
+            warnings.warn(f"the compiled decode step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); decoding eagerly",
+                          stacklevel=2)
+            model.compiled_decode = None
     return model(token, pos)[:, -1]                                     # (B, V)
+
+
+def compile_decode(model, *, warmup: bool = True, freezing: bool = True) -> float:
+    """Compile the model's one-token decode step with torch.compile (Inductor), as gpt-fast
+    does; `decode_one_token` then runs it.
+
+    The step's only changing size is the number of cached slots S = pos + 1, which is made a
+    symbolic size (`dynamic=True`), so one graph serves every position and batch size (no
+    recompilation per token). On CPU, Inductor's `freezing` folds the weights into the graph as
+    constants (the quantized kernels' packed weights included), which removes their guards and
+    lets it plan the weight layouts ahead; on CUDA the graph is captured in CUDA graphs
+    (mode="reduce-overhead"). Compiled code is cached on disk by Inductor (its FX graph cache,
+    under $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER), so a second process compiles
+    faster. If compiling or running the compiled step fails, one warning is given and decoding
+    goes on eagerly.
+
+    Args:
+        model: a `Transformer` in eval mode; its KV caches are allocated when warming up.
+        warmup: compile now, by running two steps on a scratch cache (else: at the first
+            decode step).
+        freezing: Inductor's freezing (CPU).
+
+    Returns:
+        Seconds spent compiling and warming up (0 without warmup).
+    """
+    import torch._inductor.config as inductor_config
+
+    device = model.device
+    if freezing and device.type == "cpu":
+        inductor_config.freezing = True
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    model.compiled_decode = torch.compile(model.forward, dynamic=True, mode=mode)
+    if not warmup:
+        return 0.0
+    t0 = time.perf_counter()
+    caches = model.caches                       # the caller's, put back afterwards
+    with torch.inference_mode():
+        model.setup_caches(1, 4)
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        for pos in range(3):       # pos 0 (T = S = 1), then the general symbolic-S graph
+            decode_one_token(model, token, pos)
+    model.clear_caches()
+    if caches is not None:
+        for layer, cache in zip(model.layers, caches):
+            layer.attention.kv_cache = cache
+        model.caches = caches
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -92,7 +149,7 @@ class Session:
         self.max_seq_len = max_seq_len or model.args.max_seq_len
         self.cached_ids: list[int] = []       # tokens whose keys/values are in the cache
         self.stats = GenerationStats()
-        self._device = model.tok_embeddings.weight.device
+        self._device = model.device
         self._caches = None                   # the model's caches this session filled
 
     def reset(self) -> None:
@@ -236,7 +293,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int 
         raise ContextLengthError(f"a prompt has {T} tokens but the context holds {context}; "
                                  f"shorten it to at most {context - 1} tokens")
     budget = min(max_new_tokens, context - T)
-    device = model.tok_embeddings.weight.device
+    device = model.device
     generators = [p.make_generator(device) for p in params]
     pad = torch.tensor([T - len(p) for p in prompts], device=device)           # (B,)
     tokens = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts],

@@ -115,9 +115,20 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """Make `output` share `tok_embeddings`' weight when args.tie_embeddings (Press & Wolf
-        2017); call again after assigning loaded tensors."""
-        if self.args.tie_embeddings:
+        2017); call again after assigning loaded tensors. (A quantized model's tied table is
+        shared by `torchllama.quantize` instead.)"""
+        if self.args.tie_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations and of the KV cache: the first floating-point parameter's
+        (the embeddings', or a norm's when weight-only quantization holds the matrices)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def residual_projections(self) -> list[nn.Linear]:
         """The linear layers whose outputs are added to the residual stream (attention output
@@ -146,10 +157,9 @@ class Transformer(nn.Module):
             raise ArgumentError(
                 f"setup_caches: need max_batch_size ≥ 1 and 1 ≤ max_seq_len ≤ "
                 f"{self.args.max_seq_len}, got {max_batch_size}, {max_seq_len}")
-        weight = self.tok_embeddings.weight
         for layer in self.layers:
             layer.attention.kv_cache = layer.attention.make_cache(
-                max_batch_size, max_seq_len, weight.dtype, weight.device)
+                max_batch_size, max_seq_len, self.dtype, self.device)
         self.caches = tuple(layer.attention.kv_cache for layer in self.layers)
 
     def clear_caches(self) -> None:

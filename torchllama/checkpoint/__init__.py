@@ -9,12 +9,12 @@ io.py (load, save, convert, load_tokenizer).
 
 from torchllama.checkpoint.common import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, DTYPES,
                                           atomic_output, build_model, default_model_path,
-                                          detect_format, fsync_path, resolve_dtype,
+                                          detect_format, fsync_path, parse_dtype, resolve_dtype,
                                           resolve_model_path, resolve_run_folder)
 from torchllama.checkpoint.io import (FORMATS, GGUF_TYPES, READERS, convert, load, load_tokenizer,
                                       read_model_args, save)
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "DTYPES", "FORMATS", "GGUF_TYPES",
            "READERS", "atomic_output", "build_model", "convert", "default_model_path",
-           "detect_format", "fsync_path", "load", "load_tokenizer", "read_model_args",
+           "detect_format", "fsync_path", "load", "parse_dtype", "load_tokenizer", "read_model_args",
            "resolve_dtype", "resolve_model_path", "resolve_run_folder", "save"]

@@ -112,6 +112,34 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     return resolve_run_folder(Path(path))
 
 
+#: Weight formats `load` takes besides the float DTYPES: "auto" (a GGUF keeps its
+#: quantization, anything else loads in float32) and weight-only quantization
+#: (`torchllama.quantize`): int8, int4 (G = 32), int4-g64, int4-g128, int4-g256.
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "int4", "int4-g64", "int4-g128", "int4-g256")
+
+
+def parse_dtype(dtype: str | torch.dtype):
+    """(float dtype, quantization) of a `--dtype` value: a float dtype → (it, None); "auto" →
+    (float32, "auto"); int8 / int4[-gG] → (float32, its `torchllama.quantize.Scheme`). The
+    float dtype is that of everything not quantized (norms, embeddings of untied models,
+    activations, the KV cache).
+
+    Raises:
+        ArgumentError: an unknown name.
+    """
+    from torchllama.quantize import parse_scheme
+
+    if isinstance(dtype, torch.dtype) or dtype in DTYPES:
+        return resolve_dtype(dtype), None
+    if dtype == "auto":
+        return torch.float32, "auto"
+    scheme = parse_scheme(dtype) if isinstance(dtype, str) else None
+    if scheme is None:
+        raise ArgumentError(f"--dtype {dtype!r} is not supported; use one of "
+                            f"{', '.join(WEIGHT_FORMATS)}")
+    return torch.float32, scheme
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """torch dtype from a name ('float32', 'bfloat16', 'float16') or a torch.dtype.
 
@@ -135,10 +163,13 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     A tied model may omit `output.weight`. float32 weights get the column-major layout that is
     faster on CPU (see `torchllama.cpu.set_weight_layout`), converted tensor by tensor.
 
+    Weights given quantized (`torchllama.quantize.Int8Weight` / `Int4Weight`) replace their
+    modules by quantized ones (`torchllama.quantize.install_quantized`).
+
     Args:
         args: the model's hyperparameters.
-        state: our (Meta's) parameter name → tensor, already in the target dtype. Consumed:
-            entries are replaced as they are converted.
+        state: our (Meta's) parameter name → tensor, already in the target dtype, or quantized
+            weight. Consumed: entries are replaced as they are converted.
         source: the checkpoint's path, for error messages.
 
     Returns:
@@ -165,23 +196,43 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
         if state[name].shape != shape:
             raise ModelFileError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
                                  f"expected {tuple(shape)}")
-    if state["tok_embeddings.weight"].dtype == torch.float32:
+    quantized = {n: w for n, w in state.items() if not isinstance(w, torch.Tensor)}
+    if quantized:
+        from torchllama.quantize import install_quantized
+
+        biases = {n[:-len("weight")] + "bias": state.pop(n[:-len("weight")] + "bias")
+                  for n in quantized if n[:-len("weight")] + "bias" in state}
+        for n in quantized:
+            del state[n]
+        install_quantized(model, quantized, biases)
+    float32 = {n for n, t in state.items() if t.dtype == torch.float32}
+    linear = {f"{n}.weight" for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear)} & float32
+    if linear:
         # Faster float32 matmuls with MKL (see set_weight_layout), converted one tensor at a
         # time in the caller's dict so that the row-major original is freed right away (or,
         # when it lies in a memory-mapped checkpoint, its file pages are handed back).
         file_ranges = _file_mapped_ranges()
-        linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        if args.tie_embeddings:
+        tied = args.tie_embeddings and "output.weight" in linear
+        if tied:
             linear = (linear - {"output.weight"}) | {"tok_embeddings.weight"}
         for name in linear:
             source = state[name]
             state[name] = column_major(source)
             _release_file_pages(source, file_ranges)
-        if args.tie_embeddings:
+        if tied:
             state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)
+
+
+def linear_weight_names(args) -> set[str]:
+    """Our names of the weights of the model's linear layers (the matrices weight-only
+    quantization can hold)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 def expected_shapes(args) -> dict[str, torch.Size]:

@@ -33,11 +33,12 @@ import gguf
 import numpy as np
 import torch
 
-from torchllama.checkpoint.common import expected_shapes
+from torchllama.checkpoint.common import expected_shapes, linear_weight_names
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
-from torchllama.families.base import Part
+from torchllama.families.base import Fused, Layout, Part, RopePermuted
+from torchllama.quantize import Int4Weight, Int8Weight, Scheme, fits, quantize_weight
 from torchllama.tokenizer import tokenizer_from_gguf_metadata
 
 
@@ -130,9 +131,13 @@ _FLOAT_TYPES = {
 }
 
 
-def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None):
     """(args, state dict in our names and `dtype`, tokenizer) of a GGUF file; the family adapter
     of its `general.architecture` gives the hyperparameters and tensor names.
+
+    With `quant` ("auto" or a `torchllama.quantize.Scheme`), the matrices of linear layers and
+    the token embeddings come as `Int8Weight` / `Int4Weight` instead of float tensors (see
+    `load_gguf_state_dict`).
 
     Raises:
         ModelFileError: see `open_gguf`, the family's `args_from_gguf`, `load_gguf_state_dict`
@@ -146,7 +151,7 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
     tokenizer = tokenizer_from_gguf_metadata(metadata, source)
     if tokenizer.chat_template is None and family.chat_template is not None:
         tokenizer.chat_template = family.chat_template      # the family's built-in format
-    state = load_gguf_state_dict(reader, family, args, dtype, source, progress)
+    state = load_gguf_state_dict(reader, family, args, dtype, source, progress, quant)
     return args, state, tokenizer
 
 
@@ -189,20 +194,26 @@ def tensor_index(reader: gguf.GGUFReader, source: str) -> TensorIndex:
 
 
 def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArgs,
-                         dtype: torch.dtype, source: str, progress: bool = True
+                         dtype: torch.dtype, source: str, progress: bool = True, quant=None
                          ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor of a GGUF file into our names, shapes checked.
+    """Every tensor of a GGUF file in our names, shapes checked: dequantized, or with `quant`
+    the matrices kept quantized.
 
     Args:
         reader: an open GGUF file.
         family: its family adapter (GGUF names and layouts).
         args: the model's hyperparameters (from the file's metadata).
-        dtype: dtype of the returned tensors.
+        dtype: dtype of the returned float tensors.
         source: file path, for error messages.
         progress: show a tqdm progress bar.
+        quant: None (dequantize everything), "auto" (keep each quantized matrix's own
+            precision: Q4_0/Q4_1 → int4 exactly, other types of ≤ 5 bits per weight → int4,
+            wider ones (Q5_0, Q6_K, Q8_0, ...) → int8; float matrices stay float) or a
+            `torchllama.quantize.Scheme` (every matrix in that scheme). See `_quantized`.
 
     Returns:
-        our name → tensor (dtype). `output.weight` is absent for tied embeddings.
+        our name → tensor (dtype) or quantized weight. `output.weight` is absent for tied
+        embeddings.
 
     Raises:
         ModelFileError: an unknown or missing tensor, a shape mismatch, an unsupported
@@ -220,6 +231,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
             groups.setdefault(m.ours[0], []).append(m)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
+    quantizable = linear_weight_names(args) | {"tok_embeddings.weight"} if quant else set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
                   leave=False):
         mapping = by_name.get(t.name)
@@ -236,6 +248,13 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
             raise ModelFileError(
                 f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
                 f"{tuple(want)} for {', '.join(mapping.ours)}")
+        if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
+            q = _quantized(t, quant, source)
+            if q is not None and all(fits(torch.Size((s[0], q.shape[1])), _scheme_of(q))
+                                     for s in (expected[n] for n in mapping.ours)):
+                state.update(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
+                _release_file_pages(reader, t)
+                continue
         tensor = _dequantize(t, source)
         loaded = mapping.layout.load(tensor, args)
         if isinstance(mapping.layout, Part):
@@ -255,16 +274,84 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         raise ModelFileError(
             f"{source}: missing tensors for {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if isinstance(quant, Scheme):     # float matrices of the file, or ones a layout reshaped
+        for name in quantizable & state.keys():
+            w = state[name]
+            if isinstance(w, torch.Tensor) and fits(w.shape, quant):
+                state[name] = quantize_weight(w, quant)
     return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized tensors kept quantized (torchllama.quantize)
+# ---------------------------------------------------------------------------------------------
+
+_Q = gguf.GGMLQuantizationType
+# Q4_0 / Q4_1 blocks (ggml-common.h): f16 scale d (and f16 min m), 16 bytes of 32 nibbles.
+_Q4_BLOCKS = {_Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+              _Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])}
+
+
+def _bits_per_weight(t: gguf.GGMLQuantizationType) -> float:
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    return size * 8 / block
+
+
+def _quantized(t: Any, quant, source: str):
+    """A quantized GGUF matrix as an `Int4Weight` / `Int8Weight`, or None to load it as float.
+
+    Q4_0 and Q4_1 blocks of 32 become int4 with G = 32 code for code (`Int4Weight.from_q4`)
+    when G = 32 is wanted. Any other type is dequantized by the `gguf` library and quantized
+    again (`torchllama.quantize.quantize_weight`): with quant="auto", to int8 when the type
+    spends more than 5 bits per weight (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) and to int4 (G = 32)
+    otherwise (Q4_K, IQ4_NL, Q3_K, ...). Float matrices stay float under "auto".
+    """
+    typ = t.tensor_type
+    if typ in _FLOAT_TYPES and quant == "auto":
+        return None
+    if quant == "auto":
+        scheme = Scheme(4) if typ in _Q4_BLOCKS or _bits_per_weight(typ) <= 5 else Scheme(8)
+    else:
+        scheme = quant
+    if typ in _Q4_BLOCKS and scheme == Scheme(4, 32):
+        rows = int(t.shape[1])
+        try:
+            blocks = np.ascontiguousarray(t.data).reshape(rows, -1).view(_Q4_BLOCKS[typ])
+        except ValueError as e:
+            raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or "
+                                 f"damaged ({e})") from e
+        return Int4Weight.from_q4(blocks["d"], blocks["m"] if typ == _Q.Q4_1 else None,
+                                  blocks["qs"])
+    return quantize_weight(_dequantize(t, source), scheme)
+
+
+def _scheme_of(w) -> Scheme:
+    return Scheme(8) if isinstance(w, Int8Weight) else Scheme(4, w.group_size)
+
+
+def _rows_only(layout) -> bool:
+    """Whether a layout only reorders or splits rows, so it applies to quantized rows as they
+    are (as is, HF's RoPE row order, a fused q/k/v split along rows)."""
+    return type(layout) in (Layout, RopePermuted) or \
+        (isinstance(layout, Fused) and layout.dim == 0 and not layout.transposed)
+
+
+def _layout_rows(layout, q, args) -> tuple:
+    """`layout.load` applied to the rows of a quantized weight."""
+    if isinstance(layout, Fused):
+        return q.split_rows(layout.sizes(args))
+    return (q.map_rows(lambda x: layout.load(x, args)[0]),)
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 
-# Tensor types we write: float types, and Q8_0 for the matrices (norms stay F32, as llama.cpp).
+# Tensor types we write: float types, and Q8_0, Q4_0 or Q4_1 for the matrices (norms stay F32,
+# as llama.cpp), quantized by the `gguf` library.
 WRITE_TYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
-               "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+               "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+               "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 # GGUF tokenizer key → GGUFWriter method (each writes the value with the type llama.cpp expects).
 _TOKENIZER_WRITERS = {
@@ -311,8 +398,8 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         model: a `Transformer`.
         tokenizer_fields: GGUF `tokenizer.*` keys → values (`Tokenizer.gguf_fields()`).
         path: output file; written directly (callers write to a temporary path and rename).
-        qtype: 'F32', 'F16', 'BF16' or 'Q8_0' for the matrices (quantized with the `gguf`
-            library); 1-D norms are always F32.
+        qtype: 'F32', 'F16', 'BF16', 'Q8_0', 'Q4_0' or 'Q4_1' for the matrices (quantized
+            with the `gguf` library); 1-D norms are always F32.
         name: general.name.
         progress: show a progress bar.
 
@@ -331,7 +418,9 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
     family.gguf_metadata(writer, args)
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                           "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                          "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
     for key, value in tokenizer_fields.items():
         if key == "tokenizer.ggml.add_space_prefix":
             writer.add_bool(key, bool(value))

@@ -17,9 +17,10 @@ import torch
 from torchllama.checkpoint import gguf as gguf_format
 from torchllama.checkpoint import hf, meta
 from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, detect_format,
-                                          resolve_dtype, resolve_model_path)
+                                          parse_dtype, resolve_dtype, resolve_model_path)
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
+from torchllama.quantize import quantize_model
 from torchllama.families import family_for_gguf, family_for_hf
 from torchllama.tokenizer import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
                                   tokenizer_from_gguf_metadata)
@@ -55,7 +56,7 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
     return family_for_hf(config, str(config_path)).args_from_hf(config, str(config_path))
 
 
-def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "float32",
+def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "auto",
          max_seq_len: Optional[int] = None, progress: bool = True):
     """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
 
@@ -63,8 +64,13 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         path: a .gguf file, a Meta folder (params.json, consolidated.*.pth, tokenizer.model),
             a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a training
             run folder (its latest checkpoint); None = the embedded SmolLM2-135M-Instruct.
-        dtype: dtype of the weights ('float32' default, 'bfloat16', 'float16'). Quantized GGUF
-            weights are dequantized to it.
+        dtype: the weights' format. 'auto' (default): a quantized GGUF keeps its quantization
+            (Q4_0/Q4_1 → int4 exactly, Q8_0 and other types → int8 or int4, see
+            `torchllama.checkpoint.gguf._quantized`), anything else loads in float32.
+            'float32', 'bfloat16', 'float16': every weight in that dtype (a GGUF's quantized
+            tensors dequantized to it). 'int8', 'int4', 'int4-g64', 'int4-g128',
+            'int4-g256': weight-only quantization of every linear layer (and a tied
+            embedding), activations float32 around bfloat16 matmuls (`torchllama.quantize`).
         max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
         progress: show a progress bar while loading weights.
 
@@ -76,14 +82,21 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         ModelFileError: missing, unreadable, truncated or unsupported file.
         ArgumentError: unknown dtype, bad max_seq_len.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype, quant = parse_dtype(dtype)
     if max_seq_len is not None and max_seq_len < 1:
         raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
     path = resolve_model_path(path)
-    args, state, tokenizer = READERS[detect_format(path)](path, torch_dtype, progress)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        args, state, tokenizer = gguf_format.read_gguf(path, torch_dtype, progress, quant)
+    else:
+        args, state, tokenizer = READERS[fmt](path, torch_dtype, progress)
     if max_seq_len is not None:
         args = args.replace(max_seq_len=max_seq_len)
-    return build_model(args, state, str(path)), tokenizer
+    model = build_model(args, state, str(path))
+    if quant not in (None, "auto") and fmt != "gguf":
+        quantize_model(model, quant)
+    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +105,8 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
 
 FORMATS = ("meta", "hf", "gguf")
 # --dtype of a GGUF output → the tensor type its matrices are written with.
-GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0"}
+GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0",
+              "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str] = None, *,
@@ -107,7 +121,8 @@ def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str]
             `Tokenizer.save_meta`),
             'hf' (config.json, model.safetensors, tokenizer files) or 'gguf'.
         dtype: 'float32', 'bfloat16' or 'float16' (default: the model's); for GGUF also
-            'q8_0' (matrices quantized to Q8_0, norms in float32).
+            'q8_0', 'q4_0' or 'q4_1' (matrices quantized by the `gguf` library, norms in
+            float32).
         force: replace an existing dst.
         progress: show progress bars.
 
@@ -121,6 +136,9 @@ def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str]
     if to not in FORMATS:
         raise ArgumentError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}")
     dst = Path(dst)
+    if not isinstance(model.output, torch.nn.Linear):
+        raise ArgumentError("this model's weights are quantized in memory; load it with a float "
+                            "--dtype (float32, bfloat16) to save or convert it")
     model_dtype = model.tok_embeddings.weight.dtype
     if to == "gguf":
         name = dtype or {v: k for k, v in DTYPES.items()}[model_dtype]

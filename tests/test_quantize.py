@@ -1,0 +1,195 @@
+"""Weight-only quantization (torchllama.quantize) and quantized GGUF loading: the int8/int4
+kernels against a float matmul of the dequantized weights, GGUF's Q4_0/Q4_1 blocks repacked
+code for code (the `gguf` library's dequantization is the oracle), quantized loading of real
+and tiny files, and the compiled decode step's fallback."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import torchllama
+from torchllama.checkpoint import parse_dtype, save
+from torchllama.config import ModelArgs
+from torchllama.errors import ArgumentError
+from torchllama.generation import Session, compile_decode, decode_one_token
+from torchllama.model import Transformer
+from torchllama.quantize import (Int4Linear, Int4Weight, Int8Linear, Int8Weight,
+                                 QuantizedEmbedding, Scheme, quantize_model, weight_bytes)
+from torchllama.sampling import SamplingParams
+
+from conftest import LLAMA_SPM_VOCAB
+
+Q = gguf.GGMLQuantizationType
+
+
+def bf16_tolerance(reference: torch.Tensor) -> float:
+    """Activations are rounded to bfloat16 (8 significant bits) before the quantized matmul:
+    allow a few bf16 steps of the output's scale."""
+    return 2e-2 * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, 32), (4, 32), (4, 128)])
+def test_quantized_linear_equals_the_dequantized_matmul(bits, group_size):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)                                   # (N, K)
+    x = torch.randn(2, 3, 256)                                 # (B, T, K)
+    weight = Int8Weight.from_float(w) if bits == 8 else Int4Weight.from_float(w, group_size)
+    linear = Int8Linear(weight) if bits == 8 else Int4Linear(weight)
+    y = linear(x)
+    reference = x @ weight.dequantize().t()                    # float32 on the same weights
+    assert y.shape == (2, 3, 96) and y.dtype == torch.float32
+    torch.testing.assert_close(y, reference, rtol=0, atol=bf16_tolerance(reference))
+    # the quantized weights are close to the originals: the error is the rounding, no more
+    step = (w.abs().amax(1, keepdim=True) / 127 if bits == 8 else
+            (w.view(96, -1, group_size).amax(-1) - w.view(96, -1, group_size).amin(-1))
+            .repeat_interleave(group_size, 1) / 15)
+    assert ((weight.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    # what the kernel multiplies by is the dequantized weight up to bf16 scales and zeros
+    torch.testing.assert_close(linear.dequantize(), weight.dequantize(), rtol=0,
+                               atol=float(w.abs().max()) * 2 ** -7)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_are_repacked_code_for_code(qtype):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((32, 128)) * rng.uniform(0.01, 2, (32, 1))).astype(np.float32)
+    w[3] += 5.0                                                # an all-positive row (Q4_1 min)
+    raw = gguf.quants.quantize(w, qtype)                       # (N, blocks · bytes)
+    reference = gguf.quants.dequantize(raw, qtype)             # the gguf library's values
+    from torchllama.checkpoint.gguf import _Q4_BLOCKS
+    blocks = raw.view(_Q4_BLOCKS[qtype])                       # (N, K/32) structured
+    weight = Int4Weight.from_q4(blocks["d"], blocks["m"] if qtype == Q.Q4_1 else None,
+                                blocks["qs"])
+    assert weight.group_size == 32 and weight.q.dtype == torch.uint8 and weight.q.max() <= 15
+    # exact up to float32 rounding of zero = m + 8·d (a wrong code would be off by d)
+    np.testing.assert_allclose(weight.dequantize().numpy(), reference, rtol=0,
+                               atol=4 * np.finfo(np.float32).eps * np.abs(reference).max())
+
+
+def tiny_args(tie: bool) -> ModelArgs:
+    return ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32000,
+                     hidden_dim=192, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128,
+                     tie_embeddings=tie)
+
+
+def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5 if p.ndim == 1 else 0.05)
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("gguf_dtype, modules", [("q4_1", Int4Linear), ("q4_0", Int4Linear),
+                                                 ("q8_0", Int8Linear)])
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_quantized_gguf_loads_quantized_by_default(tmp_path, gguf_dtype, modules, tie):
+    tokenizer = torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+    path = tmp_path / "m.gguf"
+    save(random_model(tiny_args(tie)), tokenizer, path, "gguf", gguf_dtype, progress=False)
+    exact, _ = torchllama.load(path, dtype="float32", progress=False)
+    model, _ = torchllama.load(path, progress=False)                    # dtype="auto"
+    assert isinstance(model.layers[0].attention.wq, modules)
+    assert isinstance(model.layers[1].feed_forward.w2, modules)
+    assert isinstance(model.output, modules) and isinstance(model.tok_embeddings,
+                                                            QuantizedEmbedding)
+    assert model.dtype == torch.float32                     # norms, activations, KV cache
+    tokens = torch.tensor([[1, 15043, 3186, 29892, 920, 526]])
+    with torch.no_grad():
+        reference = exact(tokens)
+        rows = exact.tok_embeddings(tokens)
+        # Q4 blocks: the same values; Q8_0 re-quantized per row: within half an int8 step
+        atol = 1e-6 if modules is Int4Linear else float(rows.abs().max()) / 254 + 1e-6
+        torch.testing.assert_close(model.tok_embeddings(tokens), rows, rtol=0, atol=atol)
+        torch.testing.assert_close(model(tokens), reference, rtol=0,
+                                   atol=bf16_tolerance(reference))
+    assert weight_bytes(model) < weight_bytes(exact) / 2.5
+
+
+def test_quantize_model_shares_one_table_between_tied_embeddings_and_output():
+    model = random_model(tiny_args(tie=True))
+    float_embedding = model.tok_embeddings.weight.clone()
+    quantize_model(model, "int8")
+    assert isinstance(model.output, Int8Linear)
+    assert model.tok_embeddings.codes.data_ptr() == model.output.weight_int8.data_ptr()
+    tokens = torch.tensor([[5, 17, 31999]])
+    rows = model.tok_embeddings(tokens)
+    torch.testing.assert_close(rows, float_embedding[tokens], rtol=0,
+                               atol=float(float_embedding.abs().max()) / 127)
+    quantize_model(random_model(tiny_args(tie=True)), "int4-g64")        # packs fine too
+
+
+def test_dtype_names():
+    assert parse_dtype("float32") == (torch.float32, None)
+    assert parse_dtype("auto") == (torch.float32, "auto")
+    assert parse_dtype("int8") == (torch.float32, Scheme(8))
+    assert parse_dtype("int4-g128") == (torch.float32, Scheme(4, 128))
+    with pytest.raises(ArgumentError, match="'int3' is not supported; use one of auto, "):
+        parse_dtype("int3")
+    with pytest.raises(ArgumentError, match="group size must be one of 32, 64, 128, 256"):
+        parse_dtype("int4-g48")
+
+
+def test_the_compiled_step_falls_back_to_eager_with_one_warning():
+    model = random_model(tiny_args(tie=False))
+    model.setup_caches(1, 16)
+    token = torch.tensor([[7]])
+
+    def broken(tokens, pos):
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    model.compiled_decode = broken
+    with torch.inference_mode(), pytest.warns(UserWarning, match=r"inductor exploded\); decoding eagerly"):
+        logits = decode_one_token(model, token, 0)
+    assert model.compiled_decode is None
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(token, 0)[:, -1])
+
+
+@pytest.mark.slow
+def test_compiled_decode_generates_what_eager_does():
+    model = random_model(tiny_args(tie=True))
+    quantize_model(model, "int4")
+    tokenizer = torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+    ids = tokenizer.encode("Hello world", bos=True)
+    greedy = SamplingParams(temperature=0)
+    eager = list(Session(model, tokenizer).generate(ids, 12, greedy))
+    assert compile_decode(model) > 0
+    assert list(Session(model, tokenizer).generate(ids, 12, greedy)) == eager
+
+
+# ---- the embedded SmolLM2 (Q4_1 matrices, Q8_0 tied embeddings) ----------------------------
+
+DEMO_PROMPTS = ["Once upon a time, a little robot", "The capital of France is",
+                "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_auto(smollm2_gguf):
+    return torchllama.load(smollm2_gguf, progress=False)
+
+
+def test_smollm2_keeps_its_quantization_in_memory(smollm2_gguf, smollm2_auto):
+    model, _ = smollm2_auto
+    assert isinstance(model.layers[0].attention.wq, Int4Linear)        # Q4_1, code for code
+    assert isinstance(model.output, Int8Linear)                        # Q8_0 → int8 per row
+    assert model.tok_embeddings.codes.data_ptr() == model.output.weight_int8.data_ptr()
+    assert weight_bytes(model) <= 1.3 * smollm2_gguf.stat().st_size
+
+
+def greedy(model, tokenizer, prompt, n):
+    ids = tokenizer.encode(prompt, bos=tokenizer.add_bos)
+    return list(Session(model, tokenizer).generate(ids, n, SamplingParams(temperature=0)))
+
+
+def test_quantized_smollm2_greedy_output_starts_as_float32s(smollm2, smollm2_auto):
+    """The GGUF's own Q4_1 values (as int4) and its Q8_0 head (as int8 per row) against the
+    exact float32 dequantization: bf16 activations and the re-quantized head change logits
+    by ~1e-2, so greedy texts agree on their first tokens and may part where two candidates
+    are nearly tied."""
+    exact, tokenizer = smollm2
+    model, _ = smollm2_auto
+    for prompt in DEMO_PROMPTS:
+        reference = greedy(exact, tokenizer, prompt, 8)
+        assert greedy(model, tokenizer, prompt, 8)[:4] == reference[:4], prompt

@@ -1,0 +1,406 @@
+"""Weight-only quantization: linear layers whose weights stay 8 or 4 bits wide in memory.
+
+Decode reads every weight once per token and does little arithmetic with each, so it is bound by
+memory bandwidth: SmolLM2-135M reads 540 MB per token in float32, 68 MB in int4. Weight-only
+quantization stores each weight as a small integer with a shared float scale, and the matmul
+kernel widens them on the fly; activations stay floating point.
+
+    int8, per output channel:   w[n, k] = q[n, k] · scale[n]                    q ∈ [-127, 127]
+    int4, per group of G inputs: w[n, k] = (q[n, k] − 8) · scale[n, g] + zero[n, g]
+                                 q ∈ [0, 15], g = k // G          (asymmetric, like GGUF's Q4_1)
+
+The kernels are PyTorch's CPU weight-only kernels, which run vectorised for bfloat16 activations
+(float32 activations take a scalar loop, ~10× slower): `aten._weight_int8pack_mm` (int8 weight
+(N, K), bf16 scales (N,)) and `aten._weight_int4pack_mm_for_cpu` (weights packed by
+`aten._convert_weight_to_int4pack_for_cpu` into a CPU-ISA-specific layout, so packed tensors
+are made at load time and never saved; scales and zeros as (K/G, N, 2) bf16). So a quantized
+linear casts its input to bfloat16, multiplies, and returns the input's dtype: the rest of the
+model (norms, RoPE, attention, the KV cache) stays float32.
+
+How models get here, applied from outside the model (its modules stay plain `nn.Linear`s until
+swapped):
+- `quantize_model(model, "int8" | "int4")`: quantize a float model's linear layers (and a tied
+  embedding with its output projection: one table of integers serves both).
+- GGUF files keep their own quantization (`torchllama.checkpoint.gguf`): Q4_0/Q4_1 blocks of 32
+  map onto int4 with G = 32 without rounding the codes (`Int4Weight.from_q4`); other types are
+  dequantized by the `gguf` library and re-quantized (`quantize_weight`).
+
+The canonical forms `Int8Weight` / `Int4Weight` are plain, portable tensors (codes, scales,
+zeros); the modules pack them for the kernels.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchllama.errors import ArgumentError
+
+#: Group sizes `_weight_int4pack_mm_for_cpu` accepts.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+#: The activation dtype of the quantized matmuls (see the module docstring).
+COMPUTE_DTYPE = torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical quantized weights
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Int8Weight:
+    """A (N, K) matrix as int8 codes with one scale per row: w = q · scale[:, None].
+
+    Attributes:
+        q: (N, K) int8, in [-127, 127].
+        scale: (N,) float32.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights."""
+        return self.q.float() * self.scale[:, None]
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "Int8Weight":
+        """Symmetric per-row quantization: scale = max|w[n]| / 127, q = round(w / scale)."""
+        w = w.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127                 # (N,)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale)
+
+    def map_rows(self, fn) -> "Int8Weight":
+        """The same weights with fn applied to every per-row tensor (a row permutation)."""
+        return Int8Weight(fn(self.q), fn(self.scale))
+
+    def split_rows(self, sizes) -> tuple["Int8Weight", ...]:
+        return tuple(Int8Weight(q, s) for q, s in zip(self.q.split(sizes), self.scale.split(sizes)))
+
+
+@dataclass
+class Int4Weight:
+    """A (N, K) matrix as 4-bit codes with a scale and a zero per group of G consecutive inputs:
+    w[n, k] = (q[n, k] − 8) · scale[n, k // G] + zero[n, k // G].
+
+    Attributes:
+        q: (N, K) uint8 codes in [0, 15].
+        scale, zero: (N, K // G) float32.
+        group_size: G.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights."""
+        N, K = self.q.shape
+        G = self.group_size
+        q = self.q.float().view(N, K // G, G) - 8                         # (N, K/G, G)
+        return (q * self.scale[..., None] + self.zero[..., None]).view(N, K)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int = 32) -> "Int4Weight":
+        """Asymmetric min/max quantization per group (as GGUF's Q4_1): scale = (max − min)/15,
+        q = round((w − min)/scale), so w ≈ q·scale + min = (q − 8)·scale + (min + 8·scale)."""
+        N, K = w.shape
+        G = group_size
+        groups = w.float().view(N, K // G, G)                              # (N, K/G, G)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)                  # (N, K/G)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+        return cls(q.to(torch.uint8).view(N, K), scale, lo + 8 * scale, G)
+
+    @classmethod
+    def from_q4(cls, d: np.ndarray, m: Optional[np.ndarray], qs: np.ndarray) -> "Int4Weight":
+        """GGUF's Q4_0 / Q4_1 blocks (ggml-common.h: block_q4_0, block_q4_1), as they are:
+
+            Q4_0: w = d · (q − 8)       → scale d, zero 0
+            Q4_1: w = d · q + m         → scale d, zero m + 8·d
+
+        Each block holds 32 consecutive weights of a row: byte j of qs has weight j in its low
+        nibble and weight j + 16 in its high nibble. The codes are copied exactly; the float32
+        zero m + 8·d is rounded once (≤ 1 ulp of float32).
+
+        Args:
+            d: (N, K/32) float16 block scales.
+            m: (N, K/32) float16 block minimums (Q4_1) or None (Q4_0).
+            qs: (N, K/32, 16) uint8 packed codes.
+        """
+        N, blocks = d.shape
+        qs = torch.from_numpy(np.ascontiguousarray(qs))
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).view(N, blocks * 32)      # (N, K) uint8
+        scale = torch.from_numpy(d.astype(np.float32))                      # (N, K/32)
+        zero = torch.zeros_like(scale) if m is None else \
+            torch.from_numpy(m.astype(np.float32)) + 8 * scale
+        return cls(q, scale, zero, 32)
+
+    def map_rows(self, fn) -> "Int4Weight":
+        return Int4Weight(fn(self.q), fn(self.scale), fn(self.zero), self.group_size)
+
+    def split_rows(self, sizes) -> tuple["Int4Weight", ...]:
+        return tuple(Int4Weight(q, s, z, self.group_size) for q, s, z in
+                     zip(self.q.split(sizes), self.scale.split(sizes), self.zero.split(sizes)))
+
+
+QuantizedWeight = Union[Int8Weight, Int4Weight]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A weight-only quantization scheme: bits 8 (per channel) or 4 (group-wise, group_size)."""
+
+    bits: int
+    group_size: int = 32
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else \
+            "int4" + ("" if self.group_size == 32 else f"-g{self.group_size}")
+
+
+def parse_scheme(name: str) -> Optional[Scheme]:
+    """`int8`, `int4` (G = 32) or `int4-gG` (G in 32, 64, 128, 256) → a Scheme; None for
+    anything else (a float dtype name).
+
+    Raises:
+        ArgumentError: `int4-gG` with an unsupported G.
+    """
+    if name == "int8":
+        return Scheme(8)
+    m = re.fullmatch(r"int4(?:-g(\d+))?", name)
+    if not m:
+        return None
+    G = int(m.group(1) or 32)
+    if G not in INT4_GROUP_SIZES:
+        raise ArgumentError(f"--dtype {name!r}: the int4 group size must be one of "
+                            f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+    return Scheme(4, G)
+
+
+def fits(shape: torch.Size, scheme: Scheme) -> bool:
+    """Whether the kernels take a (N, K) matrix in this scheme: int4 needs K divisible by G and
+    N by 16 (the packed layout's tile); int8 takes any shape."""
+    N, K = shape
+    return scheme.bits == 8 or (K % scheme.group_size == 0 and N % 16 == 0)
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme) -> QuantizedWeight:
+    """Quantize a float (N, K) matrix (round to nearest; see the from_float methods)."""
+    if scheme.bits == 8:
+        return Int8Weight.from_float(w)
+    return Int4Weight.from_float(w, scheme.group_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+class Int8Linear(nn.Module):
+    """y = x · Wᵀ (+ b) with W int8 per output channel (`Int8Weight`).
+
+    Shapes: x (..., in_features) float → (..., out_features) in x's dtype; the product runs in
+    bfloat16 on `aten._weight_int8pack_mm` (dequantized F.linear off the CPU).
+    Buffers are not persistent: a quantized model is not saved through its state dict.
+    """
+
+    def __init__(self, weight: Int8Weight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_int8", weight.q.contiguous(), persistent=False)  # (N, K)
+        self.register_buffer("scale", weight.scale.to(COMPUTE_DTYPE), persistent=False)  # (N,)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scale.float()[:, None]     # (N, K) fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)             # (M, K) bf16
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)  # (M, N)
+        else:
+            y = F.linear(x2, self.dequantize().to(COMPUTE_DTYPE))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Linear(nn.Module):
+    """y = x · Wᵀ (+ b) with W int4 group-wise (`Int4Weight`), packed for
+    `aten._weight_int4pack_mm_for_cpu`.
+
+    Shapes: x (..., in_features) float → (..., out_features) in x's dtype, computed in
+    bfloat16. Buffers: `weight_packed` (the kernel's CPU-specific layout, (N, K/2) uint8 on
+    x86) and `scales_and_zeros` (K/G, N, 2) bf16; neither is persistent.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+        self.register_buffer("weight_packed", packed, persistent=False)
+        sz = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)      # (K/G, N, 2)
+        self.register_buffer("scales_and_zeros", sz.to(COMPUTE_DTYPE).contiguous(),
+                             persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights, as the kernel sees them (bf16 scales and zeros)."""
+        eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
+        cols = torch.ops.aten._weight_int4pack_mm_for_cpu(                 # (K, N) = I · Wᵀ
+            eye, self.weight_packed, self.group_size, self.scales_and_zeros)
+        return cols.t().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)             # (M, K) bf16
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(                    # (M, N) bf16
+            x2, self.weight_packed, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4, group_size={self.group_size}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up in a quantized table (the tied output projection's, or its
+    own), dequantized row by row: (B, T) int64 ids → (B, T, dim) float32.
+
+    int8 keeps the (V, D) codes and (V,) scales; int4 keeps the codes two per byte, (V, D/2)
+    uint8 (low nibble: even column), with (V, D/G) scales and zeros.
+    """
+
+    def __init__(self, weight: QuantizedWeight, shared: Optional[Int8Linear] = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.bits = 8 if isinstance(weight, Int8Weight) else 4
+        if self.bits == 8:
+            # a tied Int8Linear's codes serve as the table (one copy in memory)
+            self.register_buffer("codes", shared.weight_int8 if shared is not None
+                                 else weight.q.contiguous(), persistent=False)
+            self.register_buffer("scale", weight.scale.float(), persistent=False)  # (V,)
+        else:
+            q = weight.q.view(self.num_embeddings, -1, 2)                   # (V, D/2, 2)
+            self.register_buffer("codes", q[..., 0] | (q[..., 1] << 4), persistent=False)
+            self.register_buffer("scale", weight.scale.float(), persistent=False)  # (V, D/G)
+            self.register_buffer("zero", weight.zero.float(), persistent=False)
+            self.group_size = weight.group_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        codes = self.codes[tokens]                                          # (B, T, D | D/2)
+        if self.bits == 8:
+            return codes.float() * self.scale[tokens][..., None]            # (B, T, D)
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).float()           # (B, T, D/2, 2)
+        G, D = self.group_size, self.embedding_dim
+        q = q.view(*tokens.shape, D // G, G) - 8                            # (B, T, D/G, G)
+        w = q * self.scale[tokens][..., None] + self.zero[tokens][..., None]
+        return w.view(*tokens.shape, D)                                     # (B, T, D)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits}"
+
+
+def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> nn.Module:
+    """The module for a quantized weight: `Int8Linear` or `Int4Linear`."""
+    return Int8Linear(weight, bias) if isinstance(weight, Int8Weight) else Int4Linear(weight, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying quantization to a model
+# --------------------------------------------------------------------------------------------
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
+                      biases: dict[str, torch.Tensor]) -> None:
+    """Swap the modules whose weights are given (our names, "….weight") for quantized ones.
+
+    `output.weight` of a tied model (args.tie_embeddings) also gives the token embeddings, read
+    from the same integers (`QuantizedEmbedding`); `tok_embeddings.weight` alone (untied) gives
+    a `QuantizedEmbedding` of its own.
+
+    Args:
+        model: a `Transformer` (on any device, including meta: its float parameters are
+            untouched).
+        weights: our parameter name → quantized weight.
+        biases: our bias names → float tensors, for the quantized linears that have one.
+    """
+    for name, weight in weights.items():
+        module_name = name.removesuffix(".weight")
+        if module_name == "tok_embeddings":
+            if getattr(model.args, "tie_embeddings", False) and "output.weight" in weights:
+                continue                       # the tied output's table serves (below)
+            model.tok_embeddings = QuantizedEmbedding(weight)
+            continue
+        linear = quantized_linear(weight, biases.get(module_name + ".bias"))
+        _set_module(model, module_name, linear)
+        if module_name == "output" and getattr(model.args, "tie_embeddings", False):
+            model.tok_embeddings = QuantizedEmbedding(
+                weight, linear if isinstance(linear, Int8Linear) else None)
+
+
+def quantize_model(model: nn.Module, scheme: Scheme | str) -> nn.Module:
+    """Quantize a float model's linear layers in place (weight-only): every `nn.Linear` whose
+    shape the kernels take (`fits`), and, when the output projection is tied to the token
+    embeddings, both from one quantized table.
+
+    Args:
+        model: a `Transformer` with float weights on the CPU.
+        scheme: a Scheme or its name ('int8', 'int4', 'int4-g128', ...).
+
+    Returns:
+        The model (changed in place); layers that do not fit stay float.
+
+    Raises:
+        ArgumentError: an unknown scheme name.
+    """
+    if isinstance(scheme, str):
+        parsed = parse_scheme(scheme)
+        if parsed is None:
+            raise ArgumentError(f"unknown quantization {scheme!r}; use int8, int4 or int4-gG")
+        scheme = parsed
+    weights, biases = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and fits(module.weight.shape, scheme):
+            weights[name + ".weight"] = quantize_weight(module.weight.detach(), scheme)
+            if module.bias is not None:
+                biases[name + ".bias"] = module.bias.detach()
+    install_quantized(model, weights, biases)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage counted once; KV caches
+    excluded): the resident size of its weights."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "kv_cache" in name or t.device.type == "meta":
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
