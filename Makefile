@@ -78,7 +78,8 @@ $(VENV)/.peer: $(VENV)/.test
 	touch $@
 
 bench-peer: $(VENV)/.peer
-	$(VENV)/bin/torchllama bench --peer llama.cpp
+	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype float32
+	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype bfloat16
 
 bench: setup-test
 	$(VENV)/bin/torchllama bench --dtype float32

@@ -1,0 +1,144 @@
+"""`torchllama bench` (torchllama.bench, torchllama.peer) on a tiny random GGUF written here:
+the batched decode of ours yields, row by row, the greedy tokens of the same prompt alone (and of
+a cache-free oracle); the table has its three figures and ratios; `--peer llama.cpp` without
+llama-cpp-python exits 1 naming `make bench-peer`; with it, llama.cpp runs on the same file and
+gives positive figures. Speed is printed, never asserted."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import torchllama
+from torchllama.bench import OursDecodeRun, Throughput, _prompt_ids, format_table, run_bench
+from torchllama.checkpoint import save
+from torchllama.cli import main
+from torchllama.config import ModelArgs
+from torchllama.model import Transformer
+
+from conftest import LLAMA_SPM_VOCAB
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer GQA Llama with random weights and Llama 2's vocabulary, as an F32 GGUF file
+    that llama.cpp can load too."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32000,
+                     hidden_dim=176, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256)
+    model = Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5 if p.ndim == 1 else 0.08)
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    save(model, torchllama.load_tokenizer(LLAMA_SPM_VOCAB), path, "gguf", progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    model, _ = torchllama.load(tiny_gguf, progress=False)
+    return model
+
+
+@torch.inference_mode()
+def greedy_without_cache(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """The oracle: n greedy tokens, each from a full forward pass over the whole sequence."""
+    model.clear_caches()
+    ids = prompt.tolist()
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_batched_decode_gives_each_row_its_batch_one_tokens(tiny):
+    prompts = _prompt_ids(tiny.args.vocab_size, 12, rows=3)                     # (3, 12)
+    new = 5
+    batched = OursDecodeRun(tiny, prompts, new)
+    n, seconds = batched()
+    assert n == 3 * new and seconds > 0
+    tokens = batched.tokens.clone()                                             # (3, new)
+    batched()                        # a second run from the same prompts, slots overwritten
+    assert torch.equal(batched.tokens, tokens)
+    for row in range(3):
+        alone = OursDecodeRun(tiny, prompts[row:row + 1], new)
+        alone()
+        assert alone.tokens[0].tolist() == tokens[row].tolist(), row
+        oracle = greedy_without_cache(tiny, prompts[row], new + 1)   # prefill's token first
+        assert tokens[row].tolist() == oracle[1:], row
+
+
+def test_prompt_rows_share_the_batch_one_prompt():
+    assert torch.equal(_prompt_ids(500, 7, rows=3)[:1], _prompt_ids(500, 7))
+
+
+def test_run_bench_without_peer_reports_three_positive_figures(tiny_gguf):
+    lines: list[str] = []
+    results = run_bench(str(tiny_gguf), "float32", prompt_tokens=10, new_tokens=3, repeats=1,
+                        peer="none", batch=3, print_fn=lines.append)
+    assert [r.name for r in results] == ["torchllama"]
+    ours = results[0]
+    assert ours.prefill_tok_s > 0 and ours.decode_tok_s > 0 and ours.batch_decode_tok_s > 0
+    text = "\n".join(lines)
+    assert "prefill tok/s (10)" in text and "decode tok/s (batch 1, 3)" in text
+    assert "decode tok/s (batch 3, 3)" in text and "batch 3 / batch 1" in text
+    assert "threads" in text and "CPU capability" in text
+
+
+def test_table_has_ratio_column_and_batch_speedup_row():
+    lines = format_table([Throughput("torchllama", 600.0, 25.0, 100.0),
+                          Throughput("llama.cpp", 300.0, 100.0, 400.0)], 512, 128, 8)
+    assert lines[0].split() == ["torchllama", "llama.cpp", "ratio"]
+    assert lines[1].split() == ["prefill", "tok/s", "(512)", "600.0", "300.0", "2.00x"]
+    assert lines[2].split()[-3:] == ["25.0", "100.0", "0.25x"]
+    assert lines[3].startswith("decode tok/s (batch 8, 128)")
+    assert lines[4].split()[-2:] == ["4.00x", "4.00x"]
+
+
+def test_bench_cli_no_hf_alias_and_bad_values(tiny_gguf, capsys):
+    common = ["bench", "--model", str(tiny_gguf), "--prompt-tokens", "8", "--new-tokens", "2",
+              "--repeats", "1", "--batch", "2"]
+    assert main(common + ["--no-hf"]) == 0                 # the old spelling of --peer none
+    out = capsys.readouterr().out
+    assert "decode tok/s (batch 2, 2)" in out and "transformers" not in out
+    assert main(common + ["--no-hf", "--peer", "llama.cpp"]) == 1
+    assert "--no-hf" in capsys.readouterr().err
+    assert main(common + ["--peer", "llama"]) == 1
+    assert "--peer 'llama'" in capsys.readouterr().err
+    assert main(common + ["--batch", "0", "--peer", "none"]) == 1
+    assert "--batch" in capsys.readouterr().err
+
+
+def test_peer_llama_cpp_without_llama_cpp_python_names_make_bench_peer(tiny_gguf, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)        # `import llama_cpp` fails
+    assert main(["bench", "--model", str(tiny_gguf), "--peer", "llama.cpp",
+                 "--repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "make bench-peer" in err and "llama-cpp-python" in err
+
+
+def test_llama_cpp_peer_runs_on_the_same_file(tiny_gguf, tiny):
+    pytest.importorskip("llama_cpp")
+    from torchllama import peer
+
+    prompts = _prompt_ids(tiny.args.vocab_size, 16, rows=3).tolist()
+    with peer.LlamaCpp(str(tiny_gguf), torch.get_num_threads()) as llm:
+        tokens, seconds = peer.PrefillRun(llm, prompts[0])()
+        assert tokens == 16 and seconds > 0
+        batched = peer.DecodeRun(llm, prompts, 5)
+        assert batched()[0] == 15 and batched()[1] > 0
+        for row in range(3):                        # llama.cpp's own batch-1 oracle
+            alone = peer.DecodeRun(llm, prompts[row:row + 1], 5)
+            alone()
+            assert alone.tokens[0].tolist() == batched.tokens[row].tolist(), row
+    assert "llama-cpp-python" in peer.peer_version()
+
+    lines: list[str] = []
+    results = run_bench(str(tiny_gguf), "float32", prompt_tokens=16, new_tokens=4, repeats=1,
+                        peer="llama.cpp", batch=2, print_fn=lines.append)
+    assert [r.name for r in results] == ["torchllama", "llama.cpp"]
+    for r in results:
+        assert r.prefill_tok_s > 0 and r.decode_tok_s > 0 and r.batch_decode_tok_s > 0
+    assert any(line.startswith("peer llama-cpp-python") for line in lines)
