@@ -117,7 +117,9 @@ def test_quantize_model_shares_one_table_between_tied_embeddings_and_output():
     rows = model.tok_embeddings(tokens)
     torch.testing.assert_close(rows, float_embedding[tokens], rtol=0,
                                atol=float(float_embedding.abs().max()) / 127)
-    quantize_model(random_model(tiny_args(tie=True)), "int4-g64")        # packs fine too
+    int4 = quantize_model(random_model(tiny_args(tie=True)), "int4-g64")
+    assert isinstance(int4.layers[0].feed_forward.w1, Int4Linear)
+    assert isinstance(int4.output, Int8Linear)          # the vocabulary stays 8-bit
 
 
 def test_dtype_names():

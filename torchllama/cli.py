@@ -30,9 +30,10 @@ DEFAULT_PROMPT = "The capital of France is"
 def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              max_new_tokens: int = 256, temperature: float = 0.6, top_k: int = 0,
              top_p: float = 0.9, seed: Optional[int] = None, chat: bool = False,
-             system: Optional[str] = None, dtype: str = "float32",
+             system: Optional[str] = None, dtype: str = "auto",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
-             repetition_penalty: float = 1.0, stop: Optional[list[str]] = None) -> int:
+             repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
+             compile: bool = False) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -50,12 +51,17 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         seed: random seed for reproducible sampling.
         chat: wrap the prompt in the model's chat template and print only the answer.
         system: system prompt (with --chat).
-        dtype: weight dtype: float32, bfloat16 or float16.
+        dtype: weights: auto (a quantized GGUF keeps its quantization: int4/int8 kernels;
+            anything else float32), float32 (exact: GGUF weights dequantized), bfloat16,
+            float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
+            other group sizes).
         min_p: keep tokens at least this fraction as likely as the top one (0 = off).
         repetition_penalty: CTRL's penalty on tokens already in the text (1 = off).
         stop: end the text before this string (it may span tokens; never printed).
+        compile: compile the decode step with torch.compile first (faster per token; the
+            first run compiles for about a minute, later runs reuse Inductor's cache).
     """
-    from torchllama.checkpoint import load, resolve_dtype
+    from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
     from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
     from torchllama.stopping import StopStrings
@@ -69,10 +75,12 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
     if system is not None and not chat:
         raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
-    resolve_dtype(dtype)
+    parse_dtype(dtype)
     stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
     llm, tokenizer = load(model, dtype=dtype)
+    if compile:
+        _compile_decode(llm)
     if prompts is not None:
         return _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
                               batch_size, stop or [])
@@ -92,6 +100,15 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     _write(stops.push(stream.flush()) + stops.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _compile_decode(model) -> None:
+    from torchllama.generation import compile_decode
+
+    print("[compiling the decode step ...]", file=sys.stderr, flush=True)
+    seconds = compile_decode(model)
+    state = "compiled" if getattr(model, "compiled_decode", None) else "not compiled (eager)"
+    print(f"[decode step {state} in {seconds:.1f} s]", file=sys.stderr, flush=True)
 
 
 def _read_prompt_file(path: str) -> list[str]:
@@ -151,7 +168,7 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
 
 def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
-         seed: Optional[int] = None, dtype: str = "float32") -> int:
+         seed: Optional[int] = None, dtype: str = "auto", compile: bool = False) -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
@@ -165,17 +182,23 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
         top_k: sample among the k most likely tokens only (0 = off).
         top_p: nucleus sampling threshold in (0, 1] (1 = off).
         seed: random seed for reproducible sampling.
-        dtype: weight dtype: float32, bfloat16 or float16.
+        dtype: weights: auto (a quantized GGUF keeps its quantization: int4/int8 kernels;
+            anything else float32), float32 (exact: GGUF weights dequantized), bfloat16,
+            float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
+            other group sizes).
+        compile: compile the decode step with torch.compile first.
     """
-    from torchllama.checkpoint import load, resolve_dtype
+    from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError, ContextLengthError
     from torchllama.generation import SamplingParams, Session, chat_format, encode_chat
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
-    resolve_dtype(dtype)
+    parse_dtype(dtype)
     llm, tokenizer = load(model, dtype=dtype)
+    if compile:
+        _compile_decode(llm)
     if chat_format(tokenizer) is None:
         raise ArgumentError(f"{tokenizer.source}: the model has no chat template; "
                             "use `torchllama generate` instead")
@@ -228,7 +251,7 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
     _write(stream.flush() + "\n")
 
 
-def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: int = 512,
+def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,
           new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
           batch: int = 8, no_hf: bool = False, serve: bool = False,
           url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
@@ -245,8 +268,8 @@ def bench(model: Optional[str] = None, dtype: str = "float32", prompt_tokens: in
         model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
             the name of an installed packaged model: gemma3-270m (default: the embedded
             SmolLM2-135M-Instruct).
-        dtype: weight dtype: float32, bfloat16 or float16 (transformers gets float32 for a
-            quantized choice).
+        dtype: weights: auto (a quantized GGUF keeps its quantization), float32, bfloat16,
+            float16, int8 or int4 (transformers runs float32 for the quantized choices).
         prompt_tokens: prompt length for the prefill figure (and of each decoded sequence).
         new_tokens: tokens generated (greedy) for the decode figures; with --serve, the
             max_tokens of every request.
@@ -314,7 +337,8 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
         src: the checkpoint to read (a .gguf file, a Meta folder or a Hugging Face folder).
         dst: the output: a folder for meta and hf, a file for gguf. Must not exist unless --force.
         to: output format: meta, hf or gguf.
-        dtype: output dtype: float32, bfloat16 or float16 (default: float32), or q8_0 for gguf.
+        dtype: output dtype: float32, bfloat16 or float16 (default: float32), or q8_0, q4_0
+            or q4_1 for gguf (matrices quantized by the gguf library).
         force: replace an existing output.
     """
     from torchllama.checkpoint import convert as convert_checkpoint
@@ -325,8 +349,8 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 
 
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
-          max_queue: int = 64) -> int:
+          api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
+          max_queue: int = 64, prefill_chunk: int = 512) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health), batching concurrent requests.
 
@@ -335,21 +359,27 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         host: address to bind (loopback by default).
         port: TCP port.
         api_key: require `Authorization: Bearer KEY` on every request.
-        dtype: weight dtype: float32, bfloat16 or float16.
+        dtype: weights: auto (a quantized GGUF keeps its quantization: int4/int8 kernels;
+            anything else float32), float32 (exact: GGUF weights dequantized), bfloat16,
+            float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
+            other group sizes).
         max_batch_size: requests decoded together.
         max_queue: requests that may wait for a free slot (more get HTTP 429).
+        prefill_chunk: prompt tokens prefilled per engine step: requests arriving together
+            are prefilled in one batch up to this many tokens, and a longer prompt is
+            prefilled in chunks of it between decode steps, so running streams keep flowing.
     """
-    from torchllama.checkpoint import resolve_dtype
+    from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
 
-    resolve_dtype(dtype)
+    parse_dtype(dtype)
     if not 0 < port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {port}")
-    if max_batch_size < 1 or max_queue < 1:
-        raise ArgumentError("--max-batch-size and --max-queue must be ≥ 1")
+    if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
+        raise ArgumentError("--max-batch-size, --max-queue and --prefill-chunk must be ≥ 1")
     from torchllama.serve import serve as run_server
 
-    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue)
+    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk)
     return 0
 
 

@@ -194,6 +194,18 @@ def parse_scheme(name: str) -> Optional[Scheme]:
     return Scheme(4, G)
 
 
+#: The matrices of the vocabulary: the output projection and token embeddings.
+VOCAB_WEIGHTS = frozenset({"output.weight", "tok_embeddings.weight"})
+
+
+def scheme_for(name: str, scheme: Scheme) -> Scheme:
+    """The scheme a weight gets when the model is quantized with `scheme`: int4 models keep
+    their output projection (and tied embeddings) in int8, as llama.cpp's 4-bit mixes keep it
+    at Q6_K/Q8_0. Measured on SmolLM2-135M: its head in int4 (G = 32) raises the perplexity by
+    7%, in int8 by 0.3% (README, "Quantized weights")."""
+    return Scheme(8) if name in VOCAB_WEIGHTS and scheme.bits < 8 else scheme
+
+
 def fits(shape: torch.Size, scheme: Scheme) -> bool:
     """Whether the kernels take a (N, K) matrix in this scheme: int4 needs K divisible by G and
     N by 16 (the packed layout's tile); int8 takes any shape."""
@@ -364,8 +376,8 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
 
 def quantize_model(model: nn.Module, scheme: Scheme | str) -> nn.Module:
     """Quantize a float model's linear layers in place (weight-only): every `nn.Linear` whose
-    shape the kernels take (`fits`), and, when the output projection is tied to the token
-    embeddings, both from one quantized table.
+    shape the kernels take (`fits`), the output projection in int8 at least (`scheme_for`), and,
+    when it is tied to the token embeddings, both from one quantized table.
 
     Args:
         model: a `Transformer` with float weights on the CPU.
@@ -384,8 +396,9 @@ def quantize_model(model: nn.Module, scheme: Scheme | str) -> nn.Module:
         scheme = parsed
     weights, biases = {}, {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and fits(module.weight.shape, scheme):
-            weights[name + ".weight"] = quantize_weight(module.weight.detach(), scheme)
+        chosen = scheme_for(name + ".weight", scheme)
+        if isinstance(module, nn.Linear) and fits(module.weight.shape, chosen):
+            weights[name + ".weight"] = quantize_weight(module.weight.detach(), chosen)
             if module.bias is not None:
                 biases[name + ".bias"] = module.bias.detach()
     install_quantized(model, weights, biases)

@@ -38,7 +38,8 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Part, RopePermuted
-from torchllama.quantize import Int4Weight, Int8Weight, Scheme, fits, quantize_weight
+from torchllama.quantize import (Int4Weight, Int8Weight, Scheme, fits, quantize_weight,
+                                 scheme_for)
 from torchllama.tokenizer import tokenizer_from_gguf_metadata
 
 
@@ -249,7 +250,8 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
                 f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
                 f"{tuple(want)} for {', '.join(mapping.ours)}")
         if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
-            q = _quantized(t, quant, source)
+            q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
+                           source)
             if q is not None and all(fits(torch.Size((s[0], q.shape[1])), _scheme_of(q))
                                      for s in (expected[n] for n in mapping.ours)):
                 state.update(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
@@ -276,9 +278,9 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     if isinstance(quant, Scheme):     # float matrices of the file, or ones a layout reshaped
         for name in quantizable & state.keys():
-            w = state[name]
-            if isinstance(w, torch.Tensor) and fits(w.shape, quant):
-                state[name] = quantize_weight(w, quant)
+            w, scheme = state[name], scheme_for(name, quant)
+            if isinstance(w, torch.Tensor) and fits(w.shape, scheme):
+                state[name] = quantize_weight(w, scheme)
     return state
 
 
