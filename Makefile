@@ -78,8 +78,10 @@ $(VENV)/.peer: $(VENV)/.test
 	touch $@
 
 bench-peer: $(VENV)/.peer
-	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype float32
+	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype auto
+	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype int8
 	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype bfloat16
+	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype float32
 
 bench: setup-test
 	$(VENV)/bin/torchllama bench --dtype float32

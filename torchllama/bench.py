@@ -216,8 +216,8 @@ def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_toke
                 f"n_threads = n_threads_batch = {torch.get_num_threads()}"), peer_model
     # transformers: it holds float weights only
     hf_dtype = resolve_dtype(dtype) if dtype in DTYPES else torch.float32
-    note = "" if dtype in DTYPES else (f" (transformers in float32: it cannot run {dtype} "
-                                       "weights)")
+    note = "" if dtype in DTYPES else (f" in float32 (it dequantizes: --dtype {dtype} is "
+                                       "torchllama's only)")
     try:
         import transformers
 
@@ -245,7 +245,7 @@ def _compile(model, print_fn: Callable[[str], None]) -> None:
     print_fn(f"--compile: decode step compiled and warmed up in {seconds:.1f} s")
 
 
-def run_bench(model_path: Optional[str] = None, dtype: str = "float32",
+def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
               prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
               with_hf: bool = True, print_fn: Callable[[str], None] = print, *,
               peer: Optional[str] = None, batch: int = 8,
