@@ -84,7 +84,8 @@ def start_server(tmp: Path, name: str, *args: str) -> Server:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torchllama", "serve", "--host", "127.0.0.1", "--port",
-             str(port), *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+             str(port), "--dtype", "float32", *args],      # exact: tests compare with Session
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return Server(port, proc, log)
 
@@ -203,7 +204,8 @@ def test_completion_equals_cli_generate(client, smollm2_gguf):
     prompt = "The three primary colors are"
     out = subprocess.run(
         [sys.executable, "-m", "torchllama", "generate", "--prompt", prompt, "--temperature", "0",
-         "--max-new-tokens", "12"], cwd=REPO, capture_output=True, text=True, timeout=120)
+         "--max-new-tokens", "12", "--dtype", "float32"], cwd=REPO, capture_output=True,
+        text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(prompt)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

@@ -30,7 +30,6 @@ float32 whatever the weights' dtype (llama.cpp's logits are float32 too).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys
@@ -251,7 +250,8 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
                             f"{model.args.max_seq_len} tokens")
     ids = tokenize_text(tokenizer, text, ctx, source)
     windows = make_windows(ids, ctx, chunks, tokenizer.bos_id if tokenizer.add_bos else None)
-    device = next(itertools.chain(model.parameters(), model.buffers())).device
+    device = model.device
+    model.clear_caches()          # each window is scored from scratch (no KV cache: any batch)
     result = PerplexityResult(math.nan, math.nan, len(ids), 0, 0, ctx)
     started = time.perf_counter()
     with _bar(len(windows), progress, "perplexity") as bar:
