@@ -169,11 +169,6 @@ class Scheme:
     bits: int
     group_size: int = 32
 
-    @property
-    def name(self) -> str:
-        return "int8" if self.bits == 8 else \
-            "int4" + ("" if self.group_size == 32 else f"-g{self.group_size}")
-
 
 def parse_scheme(name: str) -> Optional[Scheme]:
     """`int8`, `int4` (G = 32) or `int4-gG` (G in 32, 64, 128, 256) → a Scheme; None for
