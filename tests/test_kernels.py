@@ -1,0 +1,218 @@
+"""torchllama's block kernels (torchllama/kernels) against independent oracles: the `gguf`
+library's dequantization with a float64 matmul (within the bound of int8 activation rounding),
+NumPy integer arithmetic (bit for bit), and themselves at other batch sizes and instruction
+sets (bit for bit)."""
+
+import os
+import subprocess
+import sys
+import types
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from torchllama import kernels
+from torchllama.checkpoint.gguf import BLOCK_TYPES, _quantized, read_blocks
+from torchllama.errors import ModelFileError
+from torchllama.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear, quantized_linear
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not kernels.available(),
+                                reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q6_K]
+
+
+def gguf_tensor(raw: np.ndarray, typ, name="blk.0.attn_q.weight"):
+    """A stand-in for a GGUFReader tensor: (N, bytes per row) uint8 data of type typ."""
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    K = raw.shape[1] // size * block
+    return types.SimpleNamespace(name=name, tensor_type=typ, shape=[K, raw.shape[0]], data=raw)
+
+
+def random_blocks(typ, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, bytes) raw GGUF data: quantized by the gguf library where it can (Q4_0, Q4_1, Q5_0,
+    Q8_0), random bytes with sane f16 scales for the K-quants (every code pattern occurs)."""
+    rng = np.random.default_rng(seed)
+    if typ in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
+        w = (rng.standard_normal((N, K)) * rng.uniform(0.01, 1, (N, 1))).astype(np.float32)
+        w[1] += 3.0                                                   # an all-positive row
+        return gguf.quants.quantize(w, typ)
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    raw = rng.integers(0, 256, (N, K // block * size), dtype=np.uint8)
+    blocks = raw.reshape(N, K // block, size)
+    scale = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16).view(np.uint8)
+    if typ == Q.Q4_K:                                                 # d, dmin first
+        blocks[..., 0:2] = scale.reshape(N, -1, 2)
+        blocks[..., 2:4] = (scale.view(np.float16) / 2).view(np.uint8).reshape(N, -1, 2)
+    else:                                                             # Q6_K: d last
+        blocks[..., -2:] = scale.reshape(N, -1, 2)
+    return raw
+
+
+def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """|y − x·wᵀ| allowed by int8 activations: each x is off by at most d_x / 2, so a row's
+    error is ≤ Σ_b d_x,b / 2 · Σ_{k∈b} |w_k|; plus float32 accumulation (1e-5 relative)."""
+    M, K = x.shape
+    d_x = np.abs(x.reshape(M, K // 32, 32)).max(-1) / 127                 # (M, K/32)
+    w_abs = np.abs(w).reshape(w.shape[0], K // 32, 32).sum(-1)            # (N, K/32)
+    return (d_x / 2) @ w_abs.T + 1e-5 * np.abs(x) @ np.abs(w).T + 1e-30
+
+
+def linear_for(blocks) -> torch.nn.Module:
+    return Q4Linear(blocks) if isinstance(blocks, Q4Blocks) else Q8Linear(blocks)
+
+
+@pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
+def test_blocks_read_exactly_what_gguf_dequantizes(typ):
+    raw = random_blocks(typ, 8, 512)
+    blocks = read_blocks(gguf_tensor(raw, typ), "test.gguf")
+    assert isinstance(blocks, Q4Blocks if typ in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else Q8Blocks)
+    # bit for bit: the same float32 operations as gguf.quants (d·q + m, with m = −dmin·mn)
+    np.testing.assert_array_equal(blocks.dequantize().numpy(), gguf.quants.dequantize(raw, typ))
+
+
+@pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
+def test_kernel_equals_float64_matmul_within_activation_rounding(typ):
+    N, K = 40, 768
+    raw = random_blocks(typ, N, K, seed=3)
+    w = gguf.quants.dequantize(raw, typ).astype(np.float64)               # (N, K) oracle
+    x = np.random.default_rng(4).standard_normal((5, K)).astype(np.float32)
+    x[2, :32] = 0.0                                                        # a zero block
+    y = linear_for(read_blocks(gguf_tensor(raw, typ), "t"))(torch.from_numpy(x)).numpy()
+    reference = x.astype(np.float64) @ w.T
+    err = np.abs(y - reference)
+    assert (err <= activation_bound(x.astype(np.float64), w)).all(), err.max()
+    assert np.abs(reference).max() > 1                                     # not a vacuous test
+
+
+def test_quantized_activations_equal_the_numpy_reference():
+    x = np.random.default_rng(5).standard_normal((3, 96)).astype(np.float32) * 3
+    x[1, 32:64] = 0.0
+    q, d, s = (t.numpy() for t in torch.ops.torchllama.quantize_act(torch.from_numpy(x)))
+    blocks = x.reshape(3, 3, 32)
+    d_ref = np.abs(blocks).max(-1) / np.float32(127)                       # float32 division
+    inv = np.where(d_ref != 0, np.float32(1) / np.where(d_ref != 0, d_ref, 1), 0).astype(np.float32)
+    q_ref = np.rint(blocks * inv[..., None]).astype(np.int8)               # half to even
+    np.testing.assert_array_equal(q.reshape(3, 3, 32), q_ref)
+    np.testing.assert_array_equal(d, d_ref)
+    np.testing.assert_array_equal(s, d_ref * q_ref.astype(np.int32).sum(-1).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16"])
+def test_integer_dot_products_are_exact(kind):
+    """With unit scales and integer activations whose block maxima are 127 (so d_x = 1 and
+    q_x = x), the kernel's output is the integer matmul, which NumPy computes in int64."""
+    rng = np.random.default_rng(6)
+    N, K, M = 24, 256, 6
+    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
+    x.reshape(M, K // 32, 32)[..., 0] = 127                                # d_x = 1 everywhere
+    if kind == "q4":
+        q = rng.integers(0, 16, (N, K))
+        q[0], q[1] = 15, 0                                                 # max and min codes
+        ones = torch.ones(N, K // 32)
+        blocks = Q4Blocks.from_values(torch.from_numpy(q), ones, torch.zeros(N, K // 32))
+    else:
+        B = 32 if kind == "q8" else 16
+        q = rng.integers(-128, 128, (N, K))
+        q[0], q[1] = 127, -128
+        blocks = Q8Blocks(torch.from_numpy(q.astype(np.int8)), torch.ones(N, K // B))
+    y = linear_for(blocks)(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(y, (x.astype(np.int64) @ q.T).astype(np.float32))
+
+
+@pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
+def test_rows_are_batch_invariant(typ):
+    """Each output row is the same bits whether it is computed alone, in a batch of M rows
+    (M = 1..64: every tile shape and remainder) or in chunks (chunked prefill)."""
+    raw = random_blocks(typ, 36, 256, seed=7)
+    linear = linear_for(read_blocks(gguf_tensor(raw, typ), "t"))
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(64)])
+    for M in range(1, 65):
+        assert torch.equal(linear(x[:M]), alone[:M]), M
+    chunks = torch.cat([linear(c) for c in x.split([5, 17, 1, 41])])
+    assert torch.equal(chunks, alone)
+
+
+ISA_SCRIPT = """
+import sys, torch, numpy as np
+from torchllama import kernels
+from torchllama.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear
+assert kernels.available()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(7, 256, generator=g)
+q4 = Q4Blocks.from_float(torch.randn(20, 256, generator=g))
+q8 = Q8Blocks(torch.randint(-128, 128, (20, 256), generator=g, dtype=torch.int8),
+              torch.rand(20, 16, generator=g))
+y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x)], 1)
+np.save(sys.argv[1], y.numpy())
+print(kernels.isa())
+"""
+
+
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+    results = {}
+    for forced in ("scalar", "avx2", ""):
+        env = dict(os.environ, TORCHLLAMA_KERNELS_ISA=forced)
+        out = tmp_path / f"{forced or 'best'}.npy"
+        run = subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(out)], env=env,
+                             capture_output=True, text=True, check=True)
+        results[run.stdout.strip()] = np.load(out)
+    assert "scalar" in results and len(results) >= 2 or kernels.isa() == "scalar", results.keys()
+    first = next(iter(results.values()))
+    for isa, y in results.items():
+        np.testing.assert_array_equal(y, first, err_msg=isa)
+
+
+def test_a_row_length_off_the_block_is_refused():
+    with pytest.raises(RuntimeError, match="not a multiple of the block"):
+        torch.ops.torchllama.q8_linear(torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.int8),
+                                       torch.ones(4, 1))
+    with pytest.raises(RuntimeError, match="x has 64 columns, the weight has K = 32"):
+        torch.ops.torchllama.q4_linear(torch.randn(1, 64), torch.zeros(4, 16, dtype=torch.uint8),
+                                       torch.ones(4, 1), torch.ones(4, 1))
+
+
+@pytest.mark.parametrize("typ", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
+def test_a_non_finite_block_scale_names_the_tensor(typ):
+    raw = random_blocks(typ, 4, 256)
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    at = 0 if typ == Q.Q4_1 else size - 2                                 # the f16 d field
+    raw.reshape(4, -1, size)[2, -1, at:at + 2] = np.array([np.inf], np.float16).view(np.uint8)
+    with pytest.raises(ModelFileError, match=r"m\.gguf: tensor 'blk\.3\.ffn_up\.weight' "
+                                             rf"\({typ.name}\) has \d+ block scale"):
+        read_blocks(gguf_tensor(raw, typ, "blk.3.ffn_up.weight"), "m.gguf")
+
+
+def test_a_type_without_kernel_loads_as_float_and_is_reported():
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64))
+                               .astype(np.float32), Q.Q5_1)
+    no_kernel = set()
+    assert Q.Q5_1 not in BLOCK_TYPES
+    assert _quantized(gguf_tensor(raw, Q.Q5_1), "auto", "m.gguf", no_kernel) is None
+    assert no_kernel == {"Q5_1"}
+
+
+def test_linear_modules_use_the_kernels_and_keep_bias():
+    torch.manual_seed(0)
+    w, b = torch.randn(64, 128), torch.randn(64)
+    x = torch.randn(2, 3, 128)
+    for blocks in (Q4Blocks.from_float(w), Q8Blocks.from_float(w)):
+        linear = quantized_linear(blocks, b)
+        assert isinstance(linear, (Q4Linear, Q8Linear))
+        y = linear(x)
+        reference = x @ blocks.dequantize().t() + b
+        assert y.shape == (2, 3, 64)
+        err = (y - reference).abs().reshape(-1, 64).numpy()
+        assert (err <= activation_bound(x.reshape(-1, 128).double().numpy(),
+                                        blocks.dequantize().double().numpy())).all()
+
+
+def test_fake_implementations_give_shapes_on_the_meta_device():
+    x = torch.empty(3, 64, device="meta")
+    y = torch.ops.torchllama.q4_linear(x, torch.empty(8, 32, dtype=torch.uint8, device="meta"),
+                                       torch.empty(8, 2, device="meta"),
+                                       torch.empty(8, 2, device="meta"))
+    assert y.shape == (3, 8) and y.device.type == "meta"

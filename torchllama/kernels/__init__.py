@@ -1,0 +1,119 @@
+"""torchllama's own CPU kernels: matrix products of GGUF block weights (Q4_0, Q4_1, Q4_K as
+4-bit blocks; Q8_0, Q5_0, Q6_K as 8-bit blocks) with activations quantized to int8 per block
+of 32, computed by integer dot products (csrc/blocks.cpp explains the method and its sources).
+
+The C++ source is built once by `torch.utils.cpp_extension` (the system C++ compiler and the
+`ninja` package) into a cache folder keyed by the sources, the torch version and the flags:
+`$TORCHLLAMA_CACHE/kernels/<key>` (default `~/.cache/torchllama`). The instruction set is
+chosen at run time (AVX-512 VNNI, AVX2 + FMA, or a scalar path that gives the same bits).
+
+Where the build is impossible (no compiler, no ninja) or `TORCHLLAMA_KERNELS=0` is set, one
+warning is printed and the callers (`torchllama.quantize`) use torch's own int4/int8 kernels.
+
+Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float32):
+    torch.ops.torchllama.q4_linear(x, codes (N, K/2) uint8, d (N, K/32) f32, m (N, K/32) f32)
+    torch.ops.torchllama.q8_linear(x, codes (N, K) int8, d (N, K/32 or K/16) f32)
+    torch.ops.torchllama.quantize_act(x) → (q (M, K) int8, d (M, K/32) f32, s (M, K/32) f32)
+    torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("blocks.cpp", "blocks_impl.h")
+#: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+LDFLAGS = ("-fopenmp",)
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
+
+_lock = threading.Lock()
+_loaded: Optional[bool] = None
+_reason: str = ""
+
+
+def enabled_by_env() -> bool:
+    """False when TORCHLLAMA_KERNELS is 0/off/false/no (the tests' switch to torch's kernels)."""
+    return os.environ.get("TORCHLLAMA_KERNELS", "1").strip().lower() not in ("0", "off", "false",
+                                                                               "no")
+
+
+def build_key() -> str:
+    """Hash of the sources, the torch version and the flags: the cache folder's name."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("TORCHLLAMA_CACHE", Path.home() / ".cache" / "torchllama"))
+    return root / "kernels" / build_key()
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / "blocks.cpp")],
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                       build_directory=str(out), is_python_module=False, verbose=False)
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile and the meta device (no data is read)."""
+    @torch.library.register_fake("torchllama::q4_linear")
+    def _(x, codes, d, m):
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("torchllama::q8_linear")
+    def _(x, codes, d):
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("torchllama::quantize_act")
+    def _(x):
+        M, K = x.shape
+        return (x.new_empty((M, K), dtype=torch.int8), x.new_empty((M, K // 32)),
+                x.new_empty((M, K // 32)))
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call, ~1 min).
+
+    Never raises: a failed build warns once (naming the reason) and returns False, and so does
+    TORCHLLAMA_KERNELS=0 (silently)."""
+    global _loaded, _reason
+    if not enabled_by_env():
+        return False
+    with _lock:
+        if _loaded is None:
+            try:
+                _build()
+                _loaded = True
+            except Exception as e:                     # noqa: BLE001 — any build failure
+                _loaded, _reason = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+                warnings.warn(f"torchllama: the CPU kernels could not be built ({_reason}); "
+                              "using torch's int4/int8 kernels", RuntimeWarning, stacklevel=2)
+        return _loaded
+
+
+def isa() -> str:
+    """The instruction set the kernels run with ('avx512_vnni', 'avx2', 'scalar'), or 'none'
+    when they are unavailable."""
+    return ISA_NAMES[int(torch.ops.torchllama.isa())] if available() else "none"
+
+
+def unavailable_reason() -> str:
+    return _reason or ("disabled by TORCHLLAMA_KERNELS" if not enabled_by_env() else "")

@@ -1,0 +1,227 @@
+// torchllama's CPU kernels for GGUF block weights: y = x · Wᵀ with W kept in its file's blocks.
+//
+// Method (llama.cpp's ggml-cpu vec_dot for Q4_x/Q8_0 × Q8_0; the int8 idea: Dettmers et al. 2022,
+// "LLM.int8()"): every activation row is quantized on the fly to int8 per block of 32,
+//     d_x = max|x_b| / 127,  q_x = round_half_even(x_b · (1 / d_x)),  s_x = d_x · Σ q_x,
+// the dot product of a block is an exact integer, and the float result is accumulated per block:
+//     Q4 (w = d_w·q_w + m_w):  y += (d_w·d_x)·⟨q_w, q_x⟩ + m_w·s_x
+//     Q8 (w = d_w·q_w):        y += (d_w·d_x)·⟨q_w, q_x⟩      (d_w per 32, or per 16 for Q6_K)
+//
+// Batch invariance (Thinking Machines 2025, "Defeating nondeterminism in LLM inference"): an
+// output y[m, n] depends only on row m of x and row n of W, through the same float operations in
+// the same order whatever the number of rows, the tile it falls in or the thread that runs it;
+// the scalar, AVX2 and AVX-512 VNNI paths give the same bits (blocks_impl.h).
+//
+// Ops (registered as torch.library ops `torchllama::…`; fake implementations in Python):
+//   q4_linear(x (M, K) f32, codes (N, K/2) u8, d (N, K/32) f32, m (N, K/32) f32) → (M, N) f32
+//   q8_linear(x (M, K) f32, codes (N, K) i8, d (N, K/B) f32) → (M, N) f32, B = K / d.size(1)
+//   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
+//   isa() → 2 (AVX-512 VNNI) | 1 (AVX2 + FMA) | 0 (scalar): the path chosen for this CPU
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace torchllama {
+
+struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
+  const int8_t* q; const float* d; const float* s; int64_t M, K;
+};
+struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32
+  const uint8_t* codes; const float* d; const float* m; int64_t N, K;
+};
+struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32
+  const int8_t* codes; const float* d; int64_t N, K, block;
+};
+
+#define ISA scalar
+#define ISA_LEVEL 0
+#include "blocks_impl.h"
+#undef ISA
+#undef ISA_LEVEL
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define ISA avx2
+#define ISA_LEVEL 1
+#include "blocks_impl.h"
+#undef ISA
+#undef ISA_LEVEL
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define ISA vnni
+#define ISA_LEVEL 2
+#include "blocks_impl.h"
+#undef ISA
+#undef ISA_LEVEL
+#pragma GCC pop_options
+
+enum class Isa { scalar, avx2, vnni };
+
+static Isa detect_isa() {
+  const char* force = std::getenv("TORCHLLAMA_KERNELS_ISA");   // tests: scalar | avx2 | vnni
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool vnni = avx2 && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  Isa best = vnni ? Isa::vnni : avx2 ? Isa::avx2 : Isa::scalar;
+  if (force) {
+    const std::string f(force);
+    if (f == "scalar") return Isa::scalar;
+    if (f == "avx2" && avx2) return Isa::avx2;
+  }
+  return best;
+}
+
+static Isa isa_in_use() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+int64_t isa_level() { return int64_t(isa_in_use()); }
+
+// Activation quantization, scalar (O(M·K), small next to the product's O(M·N·K)). The exact
+// float operations the tests' NumPy reference repeats: d = amax / 127, id = 1 / d, q = rint(x·id).
+static void quantize_block(const float* xb, int8_t* qb, float* d, float* s) {
+  float amax = 0.f;
+  for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  int32_t sum = 0;
+  for (int t = 0; t < 32; ++t) {
+    const int32_t v = int32_t(std::nearbyint(xb[t] * id));
+    qb[t] = int8_t(v);
+    sum += v;
+  }
+  *d = db;
+  *s = db * float(sum);
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  auto rows = [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m)
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block(x + m * K + 32 * b, q + m * K + 32 * b, d + m * nb + b, s + m * nb + b);
+  };
+  if (M * K < 65536) rows(0, M);                 // decode: not worth waking a thread
+  else at::parallel_for(0, M, 16, rows);
+}
+
+// Per-thread scratch for the quantized activations (no allocation per call in decode).
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  Act quantize(const float* x, int64_t M, int64_t K) {
+    q.resize(size_t(M * K));
+    d.resize(size_t(M * K / 32));
+    s.resize(size_t(M * K / 32));
+    quantize_rows(x, M, K, q.data(), d.data(), s.data());
+    return Act{q.data(), d.data(), s.data(), M, K};
+  }
+};
+static thread_local Scratch scratch;
+
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat,
+              "quantize_act: x must be a (M, K) float32 tensor");
+  TORCH_CHECK(x_.size(1) % 32 == 0, "quantize_act: K = ", x_.size(1), " is not a multiple of 32");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / 32}, x.options());
+  at::Tensor s = at::empty({M, K / 32}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<float>());
+  return {q, d, s};
+}
+
+// Work split over output rows: chunks of whole tiles (4 rows), at least ~32k multiply-adds each
+// so small decode matrices are not spread thinner than a thread wake-up costs.
+template <typename F>
+static void parallel_rows(int64_t M, int64_t N, int64_t K, const F& f) {
+  const int64_t per_row = std::max<int64_t>(1, M * K);
+  const int64_t grain = std::max<int64_t>(4, ((32768 + per_row - 1) / per_row + 3) / 4 * 4);
+  at::parallel_for(0, (N + 3) / 4, (grain + 3) / 4, [&](int64_t t0, int64_t t1) {
+    f(t0 * 4, std::min(N, t1 * 4));
+  });
+}
+
+static void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op,
+              ": x must be a (M, K) float32 tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight has K = ", K);
+}
+
+at::Tensor q4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& d,
+                     const at::Tensor& m) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0, "q4_linear: K = ", K, " is not a multiple of the block (32)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "q4_linear: codes must be contiguous uint8");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
+              m.is_contiguous() && d.size(0) == N && d.size(1) == K / 32 && m.sizes() == d.sizes(),
+              "q4_linear: d and m must be contiguous float32 (N, K/32)");
+  check_x(x_, K, "q4_linear");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
+  const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N, K};
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const Isa isa = isa_in_use();
+  parallel_rows(M, N, K, [&](int64_t n0, int64_t n1) {
+    if (isa == Isa::vnni) vnni::q4_rows(a, w, yp, n0, n1);
+    else if (isa == Isa::avx2) avx2::q4_rows(a, w, yp, n0, n1);
+    else scalar::q4_rows(a, w, yp, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& d) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(K % 32 == 0, "q8_linear: K = ", K, " is not a multiple of the block (32)");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes must be contiguous int8");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
+              (d.size(1) == K / 32 || d.size(1) == K / 16),
+              "q8_linear: d must be contiguous float32 (N, K/32) or (N, K/16)");
+  check_x(x_, K, "q8_linear");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
+  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr<float>(), N, K, K / d.size(1)};
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const Isa isa = isa_in_use();
+  parallel_rows(M, N, K, [&](int64_t n0, int64_t n1) {
+    if (isa == Isa::vnni) vnni::q8_rows(a, w, yp, n0, n1);
+    else if (isa == Isa::avx2) avx2::q8_rows(a, w, yp, n0, n1);
+    else scalar::q8_rows(a, w, yp, n0, n1);
+  });
+  return y;
+}
+
+}  // namespace torchllama
+
+TORCH_LIBRARY(torchllama, m) {
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor d) -> Tensor");
+  m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("isa() -> int", &torchllama::isa_level);
+}
+
+TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
+  m.impl("q4_linear", &torchllama::q4_linear);
+  m.impl("q8_linear", &torchllama::q8_linear);
+  m.impl("quantize_act", &torchllama::quantize_act);
+}
+
