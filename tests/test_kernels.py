@@ -146,7 +146,9 @@ x = torch.randn(7, 256, generator=g)
 q4 = Q4Blocks.from_float(torch.randn(20, 256, generator=g))
 q8 = Q8Blocks(torch.randint(-128, 128, (20, 256), generator=g, dtype=torch.int8),
               torch.rand(20, 16, generator=g))
-y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x)], 1)
+half = Q8Blocks(q8.codes, torch.rand(20, 8, generator=g).half().float())   # kept as float16
+assert Q8Linear(half).d.dtype == torch.float16 and Q8Linear(q8).d.dtype == torch.float32
+y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x)], 1)
 np.save(sys.argv[1], y.numpy())
 print(kernels.isa())
 """

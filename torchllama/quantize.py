@@ -198,7 +198,7 @@ class Q4Blocks:
         """(N, K) float32 weights d·q + m."""
         N, K = self.shape
         q = self.values().float().view(N, K // 32, 32)                      # (N, K/32, 32)
-        return (q * self.d[..., None] + self.m[..., None]).view(N, K)
+        return (q * self.d.float()[..., None] + self.m.float()[..., None]).view(N, K)
 
     @classmethod
     def from_values(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "Q4Blocks":
@@ -223,7 +223,8 @@ class Q4Blocks:
 
     def to_int4(self) -> Int4Weight:
         """For torch's int4 kernel (G = 32): scale d, zero m + 8·d, the codes unchanged."""
-        return Int4Weight(self.values(), self.d, self.m + 8 * self.d, 32)
+        d, m = self.d.float(), self.m.float()
+        return Int4Weight(self.values(), d, m + 8 * d, 32)
 
     def map_rows(self, fn) -> "Q4Blocks":
         return Q4Blocks(fn(self.codes), fn(self.d), fn(self.m))
@@ -258,7 +259,7 @@ class Q8Blocks:
         """(N, K) float32 weights."""
         N, K = self.codes.shape
         B = self.block
-        return (self.codes.float().view(N, K // B, B) * self.d[..., None]).view(N, K)
+        return (self.codes.float().view(N, K // B, B) * self.d.float()[..., None]).view(N, K)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Q8Blocks":
@@ -415,21 +416,33 @@ class Int4Linear(nn.Module):
                 f"int4, group_size={self.group_size}")
 
 
+def compact_scales(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The block scales (and offsets) as float16 when every one of them is exactly a float16
+    (GGUF's Q4_0/Q4_1/Q8_0/Q5_0 store f16; Q4_K/Q6_K sub-block products usually are not),
+    else float32: the decode step reads them once per token, and half the bytes is faster."""
+    halves = tuple(t.half() for t in scales)
+    if all(torch.equal(h.float(), t) for h, t in zip(halves, scales)):
+        return tuple(h.contiguous() for h in halves)
+    return tuple(t.float().contiguous() for t in scales)
+
+
 class Q4Linear(nn.Module):
     """y = x · Wᵀ (+ b) with W in 4-bit blocks (`Q4Blocks`), on torchllama's kernel
     `torch.ops.torchllama.q4_linear` (torchllama.kernels: int8 activations per block of 32,
     integer dot products; each output row is independent of the others, bit for bit).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent): codes (N, K/2) uint8, d and m (N, K/32) float32.
+    persistent): codes (N, K/2) uint8, d and m (N, K/32) float16 where exact, else float32
+    (`compact_scales`).
     """
 
     def __init__(self, weight: Q4Blocks, bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        d, m = compact_scales(weight.d, weight.m)
         self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
-        self.register_buffer("d", weight.d.float().contiguous(), persistent=False)
-        self.register_buffer("m", weight.m.float().contiguous(), persistent=False)
+        self.register_buffer("d", d, persistent=False)
+        self.register_buffer("m", m, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def weight_blocks(self) -> Q4Blocks:
@@ -455,14 +468,14 @@ class Q8Linear(nn.Module):
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent): codes (N, K) int8, d (N, K/B) float32.
+    persistent): codes (N, K) int8, d (N, K/B) float16 where exact, else float32.
     """
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
-        self.register_buffer("d", weight.d.float().contiguous(), persistent=False)
+        self.register_buffer("d", compact_scales(weight.d)[0], persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def weight_blocks(self) -> Q8Blocks:

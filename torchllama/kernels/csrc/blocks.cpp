@@ -13,14 +13,17 @@
 // the scalar, AVX2 and AVX-512 VNNI paths give the same bits (blocks_impl.h).
 //
 // Ops (registered as torch.library ops `torchllama::…`; fake implementations in Python):
-//   q4_linear(x (M, K) f32, codes (N, K/2) u8, d (N, K/32) f32, m (N, K/32) f32) → (M, N) f32
-//   q8_linear(x (M, K) f32, codes (N, K) i8, d (N, K/B) f32) → (M, N) f32, B = K / d.size(1)
+//   q4_linear(x (M, K) f32, codes (N, K/2) u8, d (N, K/32), m (N, K/32)) → (M, N) f32
+//   q8_linear(x (M, K) f32, codes (N, K) i8, d (N, K/B)) → (M, N) f32, B = K / d.size(1)
+//   (d and m float32, or float16 where that is exact: Q4_0/Q4_1/Q8_0/Q5_0 scales are f16 in the
+//   file; the decode step reads every scale once per token, so half the bytes is faster)
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
 //   isa() → 2 (AVX-512 VNNI) | 1 (AVX2 + FMA) | 0 (scalar): the path chosen for this CPU
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,11 +38,11 @@ namespace torchllama {
 struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
   const int8_t* q; const float* d; const float* s; int64_t M, K;
 };
-struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32
-  const uint8_t* codes; const float* d; const float* m; int64_t N, K;
+struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32, or f16 bits when half
+  const uint8_t* codes; const void* d; const void* m; int64_t N, K; bool half;
 };
-struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32
-  const int8_t* codes; const float* d; int64_t N, K, block;
+struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32, or f16 bits when half
+  const int8_t* codes; const void* d; int64_t N, K, block; bool half;
 };
 
 #define ISA scalar
@@ -168,14 +171,16 @@ at::Tensor q4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   TORCH_CHECK(K % 32 == 0, "q4_linear: K = ", K, " is not a multiple of the block (32)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "q4_linear: codes must be contiguous uint8");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
-              m.is_contiguous() && d.size(0) == N && d.size(1) == K / 32 && m.sizes() == d.sizes(),
-              "q4_linear: d and m must be contiguous float32 (N, K/32)");
+  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) &&
+              m.scalar_type() == d.scalar_type() && d.is_contiguous() && m.is_contiguous() &&
+              d.dim() == 2 && d.size(0) == N && d.size(1) == K / 32 && m.sizes() == d.sizes(),
+              "q4_linear: d and m must be contiguous float32 or float16 (N, K/32)");
   check_x(x_, K, "q4_linear");
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0);
   const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
-  const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N, K};
+  const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K,
+                  d.scalar_type() == at::kHalf};
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const Isa isa = isa_in_use();
@@ -191,14 +196,15 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(K % 32 == 0, "q8_linear: K = ", K, " is not a multiple of the block (32)");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes must be contiguous int8");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
-              (d.size(1) == K / 32 || d.size(1) == K / 16),
-              "q8_linear: d must be contiguous float32 (N, K/32) or (N, K/16)");
+  TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
+              d.dim() == 2 && d.size(0) == N && (d.size(1) == K / 32 || d.size(1) == K / 16),
+              "q8_linear: d must be contiguous float32 or float16 (N, K/32) or (N, K/16)");
   check_x(x_, K, "q8_linear");
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0);
   const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
-  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr<float>(), N, K, K / d.size(1)};
+  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), N, K, K / d.size(1),
+                  d.scalar_type() == at::kHalf};
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const Isa isa = isa_in_use();

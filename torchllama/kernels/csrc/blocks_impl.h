@@ -61,11 +61,23 @@ struct Acc {
 };
 #endif
 
+// ---- block scales stored as float32, or as float16 bits where that is exact (half the bytes) --
+static inline float scale_at(const float* p, int64_t i) { return p[i]; }
+static inline float scale_at(const uint16_t* p, int64_t i) {
+#if ISA_LEVEL == 0
+  return c10::detail::fp16_ieee_to_fp32_value(p[i]);
+#else
+  return _cvtsh_ss(p[i]);
+#endif
+}
+
 // ---- Q4 weights: w = d·q + m, q ∈ [0, 15]; byte j of a block: q[j] low, q[j+16] high nibble ----
 // Tile of TM activation rows × TN weight rows. y[i][j] = Σ_b (d_w·d_x)·⟨q_w, q_x⟩_b + m_w·s_x.
-template <int TM, int TN>
+template <int TM, int TN, typename S>
 static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t n0, float* y,
                            int64_t ldy) {
+  const S* wd_p = static_cast<const S*>(w.d);
+  const S* wm_p = static_cast<const S*>(w.m);
   const int64_t nb = w.K / 32;
   Acc acc[TM][TN];
   float macc[TM][TN];
@@ -86,7 +98,10 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
     }
 #endif
     float wd[TN], wm[TN];
-    for (int j = 0; j < TN; ++j) { wd[j] = w.d[(n0 + j) * nb + b]; wm[j] = w.m[(n0 + j) * nb + b]; }
+    for (int j = 0; j < TN; ++j) {
+      wd[j] = scale_at(wd_p, (n0 + j) * nb + b);
+      wm[j] = scale_at(wm_p, (n0 + j) * nb + b);
+    }
     for (int i = 0; i < TM; ++i) {
       const int8_t* xq = a.q + (m0 + i) * a.K + 32 * b;
       const float xd = a.d[(m0 + i) * nb + b], xs = a.s[(m0 + i) * nb + b];
@@ -112,9 +127,10 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
 
 // ---- Q8 weights: w = d·q, q ∈ [-128, 127], one d per B = 32 or 16 weights ---------------------
 // ⟨q_w, q_x⟩ as unsigned × signed: |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ -128).
-template <int TM, int TN, int B>
+template <int TM, int TN, int B, typename S>
 static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t n0, float* y,
                            int64_t ldy) {
+  const S* wd_p = static_cast<const S*>(w.d);
   const int64_t nb = w.K / 32, nd = w.K / B;
   Acc acc[TM][TN];
   for (int64_t b = 0; b < nb; ++b) {
@@ -134,8 +150,9 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
 #endif
     float dlo[TN], dhi[TN];
     for (int j = 0; j < TN; ++j) {
-      const float* d = w.d + (n0 + j) * nd + (B == 32 ? b : 2 * b);
-      dlo[j] = d[0]; dhi[j] = B == 32 ? d[0] : d[1];
+      const int64_t at = (n0 + j) * nd + (B == 32 ? b : 2 * b);
+      dlo[j] = scale_at(wd_p, at);
+      dhi[j] = B == 32 ? dlo[j] : scale_at(wd_p, at + 1);
     }
     for (int i = 0; i < TM; ++i) {
       const int8_t* xq = a.q + (m0 + i) * a.K + 32 * b;
@@ -191,28 +208,39 @@ static inline void drive(int64_t M, int64_t n_begin, int64_t n_end, Tile1x4 t14,
   }
 }
 
-static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
+template <typename S>
+static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
   const int64_t ld = w.N;
   drive(a.M, n_begin, n_end,
-        [&](int64_t m, int64_t n) { q4_tile<1, 4>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<1, 1>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<4, 2>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<4, 1>(a, m, w, n, y, ld); });
+        [&](int64_t m, int64_t n) { q4_tile<1, 4, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q4_tile<1, 1, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q4_tile<4, 2, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q4_tile<4, 1, S>(a, m, w, n, y, ld); });
 }
 
-template <int B>
+static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
+  if (w.half) q4_rows_s<uint16_t>(a, w, y, n_begin, n_end);
+  else q4_rows_s<float>(a, w, y, n_begin, n_end);
+}
+
+template <int B, typename S>
 static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t n_begin, int64_t n_end) {
   const int64_t ld = w.N;
   drive(a.M, n_begin, n_end,
-        [&](int64_t m, int64_t n) { q8_tile<1, 4, B>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<1, 1, B>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 2, B>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 1, B>(a, m, w, n, y, ld); });
+        [&](int64_t m, int64_t n) { q8_tile<1, 4, B, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q8_tile<1, 1, B, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q8_tile<4, 2, B, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q8_tile<4, 1, B, S>(a, m, w, n, y, ld); });
 }
 
 static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t n_begin, int64_t n_end) {
-  if (w.block == 16) q8_rows_b<16>(a, w, y, n_begin, n_end);
-  else q8_rows_b<32>(a, w, y, n_begin, n_end);
+  if (w.block == 16) {
+    if (w.half) q8_rows_b<16, uint16_t>(a, w, y, n_begin, n_end);
+    else q8_rows_b<16, float>(a, w, y, n_begin, n_end);
+  } else {
+    if (w.half) q8_rows_b<32, uint16_t>(a, w, y, n_begin, n_end);
+    else q8_rows_b<32, float>(a, w, y, n_begin, n_end);
+  }
 }
 
 }  // namespace ISA
