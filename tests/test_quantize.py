@@ -3,6 +3,8 @@ kernels against a float matmul of the dequantized weights, GGUF's Q4_0/Q4_1 bloc
 code for code (the `gguf` library's dequantization is the oracle), quantized loading of real
 and tiny files, and the compiled decode step's fallback."""
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -202,3 +204,31 @@ def test_quantized_smollm2_greedy_output_starts_as_float32s(smollm2, smollm2_aut
     for prompt in DEMO_PROMPTS:
         reference = greedy(exact, tokenizer, prompt, 8)
         assert greedy(model, tokenizer, prompt, 8)[:4] == reference[:4], prompt
+
+
+FALLBACK_SCRIPT = """
+import torch
+from torchllama import kernels
+from torchllama.quantize import Int4Linear, Int8Linear, Q4Blocks, Q8Blocks, quantized_linear
+w = torch.randn(32, 64)
+assert not kernels.available() and kernels.isa() == "none"
+assert isinstance(quantized_linear(Q4Blocks.from_float(w)), Int4Linear)
+assert isinstance(quantized_linear(Q8Blocks.from_float(w)), Int8Linear)
+print("fallback ok")
+"""
+
+
+@pytest.mark.parametrize("env", [{"CXX": "/nonexistent/c++"}, {"TORCHLLAMA_KERNELS": "0"}],
+                         ids=["no-compiler", "disabled"])
+def test_without_the_kernels_torchs_run_after_at_most_one_warning(tmp_path, env):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True,
+                         env={**os.environ, "TORCHLLAMA_CACHE": str(tmp_path), **env}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "fallback ok"
+    warnings = [line for line in run.stderr.splitlines() if line.strip()]
+    if "CXX" in env:
+        assert len(warnings) == 1 and "no C++ compiler" in warnings[0], run.stderr
+    else:
+        assert warnings == [], run.stderr                 # switched off on purpose: silent

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -62,14 +62,29 @@ def build_dir() -> Path:
 
 
 def _build() -> None:
+    import shutil
+
     from torch.utils import cpp_extension
 
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not found)")
+    if shutil.which("ninja") is None and not _ninja_module():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / "blocks.cpp")],
                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                        build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
+
+
+def _ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401  (the PyPI package puts the binary next to the interpreter)
+        return True
+    except ImportError:
+        return False
 
 
 def _register_fakes() -> None:
@@ -92,7 +107,7 @@ def _register_fakes() -> None:
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call, ~1 min).
 
-    Never raises: a failed build warns once (naming the reason) and returns False, and so does
+    Never raises: a failed build prints one warning line to stderr (naming the reason) and returns False, and so does
     TORCHLLAMA_KERNELS=0 (silently)."""
     global _loaded, _reason
     if not enabled_by_env():
@@ -103,9 +118,10 @@ def available() -> bool:
                 _build()
                 _loaded = True
             except Exception as e:                     # noqa: BLE001 — any build failure
-                _loaded, _reason = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
-                warnings.warn(f"torchllama: the CPU kernels could not be built ({_reason}); "
-                              "using torch's int4/int8 kernels", RuntimeWarning, stacklevel=2)
+                last = (str(e).strip().splitlines() or [""])[-1]
+                _loaded, _reason = False, f"{type(e).__name__}: {last}"
+                print(f"warning: torchllama's CPU kernels could not be built ({_reason}); "
+                      "quantized weights use torch's int4/int8 kernels", file=sys.stderr)
         return _loaded
 
 
