@@ -1,32 +1,32 @@
-"""Weight-only quantization: linear layers whose weights stay 8 or 4 bits wide in memory.
+"""Weight-only quantization: linear layers whose weights stay 4 or 8 bits wide in memory.
 
 Decode reads every weight once per token and does little arithmetic with each, so it is bound by
-memory bandwidth: SmolLM2-135M reads 540 MB per token in float32, 68 MB in int4. Weight-only
-quantization stores each weight as a small integer with a shared float scale, and the matmul
-kernel widens them on the fly; activations stay floating point.
+memory bandwidth: SmolLM2-135M reads 540 MB per token in float32, ~97 MB as its GGUF's blocks.
+
+The canonical forms are GGUF's block formats, which every supported file type maps onto exactly
+(see the table above `Q4Blocks`):
+
+    Q4Blocks:  w[n, k] = d[n, b] · q[n, k] + m[n, b]     q ∈ [0, 15],   b = k // 32
+    Q8Blocks:  w[n, k] = d[n, b] · q[n, k]               q ∈ [-128, 127], b = k // B (B = 32 or 16)
+
+They run on torchllama's own kernels (`torchllama.kernels`: `Q4Linear`, `Q8Linear`, int8
+activations per block of 32, integer dot products, rows independent of the batch bit for bit).
+Where those cannot be built, on PyTorch's CPU weight-only kernels, which run vectorised for
+bfloat16 activations: `aten._weight_int4pack_mm_for_cpu` for Q4 blocks (`Int4Linear`, the same
+codes; scale and zero rounded to bf16; weights packed at load by
+`aten._convert_weight_to_int4pack_for_cpu` into an ISA-specific layout, never saved) and
+`aten._weight_int8pack_mm` for Q8 blocks (`Int8Linear`, re-quantized per row):
 
     int8, per output channel:   w[n, k] = q[n, k] · scale[n]                    q ∈ [-127, 127]
     int4, per group of G inputs: w[n, k] = (q[n, k] − 8) · scale[n, g] + zero[n, g]
-                                 q ∈ [0, 15], g = k // G          (asymmetric, like GGUF's Q4_1)
 
-The kernels are PyTorch's CPU weight-only kernels, which run vectorised for bfloat16 activations
-(float32 activations take a scalar loop, ~10× slower): `aten._weight_int8pack_mm` (int8 weight
-(N, K), bf16 scales (N,)) and `aten._weight_int4pack_mm_for_cpu` (weights packed by
-`aten._convert_weight_to_int4pack_for_cpu` into a CPU-ISA-specific layout, so packed tensors
-are made at load time and never saved; scales and zeros as (K/G, N, 2) bf16). So a quantized
-linear casts its input to bfloat16, multiplies, and returns the input's dtype: the rest of the
-model (norms, RoPE, attention, the KV cache) stays float32.
+Either way the rest of the model (norms, RoPE, attention, the KV cache) stays float32.
 
 How models get here, applied from outside the model (its modules stay plain `nn.Linear`s until
-swapped):
-- `quantize_model(model, "int8" | "int4")`: quantize a float model's linear layers (and a tied
-  embedding with its output projection: one table of integers serves both).
-- GGUF files keep their own quantization (`torchllama.checkpoint.gguf`): Q4_0/Q4_1 blocks of 32
-  map onto int4 with G = 32 without rounding the codes (`Int4Weight.from_q4`); other types are
-  dequantized by the `gguf` library and re-quantized (`quantize_weight`).
-
-The canonical forms `Int8Weight` / `Int4Weight` are plain, portable tensors (codes, scales,
-zeros); the modules pack them for the kernels.
+swapped, `install_quantized`):
+- `quantize_model(model, "int8" | "int4")`: quantize a float model's linear layers (Q8_0's and
+  Q4_1's rules), and a tied embedding with its output projection (one table serves both).
+- GGUF files keep their own blocks (`torchllama.checkpoint.gguf.read_blocks`).
 """
 
 from __future__ import annotations
