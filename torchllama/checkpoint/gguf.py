@@ -138,7 +138,7 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None)
     of its `general.architecture` gives the hyperparameters and tensor names.
 
     With `quant` ("auto" or a `torchllama.quantize.Scheme`), the matrices of linear layers and
-    the token embeddings come as `Int8Weight` / `Int4Weight` instead of float tensors (see
+    the token embeddings come as `Q4Blocks` / `Q8Blocks` instead of float tensors (see
     `load_gguf_state_dict`).
 
     Raises:
@@ -208,10 +208,11 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         dtype: dtype of the returned float tensors.
         source: file path, for error messages.
         progress: show a tqdm progress bar.
-        quant: None (dequantize everything), "auto" (keep each quantized matrix's own
-            precision: Q4_0/Q4_1 → int4 exactly, other types of ≤ 5 bits per weight → int4,
-            wider ones (Q5_0, Q6_K, Q8_0, ...) → int8; float matrices stay float) or a
-            `torchllama.quantize.Scheme` (every matrix in that scheme). See `_quantized`.
+        quant: None (dequantize everything), "auto" (the file's own blocks for the types the
+            kernels take, `BLOCK_TYPES`: Q4_0/Q4_1/Q4_K → `Q4Blocks`, Q8_0/Q5_0/Q6_K →
+            `Q8Blocks`, exactly; other quantized types dequantized, reported in one line;
+            float matrices stay float) or a `torchllama.quantize.Scheme` (every matrix in that
+            scheme). See `_quantized`.
 
     Returns:
         our name → tensor (dtype) or quantized weight. `output.weight` is absent for tied
@@ -219,7 +220,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
 
     Raises:
         ModelFileError: an unknown or missing tensor, a shape mismatch, an unsupported
-            quantization type, or tensor data cut short.
+            quantization type, tensor data cut short, or a block scale that is not finite.
     """
     from tqdm import tqdm
 
