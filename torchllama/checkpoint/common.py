@@ -163,7 +163,7 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     A tied model may omit `output.weight`. float32 weights get the column-major layout that is
     faster on CPU (see `torchllama.cpu.set_weight_layout`), converted tensor by tensor.
 
-    Weights given quantized (`torchllama.quantize.Int8Weight` / `Int4Weight`) replace their
+    Weights given quantized (`torchllama.quantize.Q4Blocks` / `Q8Blocks` / ...) replace their
     modules by quantized ones (`torchllama.quantize.install_quantized`).
 
     Args:
