@@ -80,13 +80,6 @@ class Int8Weight:
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scale)
 
-    def map_rows(self, fn) -> "Int8Weight":
-        """The same weights with fn applied to every per-row tensor (a row permutation)."""
-        return Int8Weight(fn(self.q), fn(self.scale))
-
-    def split_rows(self, sizes) -> tuple["Int8Weight", ...]:
-        return tuple(Int8Weight(q, s) for q, s in zip(self.q.split(sizes), self.scale.split(sizes)))
-
 
 @dataclass
 class Int4Weight:
@@ -126,38 +119,6 @@ class Int4Weight:
         scale = ((hi - lo) / 15).clamp(min=1e-12)
         q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
         return cls(q.to(torch.uint8).view(N, K), scale, lo + 8 * scale, G)
-
-    @classmethod
-    def from_q4(cls, d: np.ndarray, m: Optional[np.ndarray], qs: np.ndarray) -> "Int4Weight":
-        """GGUF's Q4_0 / Q4_1 blocks (ggml-common.h: block_q4_0, block_q4_1), as they are:
-
-            Q4_0: w = d · (q − 8)       → scale d, zero 0
-            Q4_1: w = d · q + m         → scale d, zero m + 8·d
-
-        Each block holds 32 consecutive weights of a row: byte j of qs has weight j in its low
-        nibble and weight j + 16 in its high nibble. The codes are copied exactly; the float32
-        zero m + 8·d is rounded once (≤ 1 ulp of float32).
-
-        Args:
-            d: (N, K/32) float16 block scales.
-            m: (N, K/32) float16 block minimums (Q4_1) or None (Q4_0).
-            qs: (N, K/32, 16) uint8 packed codes.
-        """
-        N, blocks = d.shape
-        qs = torch.from_numpy(np.ascontiguousarray(qs))
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).view(N, blocks * 32)      # (N, K) uint8
-        scale = torch.from_numpy(d.astype(np.float32))                      # (N, K/32)
-        zero = torch.zeros_like(scale) if m is None else \
-            torch.from_numpy(m.astype(np.float32)) + 8 * scale
-        return cls(q, scale, zero, 32)
-
-    def map_rows(self, fn) -> "Int4Weight":
-        return Int4Weight(fn(self.q), fn(self.scale), fn(self.zero), self.group_size)
-
-    def split_rows(self, sizes) -> tuple["Int4Weight", ...]:
-        return tuple(Int4Weight(q, s, z, self.group_size) for q, s, z in
-                     zip(self.q.split(sizes), self.scale.split(sizes), self.zero.split(sizes)))
-
 
 
 # GGUF-style block forms: what a GGUF file stores, in the layout torchllama's kernels read
@@ -494,7 +455,7 @@ class Q8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"q8 blocks of {self.d.shape[1] and self.in_features // self.d.shape[1]}")
+                f"q8 blocks of {self.in_features // self.d.shape[1]}")
 
 
 class BlockEmbedding(nn.Module):

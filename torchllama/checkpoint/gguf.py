@@ -310,11 +310,6 @@ _Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)])
 _ROWS_PER_CHUNK = 4096
 
 
-def _bits_per_weight(t: gguf.GGMLQuantizationType) -> float:
-    block, size = gguf.GGML_QUANT_SIZES[t]
-    return size * 8 / block
-
-
 def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
     """The integer codes of K-quant/Q5_0 blocks, unpacked by the `gguf` library itself: the
     blocks are dequantized with their scales set so that the result is the code (d = 1,

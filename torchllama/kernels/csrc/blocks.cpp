@@ -166,54 +166,59 @@ static void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight has K = ", K);
 }
 
-at::Tensor q4_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& d,
+// The instruction set's rows [n0, n1) of one product (the paths in blocks_impl.h).
+static void rows(Isa isa, const Act& a, const Q4Weight& w, float* y, int64_t n0, int64_t n1) {
+  if (isa == Isa::vnni) vnni::q4_rows(a, w, y, n0, n1);
+  else if (isa == Isa::avx2) avx2::q4_rows(a, w, y, n0, n1);
+  else scalar::q4_rows(a, w, y, n0, n1);
+}
+
+static void rows(Isa isa, const Act& a, const Q8Weight& w, float* y, int64_t n0, int64_t n1) {
+  if (isa == Isa::vnni) vnni::q8_rows(a, w, y, n0, n1);
+  else if (isa == Isa::avx2) avx2::q8_rows(a, w, y, n0, n1);
+  else scalar::q8_rows(a, w, y, n0, n1);
+}
+
+// y (M, N) f32 = x · Wᵀ: x quantized per block of 32, W's rows split over the threads.
+template <typename W>
+static at::Tensor product(const at::Tensor& x_, const W& w, const char* op) {
+  check_x(x_, w.K, op);
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, w.K);
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const Isa isa = isa_in_use();
+  parallel_rows(M, w.N, w.K, [&](int64_t n0, int64_t n1) { rows(isa, a, w, yp, n0, n1); });
+  return y;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
   TORCH_CHECK(K % 32 == 0, "q4_linear: K = ", K, " is not a multiple of the block (32)");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "q4_linear: codes must be contiguous uint8");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "q4_linear: codes must be contiguous uint8");
   TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) &&
               m.scalar_type() == d.scalar_type() && d.is_contiguous() && m.is_contiguous() &&
               d.dim() == 2 && d.size(0) == N && d.size(1) == K / 32 && m.sizes() == d.sizes(),
               "q4_linear: d and m must be contiguous float32 or float16 (N, K/32)");
-  check_x(x_, K, "q4_linear");
-  const at::Tensor x = x_.contiguous();
-  const int64_t M = x.size(0);
-  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
   const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K,
-                  d.scalar_type() == at::kHalf};
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const Isa isa = isa_in_use();
-  parallel_rows(M, N, K, [&](int64_t n0, int64_t n1) {
-    if (isa == Isa::vnni) vnni::q4_rows(a, w, yp, n0, n1);
-    else if (isa == Isa::avx2) avx2::q4_rows(a, w, yp, n0, n1);
-    else scalar::q4_rows(a, w, yp, n0, n1);
-  });
-  return y;
+                   d.scalar_type() == at::kHalf};
+  return product(x, w, "q4_linear");
 }
 
-at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& d) {
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(K % 32 == 0, "q8_linear: K = ", K, " is not a multiple of the block (32)");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes must be contiguous int8");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "q8_linear: codes must be contiguous int8");
   TORCH_CHECK((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
               d.dim() == 2 && d.size(0) == N && (d.size(1) == K / 32 || d.size(1) == K / 16),
               "q8_linear: d must be contiguous float32 or float16 (N, K/32) or (N, K/16)");
-  check_x(x_, K, "q8_linear");
-  const at::Tensor x = x_.contiguous();
-  const int64_t M = x.size(0);
-  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);
   const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), N, K, K / d.size(1),
-                  d.scalar_type() == at::kHalf};
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const Isa isa = isa_in_use();
-  parallel_rows(M, N, K, [&](int64_t n0, int64_t n1) {
-    if (isa == Isa::vnni) vnni::q8_rows(a, w, yp, n0, n1);
-    else if (isa == Isa::avx2) avx2::q8_rows(a, w, yp, n0, n1);
-    else scalar::q8_rows(a, w, yp, n0, n1);
-  });
-  return y;
+                   d.scalar_type() == at::kHalf};
+  return product(x, w, "q8_linear");
 }
 
 }  // namespace torchllama
