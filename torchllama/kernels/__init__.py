@@ -14,6 +14,11 @@ Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float3
     torch.ops.torchllama.q4_linear(x, codes (N, K/2) uint8, d (N, K/32) f32, m (N, K/32) f32)
     torch.ops.torchllama.q8_linear(x, codes (N, K) int8, d (N, K/32 or K/16) f32)
     torch.ops.torchllama.quantize_act(x) → (q (M, K) int8, d (M, K/32) f32, s (M, K/32) f32)
+and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
+    torch.ops.torchllama.rms_norm(x (..., D), w (D,), eps, unit_offset) → (..., D)
+    torch.ops.torchllama.rope(x (B, T, H, hd), cs (T | B·T, pairs, 2)) → (B, T, H, hd)
+    torch.ops.torchllama.attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv),
+                                   mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap)
     torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
 """
 
@@ -29,7 +34,8 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("blocks.cpp", "blocks_impl.h")
+SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h")
+COMPILED = ("blocks.cpp", "layers.cpp")
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
@@ -73,7 +79,7 @@ def _build() -> None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / "blocks.cpp")],
+    cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                        build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
@@ -96,6 +102,19 @@ def _register_fakes() -> None:
     @torch.library.register_fake("torchllama::q8_linear")
     def _(x, codes, d):
         return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("torchllama::rms_norm")
+    def _(x, w, eps, unit_offset):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("torchllama::rope")
+    def _(x, cs):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("torchllama::attention")
+    def _(q, k, v, mask, scale, softcap):
+        B, H, T, _ = q.shape
+        return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
 
     @torch.library.register_fake("torchllama::quantize_act")
     def _(x):
@@ -123,6 +142,19 @@ def available() -> bool:
                 print(f"warning: torchllama's CPU kernels could not be built ({_reason}); "
                       "quantized weights use torch's int4/int8 kernels", file=sys.stderr)
         return _loaded
+
+
+def layer_ops_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether the float32 layer ops (rms_norm, rope, attention) serve this call: x float32 on
+    the CPU, inference (no gradient to track through x or params, no CPU autocast) and the
+    kernels available. Training keeps torch's differentiable ops."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    return _loaded if _loaded is not None else available()
 
 
 def isa() -> str:

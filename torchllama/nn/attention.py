@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchllama import kernels
 from torchllama.config import LayerSpec, ModelArgs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
 from torchllama.nn.norms import RMSNorm, make_norm
@@ -85,7 +86,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
            capture: Optional[list] = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias + mask)·v with grouped-query heads.
 
-    Without soft-capping this is torch's fused SDPA kernel: the mask (bool) or the bias (float,
+    Inference in float32 on the CPU (no gradient, no autocast, no position bias) runs
+    torchllama's attention kernel (`torchllama.kernels`, csrc/layers.cpp): each query's keys in
+    slot order, sums in a fixed order, so a row's answer is the same bits alone, left-padded in a
+    batch or chunked (what the serving engine needs for exact answers under load). Otherwise,
+    without soft-capping this is torch's fused SDPA kernel: the mask (bool) or the bias (float,
     mask folded in) is its attn_mask, and enable_gqa does what Meta's `repeat_kv` does without
     copying K/V H/KV times (the copies cost more than the attention itself during decode). With
     soft-capping (Gemma 2: scores → c·tanh(scores/c) before the mask, so no fused kernel can do
@@ -93,7 +98,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
     explicitly, as transformers' eager attention does.
 
     Args:
-        q: (B, H, T, d) queries (contiguous: the CPU flash kernel is ~15% faster on it).
+        q: (B, H, T, d) queries.
         k: (B, KV, S, d) keys; v: (B, KV, S, dv) values; query head h uses KV head h // (H/KV).
         inputs: the mask / bias of this call (see `AttentionInputs`).
         scale: the softmax scale (default 1/√d).
@@ -107,6 +112,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
         (see `attention_dtype`).
     """
     T = q.shape[2]
+    if capture is None and inputs.bias is None and kernels.layer_ops_apply(q, k, v):
+        return torch.ops.torchllama.attention(q, k, v, inputs.mask,           # (B, H, T, dv)
+                                              scale or q.shape[-1] ** -0.5, softcap or 0.0)
+    q = q.contiguous()                         # the CPU flash kernel is ~15% faster on it
     fp32 = q.dtype == torch.float32 and q.device.type == "cpu" and \
         torch.is_autocast_enabled("cpu")
     if fp32:
@@ -173,6 +182,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
+        #: wq, wk and wv as one product, where `torchllama.quantize.fuse_projections` made one
+        self.wqkv: Optional[nn.Module] = None
         if args.qk_norm:                                   # over each head's hd dims
             self.q_norm, self.k_norm = make_norm(args, hd), make_norm(args, hd)
         self.kv_cache: Optional[KVCache] = None
@@ -197,9 +208,14 @@ class Attention(nn.Module):
             (B, T, dim).
         """
         B, T, _ = x.shape
-        xq = self.wq(x).view(B, T, self.n_heads, self.head_dim)      # (B, T, H, hd)
-        xk = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)   # (B, T, KV, hd)
-        xv = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)   # (B, T, KV, hd)
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.wqkv is not None:                                     # one fused product
+            xq, xk, xv = self.wqkv(x).split([H * hd, KV * hd, KV * hd], dim=-1)
+        else:
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)           # (B, T, H·hd | KV·hd)
+        xq = xq.view(B, T, H, hd)                                     # (B, T, H, hd)
+        xk = xk.view(B, T, KV, hd)                                    # (B, T, KV, hd)
+        xv = xv.view(B, T, KV, hd)                                    # (B, T, KV, hd)
         if hasattr(self, "q_norm"):                                   # QK-norm, before RoPE
             xq, xk = self.q_norm(xq), self.k_norm(xk)
 
@@ -210,7 +226,7 @@ class Attention(nn.Module):
         else:
             xq, xk = xq.to(dtype), xk.to(dtype)
 
-        xq = xq.transpose(1, 2).contiguous()   # (B, H, T, hd); contiguous: faster CPU SDPA
+        xq = xq.transpose(1, 2)                                       # (B, H, T, hd)
         xk = xk.transpose(1, 2)                                       # (B, KV, T, hd)
         xv = xv.transpose(1, 2)                                       # (B, KV, T, hd)
         if self.kv_cache is not None:                                 # (B, KV, S, hd)

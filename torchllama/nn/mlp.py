@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,16 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)   # gate projection
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)   # down projection
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)   # up projection
+        #: w1 and w3 as one product, where `torchllama.quantize.fuse_projections` made one
+        self.w13: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, D) → (B, T, F) gated → (B, T, D)
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)       # (B, T, F) each, one product
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(self.act(gate) * up)
 
 
 class MLP(nn.Module):

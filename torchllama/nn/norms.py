@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchllama import kernels
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, eq. 4): x / RMS(x) · g.
@@ -36,6 +38,8 @@ class RMSNorm(nn.Module):
         return [(self.weight, 0.0 if self.unit_offset else 1.0)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.layer_ops_apply(x, self.weight):        # csrc/layers.cpp: one op, same math
+            return torch.ops.torchllama.rms_norm(x, self.weight, self.eps, self.unit_offset)
         x32 = x.float()                                                    # (..., D) fp32
         rms_inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., 1)
         if self.unit_offset:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchllama import kernels
+
 # --------------------------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------------------------
@@ -163,6 +165,10 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
     """
     B, T, H, hd = x.shape
     rot = 2 * freqs_cis.shape[-1 if freqs_cis.is_complex() else -2]
+    if (dtype in (None, torch.float32)) and kernels.layer_ops_apply(x):
+        # torchllama's kernel (csrc/layers.cpp): the same formula, one op instead of six
+        cs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+        return torch.ops.torchllama.rope(x, cs)                  # (B, T, H, hd) fp32
     if rot < hd:                                                 # partial RoPE
         rotated = apply_rotary_emb(x[..., :rot], freqs_cis, dtype)
         return torch.cat([rotated, x[..., rot:].to(rotated.dtype)], dim=-1)  # (B, T, H, hd)

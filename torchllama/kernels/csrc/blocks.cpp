@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+
 namespace torchllama {
 
 struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
@@ -69,8 +71,6 @@ struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32, or f16 bits when
 #undef ISA_LEVEL
 #pragma GCC pop_options
 
-enum class Isa { scalar, avx2, vnni };
-
 static Isa detect_isa() {
   const char* force = std::getenv("TORCHLLAMA_KERNELS_ISA");   // tests: scalar | avx2 | vnni
   __builtin_cpu_init();
@@ -86,7 +86,7 @@ static Isa detect_isa() {
   return best;
 }
 
-static Isa isa_in_use() {
+Isa isa_in_use() {
   static const Isa isa = detect_isa();
   return isa;
 }

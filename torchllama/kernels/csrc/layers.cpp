@@ -1,0 +1,197 @@
+// torchllama's CPU kernels for the rest of a decoder layer, in float32: RMSNorm, RoPE and
+// attention. Each replaces several small torch ops of the eager model (a decode step of a small
+// model is dominated by their dispatch), and each is batch-invariant by construction: an output
+// row depends only on its own inputs, through the same float operations in the same order
+// whatever the batch, chunk, padding or thread (Thinking Machines 2025, "Defeating
+// nondeterminism in LLM inference"); the scalar, AVX2 and AVX-512 builds give the same bits.
+//
+// Ops (torch.library `torchllama::…`, fake implementations in Python):
+//   rms_norm(x (..., D) f32, w (D,) f32, eps, unit_offset) → (..., D)
+//       x / sqrt(mean(x²) + eps) · w (Zhang & Sennrich 2019, eq. 4; Meta's RMSNorm), or
+//       · (1 + w) with unit_offset (Gemma)
+//   rope(x (B, T, H, hd) f32, cs (T | B·T, pairs, 2) f32) → (B, T, H, hd)
+//       interleaved pairs rotated by (cos, sin) (RoFormer eq. 34; Meta's apply_rotary_emb);
+//       dims past 2·pairs pass through (partial RoPE)
+//   attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv), mask (T, S) | (B|1, 1, T, S)
+//             bool or None, scale, softcap) → (B, H, T, dv)
+//       softmax(q·kᵀ·scale [→ c·tanh(·/c)] masked)·v (Vaswani et al. 2017, eq. 1), query head h
+//       on KV head h / (H/KV) (GQA, Ainslie et al. 2023). No mask: causal, query t of the last
+//       T slots sees slots ≤ S − T + t. The result is a (B, H, T, dv) view of a (B, T, H, dv)
+//       buffer, so the caller's transpose + reshape to (B, T, H·dv) copies nothing.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "isa.h"
+
+namespace torchllama {
+
+// Attention of one query: its KV head's keys and values and the softmax's settings.
+struct AttnArgs {
+  const float* k; int64_t k_s;          // slot j's key at k + j·k_s
+  const float* v; int64_t v_s;
+  int64_t S, hd, dv;
+  float scale, softcap;                 // softcap 0: none
+};
+
+#define ISA scalar
+#include "layers_impl.h"
+#undef ISA
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define ISA avx2
+#include "layers_impl.h"
+#undef ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw")
+#define ISA avx512
+#include "layers_impl.h"
+#undef ISA
+#pragma GCC pop_options
+
+static void check_f32(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps, bool unit_offset) {
+  check_f32(x_, "rms_norm", "x");
+  check_f32(w_, "rms_norm", "w");
+  const int64_t D = x_.size(-1);
+  TORCH_CHECK(w_.dim() == 1 && w_.size(0) == D, "rms_norm: w must be (", D, ",), got ",
+              w_.sizes());
+  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+  at::Tensor y = at::empty_like(x);
+  const int64_t M = D ? x.numel() / D : 0;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const Isa isa = isa_in_use();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    if (isa == Isa::vnni) avx512::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
+    else if (isa == Isa::avx2) avx2::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
+    else scalar::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
+  });
+  return y;
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cs_) {
+  check_f32(x, "rope", "x");
+  check_f32(cs_, "rope", "cs");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "rope: x must be (B, T, H, hd) with hd "
+              "contiguous, got ", x.sizes());
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), hd = x.size(3);
+  const at::Tensor cs = cs_.contiguous();
+  TORCH_CHECK(cs.size(-1) == 2 && cs.dim() >= 3 && 2 * cs.size(-2) <= hd &&
+              (cs.numel() == T * cs.size(-2) * 2 || cs.numel() == B * T * cs.size(-2) * 2),
+              "rope: cs must be (T, pairs, 2) or (B, T, pairs, 2) with 2·pairs ≤ ", hd,
+              ", got ", cs.sizes());
+  const int64_t pairs = cs.size(-2);
+  const bool per_row = cs.numel() == B * T * pairs * 2 && B > 1;
+  at::Tensor y = at::empty({B, T, H, hd}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * T, std::max<int64_t>(1, 8192 / std::max<int64_t>(H * hd, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T;
+      const float* c = cp + ((per_row ? b * T : 0) + t) * pairs * 2;
+      for (int64_t h = 0; h < H; ++h)   // plain float ops: the same bits on every ISA
+        scalar::rope_head(xp + b * sb + t * st + h * sh, c, yp + (r * H + h) * hd, pairs, hd);
+    }
+  });
+  return y;
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+static void attend_one(Isa isa, const AttnArgs& a, const float* q, const uint8_t* allowed,
+                       float* sc, float* out) {
+  if (isa == Isa::vnni) avx512::attend_one(a, q, allowed, sc, out);
+  else if (isa == Isa::avx2) avx2::attend_one(a, q, allowed, sc, out);
+  else scalar::attend_one(a, q, allowed, sc, out);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask_, double scale, double softcap) {
+  check_f32(q, "attention", "q");
+  check_f32(k, "attention", "k");
+  check_f32(v, "attention", "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.stride(3) == 1 &&
+              k.stride(3) == 1 && v.stride(3) == 1,
+              "attention: q, k, v must be 4-D with a contiguous last dimension");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t KV = k.size(1), S = k.size(2), dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == KV && v.size(2) == S &&
+              k.size(3) == hd && KV > 0 && H % KV == 0 && T <= S,
+              "attention: shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ",
+              v.sizes());
+  at::Tensor mask;
+  if (mask_.has_value()) {
+    TORCH_CHECK(mask_->scalar_type() == at::kBool, "attention: the mask must be bool");
+    mask = mask_->expand({B, 1, T, S});
+  }
+  const int64_t n_rep = H / KV;
+  at::Tensor out = at::empty({B, T, H, dv}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const Isa isa = isa_in_use();
+  const int64_t work = std::max<int64_t>(1, S * (hd + dv));
+  // One task: query t of row b for head h (its KV head h / n_rep).
+  at::parallel_for(0, B * H * T, std::max<int64_t>(1, 32768 / work), [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> sc;
+    thread_local std::vector<uint8_t> allowed;
+    sc.resize(size_t(S));
+    allowed.resize(size_t(S));
+    int64_t row = -1;                   // (b, t) whose allowed keys are in `allowed`
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t h = u % H, t = (u / H) % T, b = u / (H * T);
+      if (row != b * T + t) {
+        row = b * T + t;
+        for (int64_t j = 0; j < S; ++j)
+          allowed[j] = mp ? mp[b * mask.stride(0) + t * mask.stride(2) + j * mask.stride(3)]
+                          : (T == 1 || j <= S - T + t);
+      }
+      const int64_t g = h / n_rep;
+      const AttnArgs a{kp + b * k.stride(0) + g * k.stride(1), k.stride(2),
+                       vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
+                       S, hd, dv, float(scale), float(softcap)};
+      attend_one(isa, a, qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
+                 allowed.data(), sc.data(), op + ((b * T + t) * H + h) * dv);
+    }
+  });
+  return out.permute({0, 2, 1, 3});
+}
+
+}  // namespace torchllama
+
+TORCH_LIBRARY_FRAGMENT(torchllama, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
+  m.def("rope(Tensor x, Tensor cs) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
+  m.impl("rms_norm", &torchllama::rms_norm);
+  m.impl("rope", &torchllama::rope);
+  m.impl("attention", &torchllama::attention);
+}

@@ -1,0 +1,160 @@
+// RMSNorm, RoPE and attention in float32, for one instruction set. layers.cpp includes this file
+// once per instruction set, inside a namespace (`ISA`) and a `#pragma GCC target`, as blocks.cpp
+// does: the loops are plain C++ that the compiler vectorizes for the target. Every float
+// operation is written out (no FMA contraction, no -ffast-math, reductions in a fixed lane order
+// and a fixed tree), so every instruction set gives the same bits, and so does every batch size.
+
+namespace ISA {
+
+constexpr int LANES = 16;   // partial sums of a reduction: element i goes to lane i mod 16
+
+// Sixteen float lanes as a GCC vector: one zmm on AVX-512, two ymm on AVX2, four xmm on plain
+// x86-64. Its + and * are lane-wise IEEE operations, so every target rounds the same way.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Σ of the 16 lanes by a fixed tree: lane l + lane l + w for w = 8, 4, 2, 1.
+static inline float tree_sum(v16 acc) {
+  const v8 a = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const float c0 = b[0] + b[2], c1 = b[1] + b[3];
+  return c0 + c1;
+}
+
+// Σ a[i]·b[i] over n elements: element i in lane i mod 16, then tree_sum.
+static inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return tree_sum(acc);
+}
+
+// dot(a, b_r) for four vectors b_r = b + r·ld at once (a read once; each result's operations
+// are dot's, in dot's order). n a multiple of LANES.
+static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float out[4]) {
+  v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  for (int64_t i = 0; i < n; i += LANES) {
+    const v16 av = load16(a + i);
+    acc0 += av * load16(b + i);
+    acc1 += av * load16(b + ld + i);
+    acc2 += av * load16(b + 2 * ld + i);
+    acc3 += av * load16(b + 3 * ld + i);
+  }
+  out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
+  out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
+}
+
+// e^x for x ≤ 0 (−inf → 0), as Cephes' expf (Moshier 1992): x = n·ln2 + r with |r| ≤ ln2/2,
+// e^r by its degree-7 minimax polynomial, 2^n by building the exponent. Relative error < 2e-7.
+// Written once for a float and for 16 lanes with the same operations: the same bits.
+template <typename F, typename I>
+static inline F exp_poly(F x, F xc) {
+  const F n = (xc * 1.44269504f + 12582912.f) - 12582912.f;    // round(x / ln2)
+  F r = xc - n * 0.693359375f;                                 // ln2, high part (exact)
+  r = r - n * -2.12194440e-4f;                                 // ln2, low part
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const F er = p * (r * r) + r + 1.f;
+  I bits;
+  if constexpr (sizeof(F) == 4) bits = (I(n) + 127) << 23;
+  else bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return er * two_n;
+}
+
+static inline float exp_nonpositive(float x) {
+  const float xc = x < -87.3f ? -87.3f : x;                 // 2^n stays a normal float
+  return x < -87.3f ? 0.f : exp_poly<float, int32_t>(x, xc);
+}
+
+static inline v16 exp_nonpositive(v16 x) {
+  const v16 xc = x < -87.3f ? v16{} - 87.3f : x;
+  const v16 e = exp_poly<v16, v16i>(x, xc);
+  return x < -87.3f ? v16{} : e;
+}
+
+// RMSNorm of rows [m0, m1): y = x / sqrt(mean(x²) + eps) · g, g = w or 1 + w (unit_offset).
+static void rms_norm_rows(const float* x, const float* w, float* y, int64_t D, float eps,
+                          bool unit_offset, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xm = x + m * D;
+    float* ym = y + m * D;
+    const float r = 1.f / std::sqrt(dot(xm, xm, D) / float(D) + eps);
+    if (unit_offset)
+      for (int64_t i = 0; i < D; ++i) ym[i] = xm[i] * r * (1.f + w[i]);
+    else
+      for (int64_t i = 0; i < D; ++i) ym[i] = (xm[i] * r) * w[i];
+  }
+}
+
+// RoPE of one head vector: pairs (x[2i], x[2i+1]) rotated by (cos, sin) = cs[2i], cs[2i+1]
+// for i < pairs; the dims past 2·pairs are copied.
+static inline void rope_head(const float* x, const float* cs, float* y, int64_t pairs,
+                             int64_t hd) {
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float x0 = x[2 * i], x1 = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+    y[2 * i] = x0 * c - x1 * s;
+    y[2 * i + 1] = x0 * s + x1 * c;
+  }
+  for (int64_t i = 2 * pairs; i < hd; ++i) y[i] = x[i];
+}
+
+// Attention of one query vector over the keys its row may see, in slot order.
+//   scores s_j = (q·k_j)·scale (→ c·tanh(s_j/c) with soft-capping), −inf where not allowed;
+//   p_j = e^{s_j − max}, l = Σ_j p_j (sequential in j), out = (Σ_j p_j·v_j) / l
+// Keys outside the mask contribute exact zeros to l and are skipped in Σ p_j·v_j, so a row's
+// answer does not depend on padding before it or on other rows: the same bits alone or batched.
+
+static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed, float* sc,
+                       float* out) {
+  float mx = -INFINITY;
+  const bool by4 = a.hd % LANES == 0;
+  int64_t j = 0;
+  for (; j + 4 <= a.S; j += 4) {        // four keys at a time where all four are allowed
+    if (by4 && (allowed[j] & allowed[j + 1] & allowed[j + 2] & allowed[j + 3])) {
+      dot4(q, a.k + j * a.k_s, a.k_s, a.hd, sc + j);
+      continue;
+    }
+    for (int64_t i = j; i < j + 4; ++i)
+      sc[i] = allowed[i] ? dot(q, a.k + i * a.k_s, a.hd) : -INFINITY;
+  }
+  for (; j < a.S; ++j) sc[j] = allowed[j] ? dot(q, a.k + j * a.k_s, a.hd) : -INFINITY;
+  for (int64_t i = 0; i < a.S; ++i) {
+    if (sc[i] == -INFINITY) continue;
+    float s = sc[i] * a.scale;
+    if (a.softcap != 0.f) s = a.softcap * std::tanh(s / a.softcap);
+    sc[i] = s;
+    mx = s > mx ? s : mx;
+  }
+  if (mx == -INFINITY) {                // no key allowed (callers never ask): zeros, not NaN
+    for (int64_t i = 0; i < a.dv; ++i) out[i] = 0.f;
+    return;
+  }
+  j = 0;
+  for (; j + LANES <= a.S; j += LANES) store16(sc + j, exp_nonpositive(load16(sc + j) - mx));
+  for (; j < a.S; ++j) sc[j] = exp_nonpositive(sc[j] - mx);
+  // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped)
+  float l = 0.f;
+  for (int64_t i = 0; i < a.dv; ++i) out[i] = 0.f;
+  for (int64_t j = 0; j < a.S; ++j) {
+    const float p = sc[j];
+    if (p == 0.f) continue;
+    l += p;
+    const float* vj = a.v + j * a.v_s;
+    for (int64_t i = 0; i < a.dv; ++i) out[i] += p * vj[i];
+  }
+  for (int64_t i = 0; i < a.dv; ++i) out[i] = out[i] / l;
+}
+
+}  // namespace ISA
