@@ -149,7 +149,14 @@ q8 = Q8Blocks(torch.randint(-128, 128, (20, 256), generator=g, dtype=torch.int8)
 half = Q8Blocks(q8.codes, torch.rand(20, 8, generator=g).half().float())   # kept as float16
 assert Q8Linear(half).d.dtype == torch.float16 and Q8Linear(q8).d.dtype == torch.float32
 y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x)], 1)
-np.save(sys.argv[1], y.numpy())
+ops = torch.ops.torchllama
+w = torch.randn(256, generator=g)
+q, k, v = (torch.randn(2, s, 5, 48, generator=g).transpose(1, 2) for s in (3, 9, 9))
+cs = torch.randn(3, 20, 2, generator=g)
+layers = [ops.rms_norm(x, w, 1e-6, False), ops.rms_norm(x, w, 1e-6, True),
+          ops.rope(q.transpose(1, 2), cs), ops.attention(q, k, v, None, 0.3, 0.0),
+          ops.attention(q, k, v, torch.rand(3, 9, generator=g) > 0.5, 0.3, 20.0)]
+np.save(sys.argv[1], np.concatenate([y.numpy().ravel()] + [t.numpy().ravel() for t in layers]))
 print(kernels.isa())
 """
 
@@ -218,3 +225,97 @@ def test_fake_implementations_give_shapes_on_the_meta_device():
                                        torch.empty(8, 2, device="meta"),
                                        torch.empty(8, 2, device="meta"))
     assert y.shape == (3, 8) and y.device.type == "meta"
+
+
+# ---- the float32 layer ops (csrc/layers.cpp) ----------------------------------------------------
+
+def reference_attention(q, k, v, allowed, scale, softcap=None):
+    """softmax(q·kᵀ·scale) v in float64 with GQA; allowed (B|1, 1|H, T, S) bool."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(n_rep, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale                      # (B, H, T, S)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v                               # (B, H, T, dv)
+
+
+def test_rms_norm_equals_float64_reference():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 3, 576, generator=g) * 5, torch.randn(576, generator=g)
+    for unit_offset in (False, True):
+        y = torch.ops.torchllama.rms_norm(x, w, 1e-6, unit_offset)
+        x64 = x.double()
+        gain = 1 + w.double() if unit_offset else w.double()
+        ref = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+        torch.testing.assert_close(y.double(), ref, rtol=2e-6, atol=2e-6)
+
+
+def test_rope_rotates_pairs_as_the_complex_product():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 4, 64, generator=g)
+    angles = torch.rand(2, 5, 24, generator=g) * 100                     # partial: 48 of 64
+    freqs = torch.polar(torch.ones_like(angles), angles)                 # (B, T, pairs)
+    y = torch.ops.torchllama.rope(x, torch.view_as_real(freqs))
+    rotated = torch.view_as_complex(x[..., :48].double().reshape(2, 5, 4, 24, 2).contiguous()) \
+        * freqs.cdouble()[:, :, None]
+    ref = torch.cat([torch.view_as_real(rotated).flatten(3), x[..., 48:].double()], -1)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_attention_equals_float64_reference(softcap):
+    g = torch.Generator().manual_seed(3)
+    B, H, KV, T, S, hd, dv = 2, 6, 2, 5, 40, 64, 48
+    q = torch.randn(B, H, T, hd, generator=g) * 2
+    k, v = torch.randn(B, KV, S, hd, generator=g) * 2, torch.randn(B, KV, S, dv, generator=g)
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    itself = torch.zeros(T, S, dtype=torch.bool)
+    itself[torch.arange(T), S - T + torch.arange(T)] = True              # every query sees a key
+    mask = (torch.rand(B, 1, T, S, generator=g) > 0.4) | itself
+    for m, allowed in ((None, causal), (mask, mask)):
+        y = torch.ops.torchllama.attention(q, k, v, m, 0.125, softcap or 0.0)
+        ref = reference_attention(q, k, v, allowed, 0.125, softcap)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_is_the_same_bits_alone_padded_and_chunked():
+    """A row's answer alone equals its answer left-padded (NaN in the padding slots, as an
+    unwritten cache) in a batch with another row, and its queries split into chunks."""
+    g = torch.Generator().manual_seed(4)
+    H, KV, L, hd, pad = 9, 3, 37, 64, 11
+    q = torch.randn(1, H, L, hd, generator=g)
+    k, v = torch.randn(1, KV, L, hd, generator=g), torch.randn(1, KV, L, hd, generator=g)
+    alone = torch.ops.torchllama.attention(q, k, v, None, 0.125, 0.0)        # causal
+    unwritten = torch.full((2, KV, pad + L, hd), float("nan"))
+    kb, vb = unwritten.clone(), unwritten.clone()
+    kb[0, :, pad:], vb[0, :, pad:] = k[0], v[0]
+    kb[1], vb[1] = torch.randn(2, KV, pad + L, hd, generator=g)
+    qb = torch.cat([q, torch.randn(1, H, L, hd, generator=g)])
+    slots = torch.arange(pad + L)
+    allowed = (slots[None, :] <= slots[pad:, None]) & (slots[None, :] >= pad)   # (L, S)
+    mask = torch.stack([allowed, slots[None, :] <= slots[pad:, None]])[:, None]  # (2, 1, L, S)
+    batched = torch.ops.torchllama.attention(qb, kb, vb, mask, 0.125, 0.0)
+    assert torch.equal(batched[:1], alone)
+    for c in (1, 7, 16):                                # chunked prefill, then decode steps
+        parts = [torch.ops.torchllama.attention(q[:, :, t:t + c], k[:, :, :t + c],
+                                                v[:, :, :t + c], None, 0.125, 0.0)
+                 for t in range(0, L, c)]
+        assert torch.equal(torch.cat(parts, dim=2), alone), c
+
+
+def test_fused_projections_equal_the_separate_ones_bit_for_bit():
+    from torchllama.quantize import fuse_rows
+
+    g = torch.Generator().manual_seed(5)
+    parts = [Q4Linear(Q4Blocks.from_float(torch.randn(n, 128, generator=g)), torch.randn(n))
+             for n in (64, 16, 16)]
+    x = torch.randn(3, 128, generator=g)
+    separate = [lin(x) for lin in parts]
+    fused = fuse_rows(parts)
+    assert torch.equal(fused(x), torch.cat(separate, 1))
+    for lin, y in zip(parts, separate):                  # the parts now view the fused buffers
+        assert torch.equal(lin(x), y)
+        assert lin.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr()
+    q8 = Q8Linear(Q8Blocks.from_float(torch.randn(16, 128, generator=g)))
+    assert fuse_rows([parts[0], q8]) is None                # different kinds stay apart

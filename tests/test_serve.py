@@ -84,10 +84,7 @@ def start_server(tmp: Path, name: str, *args: str) -> Server:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torchllama", "serve", "--host", "127.0.0.1", "--port",
-             str(port), "--dtype", "float32", *args],      # exact: tests compare with Session
-            # (float32: the quantized default's matmuls are batch-invariant, tests/test_kernels.py,
-            # but SDPA's reductions over a padded batch are not, and int8 activation rounding
-            # turns their last-bit differences into different tokens in some answers)
+             str(port), *args],        # the default dtype: tests compare with Session
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return Server(port, proc, log)
@@ -146,6 +143,16 @@ def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
                        timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    """(model, tokenizer) of SmolLM2 as the server loads it: the default dtype (the file's Q4_1
+    blocks on torchllama's kernels). Every answer of the server, batched, chunked or under
+    load, must equal this model's answer alone: the kernels are batch-invariant."""
+    import torchllama
+
+    return torchllama.load(smollm2_gguf, progress=False)
 
 
 def greedy(smollm2, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int], str]:
@@ -207,7 +214,7 @@ def test_completion_equals_cli_generate(client, smollm2_gguf):
     prompt = "The three primary colors are"
     out = subprocess.run(
         [sys.executable, "-m", "torchllama", "generate", "--prompt", prompt, "--temperature", "0",
-         "--max-new-tokens", "12", "--dtype", "float32"], cwd=REPO, capture_output=True,
+         "--max-new-tokens", "12"], cwd=REPO, capture_output=True,
         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(prompt)
