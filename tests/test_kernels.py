@@ -319,3 +319,36 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit():
         assert lin.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr()
     q8 = Q8Linear(Q8Blocks.from_float(torch.randn(16, 128, generator=g)))
     assert fuse_rows([parts[0], q8]) is None                # different kinds stay apart
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, monkeypatch):
+    """`llama_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
+    batch and a chunk written into another cache row."""
+    from torchllama.config import ModelArgs
+    from torchllama.model import Transformer, TransformerBlock
+    from torchllama.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                 vocab_size=256, max_seq_len=64)), scheme)
+    model.setup_caches(3, 64)
+    with torch.inference_mode():
+        assert model.layers[0].fused_layer_args(torch.zeros(1, 1, 128), _inputs(model))
+    prompt = torch.randint(0, 256, (2, 9))
+
+    def run():
+        with torch.inference_mode():
+            yield model(prompt, 0)                                          # prefill
+            yield model(prompt[:, :1], 9)                                   # decode
+            yield model(prompt, 0, pad=torch.tensor([4, 0]))                # left-padded
+            yield model(prompt[:1, :5], 3, cache_rows=slice(2, 3))          # a chunk, row 2
+
+    fused = list(run())
+    monkeypatch.setattr(TransformerBlock, "fused_layer_args", lambda self, x, inputs: None)
+    for a, b in zip(fused, run()):
+        assert torch.equal(a, b)
+
+
+def _inputs(model):
+    return model._attention_inputs(0, torch.device("cpu"), 0, 1, None, None)

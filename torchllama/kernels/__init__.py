@@ -19,6 +19,8 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rope(x (B, T, H, hd), cs (T | B·T, pairs, 2)) → (B, T, H, hd)
     torch.ops.torchllama.attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv),
                                    mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap)
+    torch.ops.torchllama.llama_layer(x (B, T, D), …) → (B, T, D): a whole pre-norm Llama layer
+        with block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
 """
 
@@ -34,8 +36,8 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h")
-COMPILED = ("blocks.cpp", "layers.cpp")
+SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h", "decoder.cpp")
+COMPILED = ("blocks.cpp", "layers.cpp", "decoder.cpp")
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
@@ -115,6 +117,10 @@ def _register_fakes() -> None:
     def _(q, k, v, mask, scale, softcap):
         B, H, T, _ = q.shape
         return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
+
+    @torch.library.register_fake("torchllama::llama_layer")
+    def _(x, *args):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("torchllama::quantize_act")
     def _(x):

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+#include <immintrin.h>
 
 #include "isa.h"
 
@@ -43,21 +44,27 @@ struct AttnArgs {
 };
 
 #define ISA scalar
+#define ISA_LEVEL 0
 #include "layers_impl.h"
 #undef ISA
+#undef ISA_LEVEL
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define ISA avx2
+#define ISA_LEVEL 1
 #include "layers_impl.h"
 #undef ISA
+#undef ISA_LEVEL
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw")
 #define ISA avx512
+#define ISA_LEVEL 2
 #include "layers_impl.h"
 #undef ISA
+#undef ISA_LEVEL
 #pragma GCC pop_options
 
 static void check_f32(const at::Tensor& t, const char* op, const char* name) {

@@ -18,6 +18,25 @@ typedef float v4 __attribute__((vector_size(16)));
 static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+// a·b + c rounded once (fused multiply-add: exact on every target, in hardware where it exists;
+// the scalar build calls fmaf, slower but the same bits).
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if ISA_LEVEL == 2
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif ISA_LEVEL == 1
+  v16 r;
+  __m256 lo = _mm256_fmadd_ps(_mm256_loadu_ps(&a[0]), _mm256_loadu_ps(&b[0]), _mm256_loadu_ps(&c[0]));
+  __m256 hi = _mm256_fmadd_ps(_mm256_loadu_ps(&a[8]), _mm256_loadu_ps(&b[8]), _mm256_loadu_ps(&c[8]));
+  std::memcpy(&r[0], &lo, 32);
+  std::memcpy(&r[8], &hi, 32);
+  return r;
+#else
+  v16 r;
+  for (int l = 0; l < LANES; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
 // Σ of the 16 lanes by a fixed tree: lane l + lane l + w for w = 8, 4, 2, 1.
 static inline float tree_sum(v16 acc) {
   const v8 a = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -31,8 +50,8 @@ static inline float tree_sum(v16 acc) {
 static inline float dot(const float* a, const float* b, int64_t n) {
   v16 acc = {};
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (; i + LANES <= n; i += LANES) acc = fma16(load16(a + i), load16(b + i), acc);
+  for (int l = 0; i < n; ++i, ++l) acc[l] = std::fma(a[i], b[i], acc[l]);
   return tree_sum(acc);
 }
 
@@ -42,10 +61,10 @@ static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, f
   v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
   for (int64_t i = 0; i < n; i += LANES) {
     const v16 av = load16(a + i);
-    acc0 += av * load16(b + i);
-    acc1 += av * load16(b + ld + i);
-    acc2 += av * load16(b + 2 * ld + i);
-    acc3 += av * load16(b + 3 * ld + i);
+    acc0 = fma16(av, load16(b + i), acc0);
+    acc1 = fma16(av, load16(b + ld + i), acc1);
+    acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
+    acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
   }
   out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
   out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
@@ -144,15 +163,30 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
   j = 0;
   for (; j + LANES <= a.S; j += LANES) store16(sc + j, exp_nonpositive(load16(sc + j) - mx));
   for (; j < a.S; ++j) sc[j] = exp_nonpositive(sc[j] - mx);
-  // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped)
+  // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped;
+  // out by fused multiply-adds, 64 dims at a time in registers)
   float l = 0.f;
-  for (int64_t i = 0; i < a.dv; ++i) out[i] = 0.f;
-  for (int64_t j = 0; j < a.S; ++j) {
-    const float p = sc[j];
-    if (p == 0.f) continue;
-    l += p;
-    const float* vj = a.v + j * a.v_s;
-    for (int64_t i = 0; i < a.dv; ++i) out[i] += p * vj[i];
+  for (int64_t j = 0; j < a.S; ++j) l += sc[j];
+  int64_t i0 = 0;
+  for (; i0 + 4 * LANES <= a.dv; i0 += 4 * LANES) {
+    v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
+    for (int64_t j = 0; j < a.S; ++j) {
+      if (sc[j] == 0.f) continue;
+      const v16 p = v16{} + sc[j];
+      const float* vj = a.v + j * a.v_s + i0;
+      o0 = fma16(p, load16(vj), o0);
+      o1 = fma16(p, load16(vj + LANES), o1);
+      o2 = fma16(p, load16(vj + 2 * LANES), o2);
+      o3 = fma16(p, load16(vj + 3 * LANES), o3);
+    }
+    store16(out + i0, o0); store16(out + i0 + LANES, o1);
+    store16(out + i0 + 2 * LANES, o2); store16(out + i0 + 3 * LANES, o3);
+  }
+  for (; i0 < a.dv; ++i0) {
+    float o = 0.f;
+    for (int64_t j = 0; j < a.S; ++j)
+      if (sc[j] != 0.f) o = std::fma(sc[j], a.v[j * a.v_s + i0], o);
+    out[i0] = o;
   }
   for (int64_t i = 0; i < a.dv; ++i) out[i] = out[i] / l;
 }
