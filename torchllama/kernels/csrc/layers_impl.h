@@ -66,8 +66,24 @@ static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, f
     acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
     acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
   }
-  out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
-  out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
+  // tree_sum of the four, side by side: the same pairs of lanes added at each level
+  const v16 a01 = __builtin_shufflevector(acc0, acc1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                          20, 21, 22, 23) +
+                  __builtin_shufflevector(acc0, acc1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                          27, 28, 29, 30, 31);                // 16 → 8 each
+  const v16 a23 = __builtin_shufflevector(acc2, acc3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                          20, 21, 22, 23) +
+                  __builtin_shufflevector(acc2, acc3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                          27, 28, 29, 30, 31);
+  const v16 f4 = __builtin_shufflevector(a01, a23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                         24, 25, 26, 27) +
+                 __builtin_shufflevector(a01, a23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                         28, 29, 30, 31);                     // 8 → 4 each
+  const v8 c = __builtin_shufflevector(f4, f4, 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(f4, f4, 2, 3, 6, 7, 10, 11, 14, 15);   // 4 → 2 each
+  const v4 r = __builtin_shufflevector(c, c, 0, 2, 4, 6) +
+               __builtin_shufflevector(c, c, 1, 3, 5, 7);                     // 2 → 1 each
+  std::memcpy(out, &r, sizeof r);
 }
 
 // e^x for x ≤ 0 (−inf → 0), as Cephes' expf (Moshier 1992): x = n·ln2 + r with |r| ≤ ln2/2,
@@ -166,12 +182,14 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
   // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped;
   // out by fused multiply-adds, 64 dims at a time in registers)
   float l = 0.f;
-  for (int64_t j = 0; j < a.S; ++j) l += sc[j];
+  if (a.dv < 4 * LANES)
+    for (int64_t j = 0; j < a.S; ++j) l += sc[j];
   int64_t i0 = 0;
   for (; i0 + 4 * LANES <= a.dv; i0 += 4 * LANES) {
     v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
     for (int64_t j = 0; j < a.S; ++j) {
       if (sc[j] == 0.f) continue;
+      if (i0 == 0) l += sc[j];          // (its latency hides under the multiply-adds)
       const v16 p = v16{} + sc[j];
       const float* vj = a.v + j * a.v_s + i0;
       o0 = fma16(p, load16(vj), o0);
