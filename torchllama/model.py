@@ -110,14 +110,10 @@ class TransformerBlock(nn.Module):
 
 
 def _block_weight(module: nn.Module) -> Optional[list[torch.Tensor]]:
-    """[codes, d, m] of a Q4Linear, [codes, d] of a Q8Linear (no bias), else None."""
-    from torchllama.quantize import Q4Linear, Q8Linear
-
-    if isinstance(module, Q4Linear) and module.bias is None:
-        return [module.codes, module.d, module.m]
-    if isinstance(module, Q8Linear) and module.bias is None:
-        return [module.codes, module.d]
-    return None
+    """[codes, d, m] of a q4 block linear, [codes, d] of a q8 one (no bias), else None: the
+    module says so itself (`kernel_weight`), so the model needs no quantization code."""
+    kernel_weight = getattr(module, "kernel_weight", None)
+    return kernel_weight() if callable(kernel_weight) else None
 
 
 def _llama_layer_weights(block: TransformerBlock) -> Optional[tuple]:

@@ -409,6 +409,10 @@ class Q4Linear(nn.Module):
     def weight_blocks(self) -> Q4Blocks:
         return Q4Blocks(self.codes, self.d, self.m)
 
+    def kernel_weight(self) -> Optional[list[torch.Tensor]]:
+        """[codes, d, m] as `llama_layer` takes a q4 product; None with a bias (it has none)."""
+        return None if self.bias is not None else [self.codes, self.d, self.m]
+
     def dequantize(self) -> torch.Tensor:
         return self.weight_blocks().dequantize()                            # (N, K) fp32
 
@@ -441,6 +445,10 @@ class Q8Linear(nn.Module):
 
     def weight_blocks(self) -> Q8Blocks:
         return Q8Blocks(self.codes, self.d)
+
+    def kernel_weight(self) -> Optional[list[torch.Tensor]]:
+        """[codes, d] as `llama_layer` takes a q8 product; None with a bias (it has none)."""
+        return None if self.bias is not None else [self.codes, self.d]
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_blocks().dequantize()                            # (N, K) fp32
