@@ -320,6 +320,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_int8", weight.q.contiguous(), persistent=False)  # (N, K)
         self.register_buffer("scale", weight.scale.to(COMPUTE_DTYPE), persistent=False)  # (N,)
+        # the exact float32 scales too, for a tied embedding table (bf16 would add up to 2⁻⁹
+        # of each row's largest value to its rounding error)
+        self.register_buffer("scale_fp32", weight.scale.float(), persistent=False)  # (N,)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def dequantize(self) -> torch.Tensor:
@@ -555,7 +558,7 @@ def quantized_embedding(weight: QuantizedWeight, linear: Optional[nn.Module] = N
     if isinstance(linear, (Q4Linear, Q8Linear)):
         return BlockEmbedding(linear.weight_blocks())
     if isinstance(linear, Int8Linear):
-        return QuantizedEmbedding(Int8Weight(linear.weight_int8, linear.scale.float()), linear)
+        return QuantizedEmbedding(Int8Weight(linear.weight_int8, linear.scale_fp32), linear)
     if isinstance(weight, (Q4Blocks, Q8Blocks)):
         return BlockEmbedding(weight)
     return QuantizedEmbedding(weight)
