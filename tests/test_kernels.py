@@ -321,33 +321,53 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit():
     assert fuse_rows([parts[0], q8]) is None                # different kinds stay apart
 
 
+GEMMA_LIKE = dict(norm_unit_offset=True, norm_placement="sandwich", qk_norm=True,
+                  mlp="geglu_tanh", embed_scale=True, attn_scale=0.07, attn_logit_softcap=50.0,
+                  rope_local_theta=10000.0, sliding_window=6, layer_types=["local", "global"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, monkeypatch):
-    """`llama_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
-    batch and a chunk written into another cache row."""
+def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch):
+    """`decoder_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
+    batch and a chunk written into another cache row; for a Llama layer and a Gemma-3-style one
+    (sandwich norms with gains 1 + w, QK-norm, tanh GeGLU, soft-capping, and a sliding-window
+    ring cache that decode steps wrap around)."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer, TransformerBlock
     from torchllama.quantize import quantize_model
 
     torch.manual_seed(0)
-    model = quantize_model(Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                                                 vocab_size=256, max_seq_len=64)), scheme)
-    model.setup_caches(3, 64)
+    extra = GEMMA_LIKE if family == "gemma" else {}
+    model = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                  max_seq_len=96, **extra))
+    for p in model.parameters():                      # the gains away from 1 + 0
+        torch.nn.init.normal_(p, std=0.3 if p.ndim == 1 else 0.05)
+    model = quantize_model(model, scheme)
     with torch.inference_mode():
-        assert model.layers[0].fused_layer_args(torch.zeros(1, 1, 128), _inputs(model))
+        for layer in model.layers:
+            assert layer._fused_weights() is not None, layer.layer_id
     prompt = torch.randint(0, 256, (2, 9))
 
     def run():
+        model.setup_caches(3, 96)
         with torch.inference_mode():
             yield model(prompt, 0)                                          # prefill
-            yield model(prompt[:, :1], 9)                                   # decode
+            for t in range(9, 80):                      # decode, past the ring's 6 + 64 slots
+                yield model(prompt[:, t % 9:t % 9 + 1], t)
             yield model(prompt, 0, pad=torch.tensor([4, 0]))                # left-padded
-            yield model(prompt[:1, :5], 3, cache_rows=slice(2, 3))          # a chunk, row 2
+            yield model(prompt[:1, :3], 0, cache_rows=slice(2, 3))          # row 2: a chunk,
+            yield model(prompt[:1, 3:8], 3, cache_rows=slice(2, 3))         # then the next
 
+    calls = []
+    op = torch.ops.torchllama.decoder_layer
+    monkeypatch.setattr(torch.ops.torchllama, "decoder_layer",
+                        lambda *a: calls.append(1) or op(*a), raising=False)
     fused = list(run())
+    assert len(calls) >= 71 * 2                       # every decode step, each layer
     monkeypatch.setattr(TransformerBlock, "fused_layer_args", lambda self, x, inputs: None)
-    for a, b in zip(fused, run()):
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(fused, run())):
+        assert torch.equal(a, b), i
 
 
 def _inputs(model):

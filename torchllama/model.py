@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         # x: (B, T, D) → (B, T, D)
         fused = self.fused_layer_args(x, inputs)
         if fused is not None:        # the same kernels in one call (kernels/csrc/decoder.cpp)
-            return torch.ops.torchllama.llama_layer(x, *fused)
+            return torch.ops.torchllama.decoder_layer(x, *fused)
         if self.placement == "pre":
             h = x + self.attention(self.attention_norm(x), inputs)
             return h + self.feed_forward(self.ffn_norm(h))
@@ -74,38 +74,45 @@ class TransformerBlock(nn.Module):
         n = self.attention_norm(x)                                         # parallel
         return x + self.attention(n, inputs) + self.feed_forward(n)
 
-
     def fused_layer_args(self, x: torch.Tensor, inputs: AttentionInputs) -> Optional[tuple]:
-        """The arguments of `torch.ops.torchllama.llama_layer` after x when it computes this
-        layer exactly as the modules do: a pre-norm Llama layer (RMSNorm, attention with fused
-        block-weight q/k/v, full RoPE and a cache in slot order; SwiGLU with fused block w1/w3;
-        no biases, QK-norm or soft-capping), float32 inference on torchllama's kernels. A decode
-        step of a small model is mostly Python dispatch of ~40 small ops per layer; this is one
-        call (SmolLM2: ms per token in README "Speed"). None when it does not apply."""
+        """The arguments of `torch.ops.torchllama.decoder_layer` after x when it computes this
+        layer exactly as the modules do, else None: a pre-norm or sandwich layer of RMSNorms
+        (Llama, Mistral, Gemma 2/3), attention with fused block-weight q/k/v (optionally
+        QK-norm and soft-capping), full RoPE and a cache that can write in place; a gated FFN
+        (SwiGLU or tanh GeGLU) with fused block w1/w3; no biases; float32 inference on
+        torchllama's kernels. A decode step of a small model is mostly Python dispatch of
+        ~40 small ops per layer; this is one call (README "Speed").
+
+        When it returns arguments, the cache has counted the write (`KVCache.write_slots`):
+        the caller must run the op."""
         weights = self._fused_weights()
         if weights is None:
             return None
         attention = self.attention
         cache, cs = attention.kv_cache, inputs.freqs_cis
-        if type(cache) is not KVCache or attention.capture is not None or cs is None or \
-                inputs.bias is not None or not kernels.layer_ops_apply(x, weights[0]):
+        if cache is None or cache.k_cache.dtype != torch.float32 or \
+                attention.capture is not None or cs is None or \
+                inputs.bias is not None or not kernels.layer_ops_apply(x, weights[0][0]):
             return None
         cs = torch.view_as_real(cs) if cs.is_complex() else cs              # (…, T, hd/2, 2)
         if 2 * cs.shape[-2] != attention.head_dim:                          # partial RoPE
             return None
+        slots = cache.write_slots(inputs.start_pos, x.shape[1])
+        if slots is None:
+            return None
         rows = inputs.cache_rows
         row0 = 0 if rows is None else (rows.start or 0)
-        return (*weights[:6], cache.k_cache, cache.v_cache, row0, inputs.start_pos, cs,
-                inputs.mask, *weights[6:])
+        return (*weights[:6], cache.k_cache, cache.v_cache, row0, *slots, cs, inputs.mask,
+                *weights[6:])
 
     def _fused_weights(self) -> Optional[tuple]:
-        """This layer's weights for `llama_layer`, or None if its structure does not fit;
+        """This layer's weights for `decoder_layer`, or None if its structure does not fit;
         remembered for the modules it was computed from."""
         attention, ffn = self.attention, self.feed_forward
         key = (getattr(attention, "wqkv", None), getattr(ffn, "w13", None))
         cached = getattr(self, "_fused_cache", None)
         if cached is None or cached[0] != key:
-            self._fused_cache = cached = (key, _llama_layer_weights(self))
+            self._fused_cache = cached = (key, _decoder_layer_weights(self))
         return cached[1]
 
 
@@ -116,28 +123,34 @@ def _block_weight(module: nn.Module) -> Optional[list[torch.Tensor]]:
     return kernel_weight() if callable(kernel_weight) else None
 
 
-def _llama_layer_weights(block: TransformerBlock) -> Optional[tuple]:
-    """(attention_norm, wqkv, wo, ffn_norm, w13, w2, n_heads, n_kv_heads, eps, scale) of a
-    block that `llama_layer` computes exactly, else None (see `fused_layer_args`)."""
+def _decoder_layer_weights(block: TransformerBlock) -> Optional[tuple]:
+    """(norms, wqkv, wo, w13, w2, qk_norms, n_heads, n_kv_heads, eps, scale, softcap,
+    unit_offset, gelu_tanh) of a block that `decoder_layer` computes exactly, else None (see
+    `fused_layer_args`)."""
     from torchllama.nn.attention import Attention
-    from torchllama.nn.mlp import FeedForward
+    from torchllama.nn.mlp import ACTIVATIONS, FeedForward
     from torchllama.nn.norms import RMSNorm
 
     attention, ffn = block.attention, block.feed_forward
-    norms = (block.attention_norm, getattr(block, "ffn_norm", None))
-    if block.placement != "pre" or type(attention) is not Attention or \
-            type(ffn) is not FeedForward or ffn.act is not F.silu or not attention.rope or \
-            attention.softcap is not None or hasattr(attention, "q_norm") or \
-            not all(type(n) is RMSNorm and not n.unit_offset for n in norms) or \
-            norms[0].eps != norms[1].eps:
+    if block.placement not in ("pre", "sandwich") or type(attention) is not Attention or \
+            type(ffn) is not FeedForward or not attention.rope:
+        return None
+    gelu_tanh = ffn.act is ACTIVATIONS["geglu_tanh"]
+    names = ["attention_norm", "ffn_norm"] + \
+        (["post_attention_norm", "post_ffn_norm"] if block.placement == "sandwich" else [])
+    norms = [getattr(block, n) for n in names]
+    qk_norms = [attention.q_norm, attention.k_norm] if hasattr(attention, "q_norm") else []
+    if not (ffn.act is F.silu or gelu_tanh) or any(
+            type(n) is not RMSNorm or n.unit_offset != norms[0].unit_offset or
+            n.eps != norms[0].eps for n in norms + qk_norms):
         return None
     weights = [_block_weight(m) for m in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
     if any(w is None for w in weights):
         return None
-    wqkv, wo, w13, w2 = weights
     scale = attention.scale or attention.head_dim ** -0.5
-    return (norms[0].weight, wqkv, wo, norms[1].weight, w13, w2, attention.n_heads,
-            attention.n_kv_heads, norms[0].eps, scale)
+    return ([n.weight for n in norms], *weights, [n.weight for n in qk_norms],
+            attention.n_heads, attention.n_kv_heads, norms[0].eps, scale,
+            attention.softcap or 0.0, norms[0].unit_offset, gelu_tanh)
 
 
 class Transformer(nn.Module):

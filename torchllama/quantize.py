@@ -413,7 +413,7 @@ class Q4Linear(nn.Module):
         return Q4Blocks(self.codes, self.d, self.m)
 
     def kernel_weight(self) -> Optional[list[torch.Tensor]]:
-        """[codes, d, m] as `llama_layer` takes a q4 product; None with a bias (it has none)."""
+        """[codes, d, m] as `decoder_layer` takes a q4 product; None with a bias (it has none)."""
         return None if self.bias is not None else [self.codes, self.d, self.m]
 
     def dequantize(self) -> torch.Tensor:
@@ -450,7 +450,7 @@ class Q8Linear(nn.Module):
         return Q8Blocks(self.codes, self.d)
 
     def kernel_weight(self) -> Optional[list[torch.Tensor]]:
-        """[codes, d] as `llama_layer` takes a q8 product; None with a bias (it has none)."""
+        """[codes, d] as `decoder_layer` takes a q8 product; None with a bias (it has none)."""
         return None if self.bias is not None else [self.codes, self.d]
 
     def dequantize(self) -> torch.Tensor:

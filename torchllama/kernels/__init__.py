@@ -19,8 +19,8 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rope(x (B, T, H, hd), cs (T | B·T, pairs, 2)) → (B, T, H, hd)
     torch.ops.torchllama.attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv),
                                    mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap)
-    torch.ops.torchllama.llama_layer(x (B, T, D), …) → (B, T, D): a whole pre-norm Llama layer
-        with block weights, the same kernels in one call (csrc/decoder.cpp)
+    torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
+        layer with block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
 """
 
@@ -118,7 +118,7 @@ def _register_fakes() -> None:
         B, H, T, _ = q.shape
         return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
 
-    @torch.library.register_fake("torchllama::llama_layer")
+    @torch.library.register_fake("torchllama::decoder_layer")
     def _(x, *args):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 

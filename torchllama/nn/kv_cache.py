@@ -89,6 +89,13 @@ class KVCache(nn.Module):
         self.v_cache[rows, :, start_pos:end] = xv
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
+    def write_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
+        """For an op that writes the T new keys and values into the buffers itself
+        (`torch.ops.torchllama.decoder_layer`): (index of the first one, number of indices to attend
+        over) — what `update` would write and return — or None when the buffers cannot take
+        them in place. Counts the write, as `update` does."""
+        return (start_pos, start_pos + T) if type(self) is KVCache else None
+
     def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
         """Slot of each key `update(start_pos, …T tokens)` returns: 0..start_pos+T-1, (S,)."""
         return torch.arange(start_pos + T, device=device)
@@ -176,6 +183,14 @@ class SlidingWindowKVCache(KVCache):
         start_pos needs slots from start_pos − window + 1, which the ring holds while
         high − start_pos ≤ capacity − window + 1."""
         return self.high - start_pos <= self.capacity - self.window + 1
+
+    def write_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
+        """(start_pos mod capacity, capacity) when appending one token (then the whole ring is
+        attended over in storage order, as `update` does), else None (see `KVCache`)."""
+        if type(self) is not SlidingWindowKVCache or not self._appends_one(start_pos, T):
+            return None
+        self.high = start_pos + 1
+        return start_pos % self.capacity, self.capacity
 
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
                rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,18 +1,25 @@
-// One Llama decoder layer as a single op: the same kernels the Python modules call, in the same
-// order, sequenced in C++. A decode step of a small model spends more time dispatching ~40 small
-// ops per layer from Python than computing them; this op does it with one call, and gives the
-// same bits as the modules (tests/test_kernels.py checks it against them).
+// One decoder layer as a single op: the same kernels the Python modules call, in the same order,
+// sequenced in C++. A decode step of a small model spends more time dispatching ~40 small ops
+// per layer from Python than computing them; this op does it with one call, and gives the same
+// bits as the modules (tests/test_kernels.py checks it against them).
 //
-//   llama_layer(x (B, T, D) f32, attention_norm (D,), wqkv, wo, ffn_norm (D,), w13, w2,
-//               k_cache (R, KV, L, hd), v_cache, row0, start_pos, cs (T | B·T, hd/2, 2),
-//               mask, n_heads, n_kv_heads, eps, scale) → (B, T, D)
-// Pre-norm block (Xiong et al. 2020; Meta's TransformerBlock.forward):
+//   decoder_layer(x (B, T, D) f32, norms [attention_norm, ffn_norm(, post_attention_norm,
+//                 post_ffn_norm)] (D,) each, wqkv, wo, w13, w2, qk_norms [] | [q_norm, k_norm]
+//                 (hd,), k_cache (R, KV, C, hd), v_cache, row0, write_pos, n_keys,
+//                 cs (T | B·T, hd/2, 2), mask, n_heads, n_kv_heads, eps, scale, softcap,
+//                 unit_offset, gelu_tanh) → (B, T, D)
+// Pre-norm block (Xiong et al. 2020; Meta's TransformerBlock.forward), SwiGLU (Shazeer 2020):
 //   h = x + Wo·Attn(RoPE(Wq·n), RoPE(Wk·n), Wv·n) with n = RMSNorm(x)
-//   out = h + W2·(SiLU(W1·m) ⊙ W3·m) with m = RMSNorm(h)           (SwiGLU, Shazeer 2020)
+//   out = h + W2·(SiLU(W1·m) ⊙ W3·m) with m = RMSNorm(h)
+// With the Gemma 2/3 options (gemma_pytorch's GemmaDecoderLayer): "sandwich" norms on each
+// sublayer's output (4 norms), QK-norm (RMSNorm over each head's hd dims, before RoPE),
+// RMSNorm gains (1 + w) (unit_offset), GeGLU with tanh GELU, soft-capped scores (softcap > 0).
 // Each weight is a block matrix given as [codes, d, m] (Q4) or [codes, d] (Q8); wqkv stacks
-// wq, wk, wv and w13 stacks w1, w3 (torchllama.quantize.fuse_projections). The new keys and
-// values are written into cache rows row0.. at slots start_pos..start_pos+T-1 (a KVCache in
-// slot order), and attention reads slots 0..start_pos+T-1 with `mask` (see attention()).
+// wq, wk, wv and w13 stacks w1, w3 (torchllama.quantize.fuse_projections). The T new keys and
+// values are written into cache rows row0.. at indices write_pos..write_pos+T-1, and attention
+// reads indices 0..n_keys-1 with `mask` (see attention()): a KVCache in slot order
+// (write_pos = start_pos, n_keys = start_pos + T), or one token appended to a sliding-window
+// ring (write_pos = start_pos mod C, n_keys = C; the mask says which slot each index holds).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -24,56 +31,75 @@
 namespace torchllama {
 
 static at::Tensor linear(const at::Tensor& x2, const std::vector<at::Tensor>& w) {
-  TORCH_CHECK(w.size() == 2 || w.size() == 3, "llama_layer: a weight is [codes, d] or "
+  TORCH_CHECK(w.size() == 2 || w.size() == 3, "decoder_layer: a weight is [codes, d] or "
               "[codes, d, m], got ", w.size(), " tensors");
   return w.size() == 3 ? q4_linear(x2, w[0], w[1], w[2]) : q8_linear(x2, w[0], w[1]);
 }
 
 static int64_t rows_of(const std::vector<at::Tensor>& w) { return w.at(0).size(0); }
 
-at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& attention_norm,
-                       const std::vector<at::Tensor>& wqkv, const std::vector<at::Tensor>& wo,
-                       const at::Tensor& ffn_norm, const std::vector<at::Tensor>& w13,
-                       const std::vector<at::Tensor>& w2, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, int64_t row0, int64_t start_pos,
-                       const at::Tensor& cs, const std::optional<at::Tensor>& mask,
-                       int64_t n_heads, int64_t n_kv_heads, double eps, double scale) {
-  TORCH_CHECK(x.dim() == 3, "llama_layer: x must be (B, T, D), got ", x.sizes());
+// (B, T, H, hd) queries and (B, T, KV, hd) keys after QK-norm (if any) and RoPE.
+static std::pair<at::Tensor, at::Tensor> queries_keys(
+    const at::Tensor& qkv, int64_t H, int64_t KV, const std::vector<at::Tensor>& qk_norms,
+    const at::Tensor& cs, double eps, bool unit_offset) {
+  if (qk_norms.empty()) {                                    // q and k adjacent: one RoPE call
+    const at::Tensor qk = rope(qkv.narrow(2, 0, H + KV), cs);               // (B, T, H+KV, hd)
+    return {qk.narrow(2, 0, H), qk.narrow(2, H, KV)};
+  }
+  const at::Tensor q = rms_norm(qkv.narrow(2, 0, H), qk_norms[0], eps, unit_offset);
+  const at::Tensor k = rms_norm(qkv.narrow(2, H, KV), qk_norms[1], eps, unit_offset);
+  return {rope(q, cs), rope(k, cs)};
+}
+
+at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& norms,
+                         const std::vector<at::Tensor>& wqkv, const std::vector<at::Tensor>& wo,
+                         const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
+                         const std::vector<at::Tensor>& qk_norms, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, int64_t row0, int64_t write_pos,
+                         int64_t n_keys, const at::Tensor& cs,
+                         const std::optional<at::Tensor>& mask, int64_t n_heads,
+                         int64_t n_kv_heads, double eps, double scale, double softcap,
+                         bool unit_offset, bool gelu_tanh) {
+  TORCH_CHECK(x.dim() == 3, "decoder_layer: x must be (B, T, D), got ", x.sizes());
+  TORCH_CHECK((norms.size() == 2 || norms.size() == 4) &&
+              (qk_norms.empty() || qk_norms.size() == 2),
+              "decoder_layer: 2 or 4 norms and 0 or 2 QK-norms expected");
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const int64_t H = n_heads, KV = n_kv_heads, hd = rows_of(wqkv) / (H + 2 * KV);
   TORCH_CHECK(hd * (H + 2 * KV) == rows_of(wqkv) && k_cache.size(3) == hd &&
-              k_cache.size(1) == KV && start_pos + T <= k_cache.size(2) &&
-              row0 + B <= k_cache.size(0),
-              "llama_layer: wqkv, the cache and the slots do not match");
-  // attention: n = RMSNorm(x); q, k, v = n·Wqkvᵀ; RoPE on q and k (adjacent: one call)
-  const at::Tensor n = rms_norm(x, attention_norm, eps, false);                 // (B, T, D)
+              k_cache.size(1) == KV && write_pos + T <= k_cache.size(2) &&
+              n_keys <= k_cache.size(2) && row0 + B <= k_cache.size(0),
+              "decoder_layer: wqkv, the cache and the slots do not match");
+  // attention: n = RMSNorm(x); q, k, v = n·Wqkvᵀ; (QK-norm,) RoPE on q and k
+  const at::Tensor n = rms_norm(x, norms[0], eps, unit_offset);              // (B, T, D)
   const at::Tensor qkv = linear(n.view({B * T, D}), wqkv).view({B, T, H + 2 * KV, hd});
-  const at::Tensor qk = rope(qkv.narrow(2, 0, H + KV), cs);                    // (B, T, H+KV, hd)
-  const at::Tensor xq = qk.narrow(2, 0, H).transpose(1, 2);                    // (B, H, T, hd)
+  const auto [q, k] = queries_keys(qkv, H, KV, qk_norms, cs, eps, unit_offset);
   const at::Tensor kc = k_cache.narrow(0, row0, B), vc = v_cache.narrow(0, row0, B);
-  kc.narrow(2, start_pos, T).copy_(qk.narrow(2, H, KV).transpose(1, 2));       // (B, KV, T, hd)
-  vc.narrow(2, start_pos, T).copy_(qkv.narrow(2, H + KV, KV).transpose(1, 2));
-  const at::Tensor keys = kc.narrow(2, 0, start_pos + T);                      // (B, KV, S, hd)
-  const at::Tensor values = vc.narrow(2, 0, start_pos + T);
-  const at::Tensor attn = attention(xq, keys, values, mask, scale, 0.0);       // (B, H, T, hd)
-  const at::Tensor h = x + linear(attn.transpose(1, 2).reshape({B * T, H * hd}), wo)
-                               .view({B, T, D});
-  // feed-forward: m = RMSNorm(h); h + W2·(SiLU(gate) ⊙ up), [gate, up] = m·W13ᵀ
-  const at::Tensor m = rms_norm(h, ffn_norm, eps, false);
+  kc.narrow(2, write_pos, T).copy_(k.transpose(1, 2));                        // (B, KV, T, hd)
+  vc.narrow(2, write_pos, T).copy_(qkv.narrow(2, H + KV, KV).transpose(1, 2));
+  const at::Tensor attn = attention(q.transpose(1, 2), kc.narrow(2, 0, n_keys),  // (B, H, T, hd)
+                                    vc.narrow(2, 0, n_keys), mask, scale, softcap);
+  at::Tensor o = linear(attn.transpose(1, 2).reshape({B * T, H * hd}), wo).view({B, T, D});
+  if (norms.size() == 4) o = rms_norm(o, norms[2], eps, unit_offset);          // sandwich
+  const at::Tensor h = x + o;
+  // feed-forward: m = RMSNorm(h); h + W2·(act(gate) ⊙ up), [gate, up] = m·W13ᵀ
+  const at::Tensor m = rms_norm(h, norms[1], eps, unit_offset);
   const auto gate_up = linear(m.view({B * T, D}), w13).chunk(2, -1);           // (BT, F) each
-  const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
-  return h + linear(act, w2).view({B, T, D});
+  const at::Tensor act = gelu_tanh ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+  at::Tensor f = linear(act * gate_up[1], w2).view({B, T, D});
+  if (norms.size() == 4) f = rms_norm(f, norms[3], eps, unit_offset);
+  return h + f;
 }
 
 }  // namespace torchllama
 
 TORCH_LIBRARY_FRAGMENT(torchllama, m) {
-  m.def("llama_layer(Tensor x, Tensor attention_norm, Tensor[] wqkv, Tensor[] wo, "
-        "Tensor ffn_norm, Tensor[] w13, Tensor[] w2, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "int row0, int start_pos, Tensor cs, Tensor? mask, int n_heads, int n_kv_heads, "
-        "float eps, float scale) -> Tensor");
+  m.def("decoder_layer(Tensor x, Tensor[] norms, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
+        "Tensor[] w2, Tensor[] qk_norms, Tensor(a!) k_cache, Tensor(b!) v_cache, int row0, "
+        "int write_pos, int n_keys, Tensor cs, Tensor? mask, int n_heads, int n_kv_heads, "
+        "float eps, float scale, float softcap, bool unit_offset, bool gelu_tanh) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
-  m.impl("llama_layer", &torchllama::llama_layer);
+  m.impl("decoder_layer", &torchllama::decoder_layer);
 }
