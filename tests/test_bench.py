@@ -52,6 +52,25 @@ def greedy_without_cache(model, prompt: torch.Tensor, n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def test_every_decode_run_of_a_sliding_window_model_is_the_first_one():
+    """A ring cache cannot rewind past its window: the run puts the prefill's state back, so a
+    second run decodes what the first did, appending as generation does (a rewinding run
+    attended over overwritten slots and took the slow concatenating path)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                  max_seq_len=128, sliding_window=4,
+                                  layer_types=["local", "global"])).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5 if p.ndim == 1 else 0.3)
+    prompt = _prompt_ids(256, 8)                                                # (1, 8)
+    run = OursDecodeRun(model, prompt, 80)          # 8 + 80 slots > the ring's 4 + 64
+    run()
+    first = run.tokens.clone()
+    run()
+    assert torch.equal(run.tokens, first)
+    assert first[0].tolist() == greedy_without_cache(model, prompt[0], 81)[1:]
+
+
 def test_batched_decode_gives_each_row_its_batch_one_tokens(tiny):
     prompts = _prompt_ids(tiny.args.vocab_size, 12, rows=3)                     # (3, 12)
     new = 5

@@ -77,14 +77,18 @@ class OursDecodeRun:
 
     The cache is set up and the prompts prefilled on the first call (and again if something
     else replaced the model's caches), untimed; every call then decodes from position T again,
-    overwriting the slots of the previous run. `tokens` holds the ids the last call's decode
-    steps chose, (B, new) (the prefill's token, which they start from, not included).
+    overwriting the slots of the previous run. A sliding-window ring cache cannot rewind that
+    far (its slots before T are overwritten by then), so its state after the prefill is kept
+    and put back, untimed, before each call: every call decodes what the first did, and appends
+    as generation does. `tokens` holds the ids the last call's decode steps chose, (B, new)
+    (the prefill's token, which they start from, not included).
     """
 
     def __init__(self, model, prompts: torch.Tensor, new_tokens: int):
         self.model, self.prompts, self.new_tokens = model, prompts, new_tokens
         self._caches = None
         self._first: Optional[torch.Tensor] = None     # (B, 1) greedy token after each prompt
+        self._rings: list = []                          # (ring cache, k, v, high) after prefill
         self.tokens: Optional[torch.Tensor] = None
 
     @torch.inference_mode()
@@ -96,6 +100,12 @@ class OursDecodeRun:
             model.setup_caches(B, T + self.new_tokens)
             self._caches = model.caches
             self._first = prefill(model, self.prompts, 0).argmax(-1, keepdim=True)   # (B, 1)
+            self._rings = [(c, c.k_cache.clone(), c.v_cache.clone(), c.high)
+                           for c in model.caches if not c.in_slot_order]
+        for cache, k, v, high in self._rings:                    # back to just after prefill
+            cache.k_cache.copy_(k)
+            cache.v_cache.copy_(v)
+            cache.high = high
         token, out = self._first, []
         t0 = time.perf_counter()
         for pos in range(T, T + self.new_tokens):
