@@ -105,7 +105,7 @@ def test_integer_dot_products_are_exact(kind):
     """With unit scales and integer activations whose block maxima are 127 (so d_x = 1 and
     q_x = x), the kernel's output is the integer matmul, which NumPy computes in int64."""
     rng = np.random.default_rng(6)
-    N, K, M = 24, 256, 6
+    N, K, M = 24, 224, 6                     # 7 blocks: the pairs of blocks and a lone last one
     x = rng.integers(-127, 128, (M, K)).astype(np.float32)
     x.reshape(M, K // 32, 32)[..., 0] = 127                                # d_x = 1 everywhere
     if kind == "q4":
@@ -136,6 +136,30 @@ def test_rows_are_batch_invariant(typ):
     assert torch.equal(chunks, alone)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16"])
+def test_an_odd_number_of_blocks_is_batch_invariant(kind):
+    """Rows of 7 blocks (three pairs and a lone last block, see the lane map in
+    blocks_impl.h): the same bits alone and in every tile shape."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(20, 224, generator=g)
+    if kind == "q4":
+        blocks = Q4Blocks.from_float(w)
+    elif kind == "q8":
+        blocks = Q8Blocks.from_float(w)
+    else:                                                   # Q6_K-like: a scale per 16
+        d = w.view(20, 14, 16).abs().amax(-1) / 127                             # (N, K/16)
+        q = torch.round(w.view(20, 14, 16) / d[..., None]).view(20, 224).to(torch.int8)
+        blocks = Q8Blocks(q, d)
+    linear = linear_for(blocks)
+    x = torch.randn(13, 224, generator=g)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(13)])
+    for M in range(1, 14):
+        assert torch.equal(linear(x[:M]), alone[:M]), M
+    # within the int8 activation rounding (a block left out would be off by ~5)
+    torch.testing.assert_close(alone.double(), x.double() @ blocks.dequantize().double().T,
+                               rtol=0, atol=0.5)
+
+
 ISA_SCRIPT = """
 import sys, torch, numpy as np
 from torchllama import kernels
@@ -149,6 +173,9 @@ q8 = Q8Blocks(torch.randint(-128, 128, (20, 256), generator=g, dtype=torch.int8)
 half = Q8Blocks(q8.codes, torch.rand(20, 8, generator=g).half().float())   # kept as float16
 assert Q8Linear(half).d.dtype == torch.float16 and Q8Linear(q8).d.dtype == torch.float32
 y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x)], 1)
+x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
+y7 = torch.cat([Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))(x7),
+                Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
 ops = torch.ops.torchllama
 w = torch.randn(256, generator=g)
 q, k, v = (torch.randn(2, s, 5, 48, generator=g).transpose(1, 2) for s in (3, 9, 9))
@@ -156,7 +183,8 @@ cs = torch.randn(3, 20, 2, generator=g)
 layers = [ops.rms_norm(x, w, 1e-6, False), ops.rms_norm(x, w, 1e-6, True),
           ops.rope(q.transpose(1, 2), cs), ops.attention(q, k, v, None, 0.3, 0.0),
           ops.attention(q, k, v, torch.rand(3, 9, generator=g) > 0.5, 0.3, 20.0)]
-np.save(sys.argv[1], np.concatenate([y.numpy().ravel()] + [t.numpy().ravel() for t in layers]))
+np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
+                                    [t.numpy().ravel() for t in layers]))
 print(kernels.isa())
 """
 

@@ -41,6 +41,10 @@ namespace torchllama {
 
 struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
   const int8_t* q; const float* d; const float* s; int64_t M, K;
+  // for Q4 prefill tiles (M ≥ 4), else null: q with each pair of blocks in the Q4 lane map's
+  // byte order (rows of Kp = 32·⌈nb/2⌉·2 bytes, an odd last block padded with zeros), and s
+  // transposed, (K/32, M)
+  const int8_t* q4 = nullptr; const float* s_t = nullptr; int64_t Kp = 0;
 };
 struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32, or f16 bits when half
   const uint8_t* codes; const void* d; const void* m; int64_t N, K; bool half;
@@ -123,16 +127,38 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
   else at::parallel_for(0, M, 16, rows);
 }
 
+// The Q4 prefill layout of Act (q4, s_t): a copy of the activations, O(M·K), reused by every
+// weight row instead of being rearranged in each tile.
+static void q4_layout(Act& a, std::vector<int8_t>& q4, std::vector<float>& s_t) {
+  const int64_t nb = a.K / 32, Kp = 32 * (nb + nb % 2);
+  q4.assign(size_t(a.M * Kp), 0);
+  s_t.resize(size_t(a.M * nb));
+  for (int64_t m = 0; m < a.M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* src = a.q + m * a.K + 32 * b;
+      int8_t* dst = q4.data() + m * Kp + 64 * (b / 2) + 16 * (b % 2);
+      std::memcpy(dst, src, 16);                 // bytes 0-15 → lanes 0-3 (b) or 4-7 (b+1)
+      std::memcpy(dst + 32, src + 16, 16);       // bytes 16-31 → lanes 8-11 or 12-15
+      s_t[size_t(b * a.M + m)] = a.s[m * nb + b];
+    }
+  }
+  a.q4 = q4.data();
+  a.s_t = s_t.data();
+  a.Kp = Kp;
+}
+
 // Per-thread scratch for the quantized activations (no allocation per call in decode).
 struct Scratch {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  Act quantize(const float* x, int64_t M, int64_t K) {
+  std::vector<int8_t> q, q4;
+  std::vector<float> d, s, s_t;
+  Act quantize(const float* x, int64_t M, int64_t K, bool q4_prefill) {
     q.resize(size_t(M * K));
     d.resize(size_t(M * K / 32));
     s.resize(size_t(M * K / 32));
     quantize_rows(x, M, K, q.data(), d.data(), s.data());
-    return Act{q.data(), d.data(), s.data(), M, K};
+    Act a{q.data(), d.data(), s.data(), M, K};
+    if (q4_prefill && M >= 4) q4_layout(a, q4, s_t);
+    return a;
   }
 };
 static thread_local Scratch scratch;
@@ -187,7 +213,8 @@ static at::Tensor product(const at::Tensor& x_, const W& w, const char* op) {
   check_x(x_, w.K, op);
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0);
-  const Act a = scratch.quantize(x.data_ptr<float>(), M, w.K);
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, w.K,
+                                 std::is_same<W, Q4Weight>::value);
   at::Tensor y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
   const Isa isa = isa_in_use();

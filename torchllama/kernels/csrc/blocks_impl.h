@@ -84,15 +84,12 @@ static inline float scale_at(const uint16_t* p, int64_t i) {
 #endif
 }
 
-// The 16 lane scales of a pair from the products c = (c0, c1, c2, c3) of its lane quarters
-// (the lane map's): Q8 quarters (b, b, b+1, b+1), or with B = 16 (b lo, b hi, b+1 lo, b+1 hi);
-// Q4 quarters (b, b+1, b, b+1). c[q] = d_w[q] · d_x[q], one IEEE product each on every path.
+// The 16 lane scales of a pair from c = (c0, c1, c2, c3), one per lane quarter (the lane
+// map's): Q8 quarters (b, b, b+1, b+1), or with B = 16 (b lo, b hi, b+1 lo, b+1 hi); Q4
+// quarters (b, b+1, b, b+1). A lane's scale is d_w·d_x, one IEEE product on every path
+// (`mul` of the weight's and the activation's lane scales).
 #if ISA_LEVEL == 0
 struct F4 { float v[4]; };
-static inline F4 mul4(F4 a, F4 b) {
-  for (int q = 0; q < 4; ++q) a.v[q] *= b.v[q];
-  return a;
-}
 static inline Scales quarters(F4 c) {
   Scales s;
   for (int l = 0; l < 16; ++l) s.v[l] = c.v[l / 4];
@@ -100,7 +97,6 @@ static inline Scales quarters(F4 c) {
 }
 #else
 typedef __m128 F4;
-static inline F4 mul4(F4 a, F4 b) { return _mm_mul_ps(a, b); }
 static inline Scales quarters(F4 c) {
 #if ISA_LEVEL == 1
   const __m256 c8 = _mm256_castps128_ps256(c);
@@ -112,6 +108,45 @@ static inline Scales quarters(F4 c) {
 #endif
 }
 #endif
+
+// Lane-wise products of two lane scale vectors (quarters(a) ⊙ quarters(b) = quarters(a ⊙ b)).
+static inline Scales mul(const Scales& a, const Scales& b) {
+#if ISA_LEVEL == 0
+  Scales s;
+  for (int l = 0; l < 16; ++l) s.v[l] = a.v[l] * b.v[l];
+  return s;
+#elif ISA_LEVEL == 1
+  return Scales{_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+#else
+  return _mm512_mul_ps(a, b);
+#endif
+}
+
+// a·b + c rounded once, lane by lane (4 lanes), and b broadcast.
+static inline F4 fma4(F4 a, F4 b, F4 c) {
+#if ISA_LEVEL == 0
+  for (int q = 0; q < 4; ++q) c.v[q] = std::fma(a.v[q], b.v[q], c.v[q]);
+  return c;
+#else
+  return _mm_fmadd_ps(a, b, c);
+#endif
+}
+static inline F4 splat4(float x) {
+#if ISA_LEVEL == 0
+  return F4{{x, x, x, x}};
+#else
+  return _mm_set1_ps(x);
+#endif
+}
+static inline float lane4(F4 v, int i) {
+#if ISA_LEVEL == 0
+  return v.v[i];
+#else
+  float t[4];
+  _mm_storeu_ps(t, v);
+  return t[i];
+#endif
+}
 
 // n (1, 2 or 4) consecutive scales from p as (p[0], .., p[n-1], 0, ..) in 4 float lanes, and
 // four lanes picked from them (lane q = v[I_q]).
@@ -210,6 +245,19 @@ static inline XPair q4_x_pair(const int8_t* x, bool two) {
 #endif
 }
 
+// A pair of activation blocks already in the lane map's order (Act::q4): 64 bytes.
+static inline XPair q4_x_laid_out(const int8_t* p) {
+#if ISA_LEVEL == 0
+  XPair v;
+  std::memcpy(v.s, p, 64);
+  return v;
+#elif ISA_LEVEL == 1
+  return XPair{_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
+#else
+  return _mm512_loadu_si512(p);
+#endif
+}
+
 static inline Lanes q4_dot(const Q4Pair& w, const XPair& x) {
 #if ISA_LEVEL == 0
   Lanes p;
@@ -305,35 +353,50 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
   const S* wd_p = static_cast<const S*>(w.d);
   const S* wm_p = static_cast<const S*>(w.m);
   const int64_t nb = w.K / 32;
+  const bool laid_out = TM == 4 && a.q4 != nullptr;   // prefill: Act::q4 and Act::s_t
   Acc acc[TM][TN];
-  float macc[TM][TN];
+  float macc[TM][TN];                            // the m_w·s_x chain, one per output
+  F4 macc4[TN];                                  // the same chains, four rows as lanes
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) macc[i][j] = 0.f;
+  for (int j = 0; j < TN; ++j) macc4[j] = splat4(0.f);
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
     const int n = two ? 2 : 1;
     Q4Pair wq[TN];
-    F4 wd[TN], wm[TN];                           // (block b, block b+1, -, -)
+    Scales wd[TN];
+    F4 wm[TN];                                   // (block b, block b+1, -, -)
     for (int j = 0; j < TN; ++j) {
       const uint8_t* codes = w.codes + (n0 + j) * (w.K / 2) + 16 * b;
       if (TM == 1) __builtin_prefetch(codes + PF * (w.K / 2));   // see PF
       wq[j] = q4_pair(codes, two);
-      wd[j] = pick<0, 1, 0, 1>(load_scales(wd_p + (n0 + j) * nb + b, n));
+      wd[j] = quarters(pick<0, 1, 0, 1>(load_scales(wd_p + (n0 + j) * nb + b, n)));
       wm[j] = load_scales(wm_p + (n0 + j) * nb + b, n);
     }
     for (int i = 0; i < TM; ++i) {
       const int64_t r = (m0 + i) * nb + b;
-      const XPair xv = q4_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
-      const F4 xd = pick<0, 1, 0, 1>(load_scales(a.d + r, n));
+      const XPair xv = laid_out ? q4_x_laid_out(a.q4 + (m0 + i) * a.Kp + 32 * b)
+                                : q4_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
+      const Scales xd = quarters(pick<0, 1, 0, 1>(load_scales(a.d + r, n)));
       for (int j = 0; j < TN; ++j) {
-        acc[i][j].add(q4_dot(wq[j], xv), quarters(mul4(wd[j], xd)));
+        acc[i][j].add(q4_dot(wq[j], xv), mul(wd[j], xd));
+        if (laid_out) continue;
         macc[i][j] = std::fma(first(wm[j]), a.s[r], macc[i][j]);
         if (two) macc[i][j] = std::fma(second(wm[j]), a.s[r + 1], macc[i][j]);
       }
     }
+    if (laid_out) {
+      const F4 s0 = load_scales(a.s_t + b * a.M + m0, 4);
+      for (int j = 0; j < TN; ++j) macc4[j] = fma4(splat4(first(wm[j])), s0, macc4[j]);
+      if (two) {
+        const F4 s1 = load_scales(a.s_t + (b + 1) * a.M + m0, 4);
+        for (int j = 0; j < TN; ++j) macc4[j] = fma4(splat4(second(wm[j])), s1, macc4[j]);
+      }
+    }
   }
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() + macc[i][j];
+    for (int j = 0; j < TN; ++j)
+      y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() + (laid_out ? lane4(macc4[j], i) : macc[i][j]);
 }
 
 // ---- Q8 weights: w = d·q, q ∈ [-128, 127], one d per B = 32 or 16 weights ---------------------
@@ -345,19 +408,20 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
   Acc acc[TM][TN];
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
-    F4 wd[TN];                                   // the lane quarters' weight scales
+    Scales wd[TN];                               // the lanes' weight scales
     for (int j = 0; j < TN; ++j) {
       const S* d = wd_p + (n0 + j) * nd + b * (32 / B);
-      wd[j] = B == 16 ? load_scales(d, two ? 4 : 2) : pick<0, 0, 1, 1>(load_scales(d, two ? 2 : 1));
+      wd[j] = quarters(B == 16 ? load_scales(d, two ? 4 : 2)
+                               : pick<0, 0, 1, 1>(load_scales(d, two ? 2 : 1)));
     }
     for (int i = 0; i < TM; ++i) {
       const int64_t r = (m0 + i) * nb + b;
       const Q8X xv = q8_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
-      const F4 xd = pick<0, 0, 1, 1>(load_scales(a.d + r, two ? 2 : 1));
+      const Scales xd = quarters(pick<0, 0, 1, 1>(load_scales(a.d + r, two ? 2 : 1)));
       for (int j = 0; j < TN; ++j) {
         const int8_t* codes = w.codes + (n0 + j) * w.K + 32 * b;
         if (TM == 1) __builtin_prefetch(codes + PF * w.K);              // see PF
-        acc[i][j].add(q8_dot(codes, xv, two), quarters(mul4(wd[j], xd)));
+        acc[i][j].add(q8_dot(codes, xv, two), mul(wd[j], xd));
       }
     }
   }
