@@ -443,6 +443,39 @@ def test_same_tokens_as_metas_sampler(temperature, top_k, top_p):
         assert torch.equal(ours, meta)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_real_vocabulary_samples_metas_tokens_without_sorting_it(ties, monkeypatch):
+    # V = 49,152 (SmolLM2's): the nucleus is drawn from a top-k prefix instead of a full sort;
+    # the tokens and the generator's state must stay Meta's. With ties inside the nucleus the
+    # order among them is torch.sort's own, so the prefix path must step aside.
+    import torchllama.sampling as sampling
+    taken = []
+    prefix = sampling._sample_nucleus_prefix
+    monkeypatch.setattr(sampling, "_sample_nucleus_prefix",
+                        lambda *a: taken.append(prefix(*a)) or taken[-1])
+    for seed in range(12):
+        logits = random_logits(b=1 + seed % 3, v=49152, seed=seed, scale=2.0 + seed % 5)
+        if ties:
+            logits[:, :30] = logits.max() + 1.0               # 30 equal tokens on top
+        for temperature, top_p in ((0.6, 0.9), (1.0, 0.95), (0.3, 0.5)):
+            g_ours, g_meta = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            ours = sample(logits, SamplingParams(temperature, 0, top_p), g_ours)
+            meta = meta_sample(logits, temperature, 0, top_p, g_meta)
+            assert torch.equal(ours, meta)
+            assert torch.equal(g_ours.get_state(), g_meta.get_state())
+    used = sum(t is not None for t in taken)       # flat rows (nucleus > 4096 tokens) sort
+    assert used == 0 if ties else used >= len(taken) // 2
+
+
+def test_min_p_on_the_prefix_path_equals_the_sorted_path(monkeypatch):
+    import torchllama.sampling as sampling
+    logits = random_logits(b=3, v=49152, seed=5, scale=4.0)
+    params = SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05)
+    fast = sample(logits, params, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(sampling, "_sample_nucleus_prefix", lambda *a: None)
+    assert torch.equal(fast, sample(logits, params, torch.Generator().manual_seed(0)))
+
+
 def test_sample_top_p_is_metas():
     logits = random_logits(b=128, v=32, seed=8)
     probs = torch.softmax(logits, -1)
