@@ -14,7 +14,8 @@ import torchllama
 from torchllama.checkpoint import parse_dtype, save
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
-from torchllama.generation import Session, compile_decode, decode_one_token
+from torchllama.generation import (Session, compile_decode, decode_one_token,
+                                   runs_one_op_layers)
 from torchllama.model import Transformer
 from torchllama import kernels
 from torchllama.quantize import (BlockEmbedding, Int4Linear, Int4Weight, Int8Linear, Int8Weight,
@@ -165,8 +166,22 @@ def test_compiled_decode_generates_what_eager_does():
     ids = tokenizer.encode("Hello world", bos=True)
     greedy = SamplingParams(temperature=0)
     eager = list(Session(model, tokenizer).generate(ids, 12, greedy))
-    assert compile_decode(model) > 0
+    assert compile_decode(model, force=kernels.available()) > 0
     assert list(Session(model, tokenizer).generate(ids, 12, greedy)) == eager
+
+
+def test_one_op_layers_stay_eager_when_compiling_is_asked():
+    # Every layer is one decoder_layer call: nothing for Inductor to fuse (eager is faster).
+    if not kernels.available():
+        pytest.skip("torchllama's kernels are not built here")
+    model = random_model(tiny_args(tie=True))
+    quantize_model(model, "int4")
+    assert runs_one_op_layers(model)
+    with pytest.warns(UserWarning, match="not compiled"):
+        assert compile_decode(model) == 0.0
+    assert model.compiled_decode is None
+    model.layers[0].attention.wqkv = None        # a layer the op cannot compute: compile it
+    assert not runs_one_op_layers(model)
 
 
 # ---- the embedded SmolLM2 (Q4_1 matrices, Q8_0 tied embeddings) ----------------------------

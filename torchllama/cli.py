@@ -105,8 +105,14 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
 def _compile_decode(model) -> None:
     from torchllama.generation import compile_decode
 
+    import warnings
+
     print("[compiling the decode step ...]", file=sys.stderr, flush=True)
-    seconds = compile_decode(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seconds = compile_decode(model)
+    for w in caught:
+        print(f"[{w.message}]", file=sys.stderr, flush=True)
     state = "compiled" if getattr(model, "compiled_decode", None) else "not compiled (eager)"
     print(f"[decode step {state} in {seconds:.1f} s]", file=sys.stderr, flush=True)
 

@@ -51,7 +51,19 @@ def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
     return model(token, pos)[:, -1]                                     # (B, V)
 
 
-def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = None) -> float:
+def runs_one_op_layers(model) -> bool:
+    """Whether every layer of `model` decodes as one `torchllama::decoder_layer` call (block
+    weights on torchllama's kernels, a structure the op computes: see
+    `TransformerBlock.fused_layer_args`)."""
+    from torchllama import kernels
+
+    if model.device.type != "cpu" or not kernels.available():
+        return False
+    return all(layer._fused_weights() is not None for layer in model.layers)
+
+
+def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = None,
+                   force: bool = False) -> float:
     """Compile the model's one-token decode step with torch.compile (Inductor), as gpt-fast
     does; `decode_one_token` then runs it.
 
@@ -71,14 +83,24 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
             decode step).
         freezing: Inductor's freezing (CPU). None (default): on for float weights (MKL's
             packed layouts), off when torchllama's block kernels hold the weights — they gain
-            nothing from it, and without it Inductor's FX graph cache serves later processes
-            (SmolLM2: 87 s to compile in the first process, 16 s in the next).
+            nothing from it, and without it Inductor's FX graph cache serves later processes.
+        force: compile even when every layer runs as one `decoder_layer` op
+            (`runs_one_op_layers`). Without it such a model stays eager, with one warning:
+            each layer is already one call, so Inductor has nothing to fuse, and the layer's
+            integer arguments (cache positions) recompile the graph per position until
+            torch._dynamo's limit (SmolLM2 `auto`: eager 223 tok/s, compiled 150, plus 30-60 s
+            of compiling).
 
     Returns:
-        Seconds spent compiling and warming up (0 without warmup).
+        Seconds spent compiling and warming up (0 without warmup, or when not compiled).
     """
     import torch._inductor.config as inductor_config
 
+    if not force and runs_one_op_layers(model):
+        warnings.warn("decode step not compiled: every layer already runs as one torchllama "
+                      "kernel call (eager is faster than compiled here)", stacklevel=2)
+        model.compiled_decode = None
+        return 0.0
     device = model.device
     if freezing is None:
         from torchllama.quantize import Q4Linear, Q8Linear
