@@ -332,6 +332,61 @@ def test_attention_is_the_same_bits_alone_padded_and_chunked():
         assert torch.equal(torch.cat(parts, dim=2), alone), c
 
 
+def test_attention_visits_a_ring_oldest_slot_first():
+    """Keys stored in a ring (rotated by r) with key_start = r give the bits of the same keys
+    stored in slot order: the sums run in slot order whatever the layout."""
+    g = torch.Generator().manual_seed(6)
+    B, H, KV, S, hd = 3, 4, 2, 23, 64
+    q = torch.randn(B, H, 1, hd, generator=g)
+    k, v = torch.randn(B, KV, S, hd, generator=g), torch.randn(B, KV, S, hd, generator=g)
+    allowed = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    allowed[..., -1] = True
+    in_order = torch.ops.torchllama.attention(q, k, v, allowed, 0.125, 0.0)
+    r = torch.tensor([0, 5, 21])                                     # each row its own turn
+    ring = [torch.stack([t[b].roll(int(r[b]), dims=1) for b in range(B)]) for t in (k, v)]
+    mask = torch.stack([allowed[b].roll(int(r[b]), dims=-1) for b in range(B)])
+    rotated = torch.ops.torchllama.attention(q, *ring, mask, 0.125, 0.0, r)
+    assert torch.equal(rotated, in_order)
+    plain = torch.ops.torchllama.attention(q, *ring, mask, 0.125, 0.0)   # storage order
+    assert not torch.equal(plain, in_order)             # (the order does change the bits)
+    with pytest.raises(RuntimeError, match="key_start"):
+        torch.ops.torchllama.attention(q, *ring, mask, 0.125, 0.0, torch.tensor([0, 5, 23]))
+
+
+@pytest.mark.parametrize("scheme", [None, "int8"])
+def test_a_sliding_window_prompt_has_the_same_bits_whole_chunked_or_token_by_token(scheme):
+    """Gemma-style local layers (a ring of window + margin slots): prefilling a prompt at
+    once, in chunks that wrap the ring, or one token at a time gives every position the same
+    logits bit for bit (what the serving engine's chunked prefill needs to answer exactly as
+    `generate` does). float32 modules on the attention kernel, and the one-op layers."""
+    from torchllama.config import ModelArgs
+    from torchllama.model import Transformer
+    from torchllama.quantize import quantize_model
+
+    torch.manual_seed(1)
+    model = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                  max_seq_len=192, **GEMMA_LIKE))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3 if p.ndim == 1 else 0.05)
+    if scheme:
+        model = quantize_model(model, scheme)
+    prompt = torch.randint(0, 256, (1, 150))
+
+    def logits(chunk):
+        model.setup_caches(1, 192)
+        with torch.inference_mode():
+            return torch.cat([model(prompt[:, t:t + chunk], t)
+                              for t in range(0, prompt.shape[1], chunk)], dim=1)
+
+    assert type(model.layers[0].attention.make_cache(1, 192, torch.float32, "cpu")).__name__ \
+        == "SlidingWindowKVCache"
+    whole = logits(150)
+    # token by token (decode steps appending to the ring) with block weights only: float32
+    # matrix products are MKL's, whose GEMV and GEMM round differently
+    for chunk in (40, 1) if scheme else (40,):
+        assert torch.equal(logits(chunk), whole), chunk
+
+
 def test_fused_projections_equal_the_separate_ones_bit_for_bit():
     from torchllama.quantize import fuse_rows
 
@@ -399,4 +454,4 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
 
 
 def _inputs(model):
-    return model._attention_inputs(0, torch.device("cpu"), 0, 1, None, None)
+    return model._attention_inputs(0, torch.device("cpu"), 0, 1, None, None, 1)

@@ -103,7 +103,7 @@ class TransformerBlock(nn.Module):
         rows = inputs.cache_rows
         row0 = 0 if rows is None else (rows.start or 0)
         return (*weights[:6], cache.k_cache, cache.v_cache, row0, *slots, cs, inputs.mask,
-                *weights[6:])
+                *weights[6:], None, inputs.key_start)
 
     def _fused_weights(self) -> Optional[tuple]:
         """This layer's weights for `decoder_layer`, or None if its structure does not fit;
@@ -315,7 +315,7 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
         if hasattr(self, "pos_embeddings"):                  # absolute positions (T|B,T) → +D
             h = h + self.pos_embeddings(self._positions(tokens.device, start_pos, end, pad))
-        inputs = [self._attention_inputs(k, tokens.device, start_pos, end, pad, cache_rows)
+        inputs = [self._attention_inputs(k, tokens.device, start_pos, end, pad, cache_rows, B)
                   for k in range(len(self.specs))]           # one per kind of layer
         for layer in self.layers:
             h = layer(h, inputs[layer.kind])                 # (B, T, D)
@@ -366,7 +366,7 @@ class Transformer(nn.Module):
         return (q_slot[None, :] - pad[:, None]).clamp(min=0)            # (B, T)
 
     def _attention_inputs(self, kind: int, device: torch.device, start_pos: int, end: int,
-                          pad: Optional[torch.Tensor], cache_rows: Optional[slice]
+                          pad: Optional[torch.Tensor], cache_rows: Optional[slice], B: int
                           ) -> AttentionInputs:
         """RoPE rotations, mask and position bias of the new tokens in slots start_pos..end-1,
         for every layer of kind self.specs[kind]."""
@@ -384,8 +384,12 @@ class Transformer(nn.Module):
             return AttentionInputs(start_pos, freqs_cis, None, None, cache_rows)
 
         q_slot = torch.arange(start_pos, end, device=device)             # (T,)
+        key_start = None
         if cache is not None:
             k_slot = cache.key_slots(start_pos, T, device)               # (S,)
+            first = cache.key_start(start_pos, T)                        # ring: oldest index
+            if first:
+                key_start = torch.full((B,), first, dtype=torch.long, device=device)  # (B,)
         else:
             k_slot = torch.arange(start_pos, end, device=device)         # (S = T,)
         # query t (slot q) may attend key s iff s was written (≥ 0), s ≤ q, and, in a local
@@ -409,4 +413,4 @@ class Transformer(nn.Module):
             bias = bias_module(q_slot, k_slot)                           # (1, H, T, S)
             bias = bias.masked_fill(~mask, float("-inf"))                # (1|B, H, T, S)
             mask = None
-        return AttentionInputs(start_pos, freqs_cis, mask, bias, cache_rows)
+        return AttentionInputs(start_pos, freqs_cis, mask, bias, cache_rows, key_start)

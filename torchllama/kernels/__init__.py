@@ -18,7 +18,9 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rms_norm(x (..., D), w (D,), eps, unit_offset) → (..., D)
     torch.ops.torchllama.rope(x (B, T, H, hd), cs (T | B·T, pairs, 2)) → (B, T, H, hd)
     torch.ops.torchllama.attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv),
-                                   mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap)
+                                   mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap,
+                                   key_start (B,) int64 | None: keys visited from that index on,
+                                   wrapping — a sliding-window ring oldest slot first)
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
         layer with block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
@@ -114,7 +116,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("torchllama::attention")
-    def _(q, k, v, mask, scale, softcap):
+    def _(q, k, v, mask, scale, softcap, key_start=None):
         B, H, T, _ = q.shape
         return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
 

@@ -45,6 +45,8 @@ class AttentionInputs:
         bias: (1|B, H, T, S) float added to the scores (ALiBi, T5), with −inf where the mask
             forbids (then `mask` is None); None without a position bias.
         cache_rows: KV cache rows of the B sequences (default 0..B-1).
+        key_start: (B,) int64, where the keys the cache returns start in slot order (a
+            sliding-window ring: its oldest slot; see `KVCache.key_start`), or None (in order).
     """
 
     start_pos: int
@@ -52,6 +54,7 @@ class AttentionInputs:
     mask: Optional[torch.Tensor]
     bias: Optional[torch.Tensor] = None
     cache_rows: Optional[slice] = None
+    key_start: Optional[torch.Tensor] = None
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -114,7 +117,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
     T = q.shape[2]
     if capture is None and inputs.bias is None and kernels.layer_ops_apply(q, k, v):
         return torch.ops.torchllama.attention(q, k, v, inputs.mask,           # (B, H, T, dv)
-                                              scale or q.shape[-1] ** -0.5, softcap or 0.0)
+                                              scale or q.shape[-1] ** -0.5, softcap or 0.0,
+                                              inputs.key_start)
     q = q.contiguous()                         # the CPU flash kernel is ~15% faster on it
     fp32 = q.dtype == torch.float32 and q.device.type == "cpu" and \
         torch.is_autocast_enabled("cpu")

@@ -100,6 +100,11 @@ class KVCache(nn.Module):
         """Slot of each key `update(start_pos, …T tokens)` returns: 0..start_pos+T-1, (S,)."""
         return torch.arange(start_pos + T, device=device)
 
+    def key_start(self, start_pos: int, T: int) -> int:
+        """Index of the oldest key `update` returns: attention visits the keys from there on,
+        wrapping, so that it sums them in slot order (0: they are in slot order already)."""
+        return 0
+
     def can_write_at(self, start_pos: int) -> bool:
         """Every slot is kept, so a write may start anywhere (rewinding is free)."""
         return True
@@ -133,9 +138,12 @@ class SlidingWindowKVCache(KVCache):
 
     Two ways to attend, chosen by `update`:
     - appending one token (decode): write it, then attend over the whole ring in storage order
-      (no copy); `key_slots` tells the mask which slot each ring index holds;
-    - several tokens, or a rewind: attend over the ring as it was *plus* the new keys
-      (concatenated), then write the newest `capacity` of them.
+      (no copy); `key_slots` tells the mask which slot each ring index holds and `key_start`
+      where the oldest is, so that attention visits the keys in slot order;
+    - several tokens, or a rewind: attend over the ring as it was, rotated into slot order,
+      *plus* the new keys (concatenated), then write the newest `capacity` of them.
+    Either way a query sees its keys in slot order, so a prompt prefilled at once, in chunks or
+    decoded token by token gives the same bits on torchllama's attention kernel.
     Never-written indices hold zeros (the buffer is zero-initialised) and negative slots, so masks
     exclude them.
 
@@ -172,11 +180,17 @@ class SlidingWindowKVCache(KVCache):
         return end - 1 - (end - 1 - index) % C
 
     def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
-        """(C,) when appending one token, else (C + T,): the ring's slots, then the new ones."""
+        """(C,) when appending one token, else (C + T,): the ring's slots (rotated into slot
+        order, see `update`), then the new ones."""
         if self._appends_one(start_pos, T):
             return self._ring_slots(start_pos + 1, device)
-        return torch.cat([self._ring_slots(start_pos, device),
-                          torch.arange(start_pos, start_pos + T, device=device)])
+        ring = self._ring_slots(start_pos, device).roll(-(start_pos % self.capacity))
+        return torch.cat([ring, torch.arange(start_pos, start_pos + T, device=device)])
+
+    def key_start(self, start_pos: int, T: int) -> int:
+        """When appending one token: the ring index of the oldest slot, (start_pos + 1) mod C;
+        else 0 (`update` returns the keys in slot order)."""
+        return (start_pos + 1) % self.capacity if self._appends_one(start_pos, T) else 0
 
     def can_write_at(self, start_pos: int) -> bool:
         """False when rewinding to start_pos would need slots already overwritten: a query at
@@ -206,8 +220,10 @@ class SlidingWindowKVCache(KVCache):
             self.v_cache[rows, :, start_pos % C] = xv[:, :, 0]
             self.high = start_pos + 1
             return self.k_cache[rows], self.v_cache[rows]                 # (B, KV, C, ·)
-        keys = torch.cat([self.k_cache[rows], xk], dim=2)                 # (B, KV, C + T, ·)
-        values = torch.cat([self.v_cache[rows], xv], dim=2)
+        r = start_pos % C                       # the oldest slot's index: rotate it first
+        keys = torch.cat([self.k_cache[rows, :, r:], self.k_cache[rows, :, :r], xk],
+                         dim=2)                                           # (B, KV, C + T, ·)
+        values = torch.cat([self.v_cache[rows, :, r:], self.v_cache[rows, :, :r], xv], dim=2)
         n = min(T, C)                                                     # the newest n slots
         index = torch.arange(start_pos + T - n, start_pos + T, device=xk.device) % C
         self.k_cache[rows, :, index] = xk[:, :, T - n:]

@@ -7,7 +7,8 @@
 //                 post_ffn_norm)] (D,) each, wqkv, wo, w13, w2, qk_norms [] | [q_norm, k_norm]
 //                 (hd,), k_cache (R, KV, C, hd), v_cache, row0, write_pos, n_keys,
 //                 cs (T | B·T, hd/2, 2), mask, n_heads, n_kv_heads, eps, scale, softcap,
-//                 unit_offset, gelu_tanh) → (B, T, D)
+//                 unit_offset, gelu_tanh, row_write_pos (B,) | None, key_start (B,) | None)
+//                 → (B, T, D)
 // Pre-norm block (Xiong et al. 2020; Meta's TransformerBlock.forward), SwiGLU (Shazeer 2020):
 //   h = x + Wo·Attn(RoPE(Wq·n), RoPE(Wk·n), Wv·n) with n = RMSNorm(x)
 //   out = h + W2·(SiLU(W1·m) ⊙ W3·m) with m = RMSNorm(h)
@@ -19,7 +20,10 @@
 // values are written into cache rows row0.. at indices write_pos..write_pos+T-1, and attention
 // reads indices 0..n_keys-1 with `mask` (see attention()): a KVCache in slot order
 // (write_pos = start_pos, n_keys = start_pos + T), or one token appended to a sliding-window
-// ring (write_pos = start_pos mod C, n_keys = C; the mask says which slot each index holds).
+// ring (write_pos = start_pos mod C, n_keys = C; the mask says which slot each index holds,
+// key_start where the oldest is). Rows at their own positions (the serving engine's decode,
+// T = 1): row_write_pos[b] is the index row b writes its key and value at (−1: the row is
+// idle, nothing is written), and write_pos is unused.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -51,6 +55,30 @@ static std::pair<at::Tensor, at::Tensor> queries_keys(
   return {rope(q, cs), rope(k, cs)};
 }
 
+// The new keys and values k, v (B, KV, T, hd) into the cache rows kc, vc (B, KV, C, hd): at
+// indices write_pos.. for every row, or row b's one token at row_write_pos[b] (−1: skipped).
+static void write_keys_values(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& k,
+                              const at::Tensor& v, int64_t write_pos,
+                              const std::optional<at::Tensor>& row_write_pos) {
+  const int64_t B = k.size(0), T = k.size(2), C = kc.size(2);
+  if (!row_write_pos.has_value()) {
+    TORCH_CHECK(write_pos + T <= C, "decoder_layer: slots past the cache");
+    kc.narrow(2, write_pos, T).copy_(k);
+    vc.narrow(2, write_pos, T).copy_(v);
+    return;
+  }
+  const at::Tensor pos = row_write_pos->to(at::kLong).contiguous();
+  TORCH_CHECK(T == 1 && pos.numel() == B, "decoder_layer: row_write_pos needs one token per "
+              "row and B = ", B, " positions, got T = ", T, ", ", pos.numel());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (p[b] < 0) continue;
+    TORCH_CHECK(p[b] < C, "decoder_layer: row_write_pos[", b, "] = ", p[b], " past the cache");
+    kc[b].select(1, p[b]).copy_(k[b].select(1, 0));                          // (KV, hd)
+    vc[b].select(1, p[b]).copy_(v[b].select(1, 0));
+  }
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& norms,
                          const std::vector<at::Tensor>& wqkv, const std::vector<at::Tensor>& wo,
                          const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
@@ -59,7 +87,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
                          int64_t n_keys, const at::Tensor& cs,
                          const std::optional<at::Tensor>& mask, int64_t n_heads,
                          int64_t n_kv_heads, double eps, double scale, double softcap,
-                         bool unit_offset, bool gelu_tanh) {
+                         bool unit_offset, bool gelu_tanh,
+                         const std::optional<at::Tensor>& row_write_pos,
+                         const std::optional<at::Tensor>& key_start) {
   TORCH_CHECK(x.dim() == 3, "decoder_layer: x must be (B, T, D), got ", x.sizes());
   TORCH_CHECK((norms.size() == 2 || norms.size() == 4) &&
               (qk_norms.empty() || qk_norms.size() == 2),
@@ -67,7 +97,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const int64_t H = n_heads, KV = n_kv_heads, hd = rows_of(wqkv) / (H + 2 * KV);
   TORCH_CHECK(hd * (H + 2 * KV) == rows_of(wqkv) && k_cache.size(3) == hd &&
-              k_cache.size(1) == KV && write_pos + T <= k_cache.size(2) &&
+              k_cache.size(1) == KV &&
               n_keys <= k_cache.size(2) && row0 + B <= k_cache.size(0),
               "decoder_layer: wqkv, the cache and the slots do not match");
   // attention: n = RMSNorm(x); q, k, v = n·Wqkvᵀ; (QK-norm,) RoPE on q and k
@@ -75,10 +105,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
   const at::Tensor qkv = linear(n.view({B * T, D}), wqkv).view({B, T, H + 2 * KV, hd});
   const auto [q, k] = queries_keys(qkv, H, KV, qk_norms, cs, eps, unit_offset);
   const at::Tensor kc = k_cache.narrow(0, row0, B), vc = v_cache.narrow(0, row0, B);
-  kc.narrow(2, write_pos, T).copy_(k.transpose(1, 2));                        // (B, KV, T, hd)
-  vc.narrow(2, write_pos, T).copy_(qkv.narrow(2, H + KV, KV).transpose(1, 2));
+  write_keys_values(kc, vc, k.transpose(1, 2), qkv.narrow(2, H + KV, KV).transpose(1, 2),
+                    write_pos, row_write_pos);                                // (B, KV, T, hd)
   const at::Tensor attn = attention(q.transpose(1, 2), kc.narrow(2, 0, n_keys),  // (B, H, T, hd)
-                                    vc.narrow(2, 0, n_keys), mask, scale, softcap);
+                                    vc.narrow(2, 0, n_keys), mask, scale, softcap, key_start);
   at::Tensor o = linear(attn.transpose(1, 2).reshape({B * T, H * hd}), wo).view({B, T, D});
   if (norms.size() == 4) o = rms_norm(o, norms[2], eps, unit_offset);          // sandwich
   const at::Tensor h = x + o;
@@ -97,7 +127,8 @@ TORCH_LIBRARY_FRAGMENT(torchllama, m) {
   m.def("decoder_layer(Tensor x, Tensor[] norms, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
         "Tensor[] w2, Tensor[] qk_norms, Tensor(a!) k_cache, Tensor(b!) v_cache, int row0, "
         "int write_pos, int n_keys, Tensor cs, Tensor? mask, int n_heads, int n_kv_heads, "
-        "float eps, float scale, float softcap, bool unit_offset, bool gelu_tanh) -> Tensor");
+        "float eps, float scale, float softcap, bool unit_offset, bool gelu_tanh, "
+        "Tensor? row_write_pos=None, Tensor? key_start=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {

@@ -17,5 +17,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cs);
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const std::optional<at::Tensor>& mask, double scale, double softcap);
+                     const std::optional<at::Tensor>& mask, double scale, double softcap,
+                     const std::optional<at::Tensor>& key_start);
 }  // namespace torchllama

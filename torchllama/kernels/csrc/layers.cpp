@@ -41,6 +41,7 @@ struct AttnArgs {
   const float* v; int64_t v_s;
   int64_t S, hd, dv;
   float scale, softcap;                 // softcap 0: none
+  int64_t start;                        // index of the first key visited (see attend_one)
 };
 
 #define ISA scalar
@@ -137,7 +138,8 @@ static void attend_one(Isa isa, const AttnArgs& a, const float* q, const uint8_t
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const std::optional<at::Tensor>& mask_, double scale, double softcap) {
+                     const std::optional<at::Tensor>& mask_, double scale, double softcap,
+                     const std::optional<at::Tensor>& key_start_) {
   check_f32(q, "attention", "q");
   check_f32(k, "attention", "k");
   check_f32(v, "attention", "v");
@@ -155,6 +157,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(mask_->scalar_type() == at::kBool, "attention: the mask must be bool");
     mask = mask_->expand({B, 1, T, S});
   }
+  at::Tensor key_start;                 // (B,) int64: row b's keys are visited from index
+  if (key_start_.has_value()) {         // key_start[b] on, wrapping (a ring, oldest first)
+    key_start = key_start_->to(at::kLong).contiguous();
+    TORCH_CHECK(key_start.numel() == B, "attention: key_start must have B = ", B,
+                " entries, got ", key_start.numel());
+  }
+  const int64_t* ks = key_start.defined() ? key_start.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; ks && b < B; ++b)
+    TORCH_CHECK(0 <= ks[b] && ks[b] < std::max<int64_t>(S, 1), "attention: key_start[", b,
+                "] = ", ks[b], " is not an index of the ", S, " keys");
   const int64_t n_rep = H / KV;
   at::Tensor out = at::empty({B, T, H, dv}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -180,7 +192,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const int64_t g = h / n_rep;
       const AttnArgs a{kp + b * k.stride(0) + g * k.stride(1), k.stride(2),
                        vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
-                       S, hd, dv, float(scale), float(softcap)};
+                       S, hd, dv, float(scale), float(softcap), ks ? ks[b] : 0};
       attend_one(isa, a, qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
                  allowed.data(), sc.data(), op + ((b * T + t) * H + h) * dv);
     }
@@ -193,7 +205,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(torchllama, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("rope(Tensor x, Tensor cs) -> Tensor");
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) "
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
+        "Tensor? key_start=None) "
         "-> Tensor");
 }
 

@@ -150,22 +150,35 @@ static inline void rope_head(const float* x, const float* cs, float* y, int64_t 
 //   p_j = e^{s_j − max}, l = Σ_j p_j (sequential in j), out = (Σ_j p_j·v_j) / l
 // Keys outside the mask contribute exact zeros to l and are skipped in Σ p_j·v_j, so a row's
 // answer does not depend on padding before it or on other rows: the same bits alone or batched.
+// j runs over the key indices from a.start, wrapping at S (a sliding-window ring is visited
+// oldest slot first): the visible keys are summed in slot order whatever the storage layout,
+// so a ring (decode) and a plain list of keys (prefill, any chunking) give the same bits. The
+// scores land in sc in visiting order; dot4 gives the bits of four dot() calls.
 
-static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed, float* sc,
+static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed_at, float* sc,
                        float* out) {
   float mx = -INFINITY;
   const bool by4 = a.hd % LANES == 0;
+  const int64_t S = a.S, r = a.start;
+  auto index = [&](int64_t j) { return r + j < S ? r + j : r + j - S; };   // j-th visited key
   int64_t j = 0;
-  for (; j + 4 <= a.S; j += 4) {        // four keys at a time where all four are allowed
-    if (by4 && (allowed[j] & allowed[j + 1] & allowed[j + 2] & allowed[j + 3])) {
-      dot4(q, a.k + j * a.k_s, a.k_s, a.hd, sc + j);
+  for (; j + 4 <= S; j += 4) {          // four keys at a time where all four are allowed
+    const int64_t i = index(j);
+    if (by4 && i + 3 < S &&
+        (allowed_at[i] & allowed_at[i + 1] & allowed_at[i + 2] & allowed_at[i + 3])) {
+      dot4(q, a.k + i * a.k_s, a.k_s, a.hd, sc + j);
       continue;
     }
-    for (int64_t i = j; i < j + 4; ++i)
-      sc[i] = allowed[i] ? dot(q, a.k + i * a.k_s, a.hd) : -INFINITY;
+    for (int64_t t = j; t < j + 4; ++t) {
+      const int64_t it = index(t);
+      sc[t] = allowed_at[it] ? dot(q, a.k + it * a.k_s, a.hd) : -INFINITY;
+    }
   }
-  for (; j < a.S; ++j) sc[j] = allowed[j] ? dot(q, a.k + j * a.k_s, a.hd) : -INFINITY;
-  for (int64_t i = 0; i < a.S; ++i) {
+  for (; j < S; ++j) {
+    const int64_t i = index(j);
+    sc[j] = allowed_at[i] ? dot(q, a.k + i * a.k_s, a.hd) : -INFINITY;
+  }
+  for (int64_t i = 0; i < S; ++i) {
     if (sc[i] == -INFINITY) continue;
     float s = sc[i] * a.scale;
     if (a.softcap != 0.f) s = a.softcap * std::tanh(s / a.softcap);
@@ -191,7 +204,7 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
       if (sc[j] == 0.f) continue;
       if (i0 == 0) l += sc[j];          // (its latency hides under the multiply-adds)
       const v16 p = v16{} + sc[j];
-      const float* vj = a.v + j * a.v_s + i0;
+      const float* vj = a.v + index(j) * a.v_s + i0;
       o0 = fma16(p, load16(vj), o0);
       o1 = fma16(p, load16(vj + LANES), o1);
       o2 = fma16(p, load16(vj + 2 * LANES), o2);
@@ -203,7 +216,7 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
   for (; i0 < a.dv; ++i0) {
     float o = 0.f;
     for (int64_t j = 0; j < a.S; ++j)
-      if (sc[j] != 0.f) o = std::fma(sc[j], a.v[j * a.v_s + i0], o);
+      if (sc[j] != 0.f) o = std::fma(sc[j], a.v[index(j) * a.v_s + i0], o);
     out[i0] = o;
   }
   for (int64_t i = 0; i < a.dv; ++i) out[i] = out[i] / l;
