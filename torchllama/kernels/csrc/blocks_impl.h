@@ -138,6 +138,13 @@ static inline F4 splat4(float x) {
   return _mm_set1_ps(x);
 #endif
 }
+static inline F4 F4_of(float a, float b, float c, float d) {   // lanes (a, b, c, d)
+#if ISA_LEVEL == 0
+  return F4{{a, b, c, d}};
+#else
+  return _mm_set_ps(d, c, b, a);
+#endif
+}
 static inline float lane4(F4 v, int i) {
 #if ISA_LEVEL == 0
   return v.v[i];
@@ -176,6 +183,27 @@ static inline F4 pick(F4 v) {
   return F4{{v.v[I0], v.v[I1], v.v[I2], v.v[I3]}};
 #else
   return _mm_shuffle_ps(v, v, _MM_SHUFFLE(I3, I2, I1, I0));
+#endif
+}
+
+// quarters of (c0, c1, c0, c1) (the Q4 pattern: b, b+1, b, b+1) from c's first two lanes; on
+// AVX2 the two halves are the same register.
+static inline Scales quarters_q4(F4 c) {
+#if ISA_LEVEL == 1
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c),
+                                             _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  return Scales{lo, lo};
+#else
+  return quarters(pick<0, 1, 0, 1>(c));
+#endif
+}
+
+static inline F4 mul4(F4 a, F4 b) {
+#if ISA_LEVEL == 0
+  for (int q = 0; q < 4; ++q) a.v[q] *= b.v[q];
+  return a;
+#else
+  return _mm_mul_ps(a, b);
 #endif
 }
 
@@ -364,23 +392,32 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
     const bool two = b + 1 < nb;
     const int n = two ? 2 : 1;
     Q4Pair wq[TN];
-    Scales wd[TN];
-    F4 wm[TN];                                   // (block b, block b+1, -, -)
+    F4 wd[TN];                                   // (d_w of block b, of block b+1, -, -)
+    F4 wm[TN];                                   // (m_w of block b, of block b+1, -, -)
     for (int j = 0; j < TN; ++j) {
       const uint8_t* codes = w.codes + (n0 + j) * (w.K / 2) + 16 * b;
       if (TM == 1) __builtin_prefetch(codes + PF * (w.K / 2));   // see PF
       wq[j] = q4_pair(codes, two);
-      wd[j] = quarters(pick<0, 1, 0, 1>(load_scales(wd_p + (n0 + j) * nb + b, n)));
+      wd[j] = load_scales(wd_p + (n0 + j) * nb + b, n);
       wm[j] = load_scales(wm_p + (n0 + j) * nb + b, n);
     }
     for (int i = 0; i < TM; ++i) {
       const int64_t r = (m0 + i) * nb + b;
       const XPair xv = laid_out ? q4_x_laid_out(a.q4 + (m0 + i) * a.Kp + 32 * b)
                                 : q4_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
-      const Scales xd = quarters(pick<0, 1, 0, 1>(load_scales(a.d + r, n)));
+      const F4 xd = load_scales(a.d + r, n);
+      for (int j = 0; j < TN; ++j)               // lane scales d_w·d_x, products of 2 lanes
+        acc[i][j].add(q4_dot(wq[j], xv), quarters_q4(mul4(wd[j], xd)));
+      if (laid_out) continue;
+      if (TM == 1 && TN == 4) {                  // the four m_w·s_x chains as 4 lanes
+        macc4[0] = fma4(F4_of(first(wm[0]), first(wm[1]), first(wm[2]), first(wm[3])),
+                        splat4(a.s[r]), macc4[0]);
+        if (two)
+          macc4[0] = fma4(F4_of(second(wm[0]), second(wm[1]), second(wm[2]), second(wm[3])),
+                          splat4(a.s[r + 1]), macc4[0]);
+        continue;
+      }
       for (int j = 0; j < TN; ++j) {
-        acc[i][j].add(q4_dot(wq[j], xv), mul(wd[j], xd));
-        if (laid_out) continue;
         macc[i][j] = std::fma(first(wm[j]), a.s[r], macc[i][j]);
         if (two) macc[i][j] = std::fma(second(wm[j]), a.s[r + 1], macc[i][j]);
       }
@@ -394,6 +431,8 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       }
     }
   }
+  if (TM == 1 && TN == 4 && !laid_out)
+    for (int j = 0; j < TN; ++j) macc[0][j] = lane4(macc4[0], j);
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j)
       y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() + (laid_out ? lane4(macc4[j], i) : macc[i][j]);
