@@ -366,7 +366,7 @@ class Transformer(nn.Module):
         return (q_slot[None, :] - pad[:, None]).clamp(min=0)            # (B, T)
 
     def _attention_inputs(self, kind: int, device: torch.device, start_pos: int, end: int,
-                          pad: Optional[torch.Tensor], cache_rows: Optional[slice], B: int
+                          pad: Optional[torch.Tensor], cache_rows: Optional[slice], B: int = 1
                           ) -> AttentionInputs:
         """RoPE rotations, mask and position bias of the new tokens in slots start_pos..end-1,
         for every layer of kind self.specs[kind]."""
