@@ -183,6 +183,10 @@ cs = torch.randn(3, 20, 2, generator=g)
 layers = [ops.rms_norm(x, w, 1e-6, False), ops.rms_norm(x, w, 1e-6, True),
           ops.rope(q.transpose(1, 2), cs), ops.attention(q, k, v, None, 0.3, 0.0),
           ops.attention(q, k, v, torch.rand(3, 9, generator=g) > 0.5, 0.3, 20.0)]
+q, k, v = (torch.randn(2, 4, s, 64, generator=g) for s in (1, 37, 37))   # four keys side by
+layers += [ops.attention(q, k, v, None, 0.125, 0.0),                   # side, 64-wide PV sums
+           ops.attention(q, k, v, torch.rand(2, 1, 1, 37, generator=g) > 0.2, 0.125, 0.0,
+                         torch.tensor([3, 30]))]                        # a ring, oldest first
 np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
                                     [t.numpy().ravel() for t in layers]))
 print(kernels.isa())

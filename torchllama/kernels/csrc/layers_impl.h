@@ -8,39 +8,60 @@ namespace ISA {
 
 constexpr int LANES = 16;   // partial sums of a reduction: element i goes to lane i mod 16
 
-// Sixteen float lanes as a GCC vector: one zmm on AVX-512, two ymm on AVX2, four xmm on plain
-// x86-64. Its + and * are lane-wise IEEE operations, so every target rounds the same way.
+// Sixteen float lanes: a GCC vector (one zmm on AVX-512, four xmm on plain x86-64), or on AVX2
+// two 8-lane halves (GCC lowers a 64-byte vector poorly through memory without AVX-512: the
+// attention kernel ran 7× slower). Every operation is lane-wise IEEE arithmetic, so every
+// target rounds the same way.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#if ISA_LEVEL == 1
+struct v16 { v8 lo, hi; };                       // lanes 0-7, 8-15
+static inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v.lo, p, 32);
+  std::memcpy(&v.hi, p + 8, 32);
+  return v;
+}
+static inline void store16(float* p, v16 v) {
+  std::memcpy(p, &v.lo, 32);
+  std::memcpy(p + 8, &v.hi, 32);
+}
+static inline v16 splat16(float x) { return v16{v8{} + x, v8{} + x}; }
+static inline v16 sub16(v16 a, v16 b) { return v16{a.lo - b.lo, a.hi - b.hi}; }
+static inline v16 fma16(v16 a, v16 b, v16 c) {   // a·b + c rounded once
+  return v16{(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo),
+             (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
+}
+static inline v8 fold16(v16 acc) { return acc.lo + acc.hi; }   // lane l + lane l + 8
+#else
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
 static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+static inline v16 splat16(float x) { return v16{} + x; }
+static inline v16 sub16(v16 a, v16 b) { return a - b; }
 
 // a·b + c rounded once (fused multiply-add: exact on every target, in hardware where it exists;
 // the scalar build calls fmaf, slower but the same bits).
 static inline v16 fma16(v16 a, v16 b, v16 c) {
 #if ISA_LEVEL == 2
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif ISA_LEVEL == 1
-  v16 r;
-  __m256 lo = _mm256_fmadd_ps(_mm256_loadu_ps(&a[0]), _mm256_loadu_ps(&b[0]), _mm256_loadu_ps(&c[0]));
-  __m256 hi = _mm256_fmadd_ps(_mm256_loadu_ps(&a[8]), _mm256_loadu_ps(&b[8]), _mm256_loadu_ps(&c[8]));
-  std::memcpy(&r[0], &lo, 32);
-  std::memcpy(&r[8], &hi, 32);
-  return r;
 #else
   v16 r;
   for (int l = 0; l < LANES; ++l) r[l] = std::fma(a[l], b[l], c[l]);
   return r;
 #endif
 }
+static inline v8 fold16(v16 acc) {               // lane l + lane l + 8
+  return __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
 
 // Σ of the 16 lanes by a fixed tree: lane l + lane l + w for w = 8, 4, 2, 1.
 static inline float tree_sum(v16 acc) {
-  const v8 a = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 a = fold16(acc);
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const float c0 = b[0] + b[2], c1 = b[1] + b[3];
   return c0 + c1;
@@ -51,7 +72,12 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   v16 acc = {};
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) acc = fma16(load16(a + i), load16(b + i), acc);
-  for (int l = 0; i < n; ++i, ++l) acc[l] = std::fma(a[i], b[i], acc[l]);
+  if (i < n) {                                   // the tail: lane l takes element i + l
+    float t[LANES];
+    store16(t, acc);
+    for (int l = 0; i < n; ++i, ++l) t[l] = std::fma(a[i], b[i], t[l]);
+    acc = load16(t);
+  }
   return tree_sum(acc);
 }
 
@@ -66,6 +92,10 @@ static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, f
     acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
     acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
   }
+#if ISA_LEVEL == 1
+  out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
+  out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
+#else
   // tree_sum of the four, side by side: the same pairs of lanes added at each level
   const v16 a01 = __builtin_shufflevector(acc0, acc1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
                                           20, 21, 22, 23) +
@@ -84,6 +114,7 @@ static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, f
   const v4 r = __builtin_shufflevector(c, c, 0, 2, 4, 6) +
                __builtin_shufflevector(c, c, 1, 3, 5, 7);                     // 2 → 1 each
   std::memcpy(out, &r, sizeof r);
+#endif
 }
 
 // e^x for x ≤ 0 (−inf → 0), as Cephes' expf (Moshier 1992): x = n·ln2 + r with |r| ≤ ln2/2,
@@ -113,11 +144,22 @@ static inline float exp_nonpositive(float x) {
   return x < -87.3f ? 0.f : exp_poly<float, int32_t>(x, xc);
 }
 
+#if ISA_LEVEL == 1
+static inline v8 exp_nonpositive(v8 x) {
+  const v8 xc = x < -87.3f ? v8{} - 87.3f : x;
+  const v8 e = exp_poly<v8, v8i>(x, xc);
+  return x < -87.3f ? v8{} : e;
+}
+static inline v16 exp_nonpositive(v16 x) {
+  return v16{exp_nonpositive(x.lo), exp_nonpositive(x.hi)};
+}
+#else
 static inline v16 exp_nonpositive(v16 x) {
   const v16 xc = x < -87.3f ? v16{} - 87.3f : x;
   const v16 e = exp_poly<v16, v16i>(x, xc);
   return x < -87.3f ? v16{} : e;
 }
+#endif
 
 // RMSNorm of rows [m0, m1): y = x / sqrt(mean(x²) + eps) · g, g = w or 1 + w (unit_offset).
 static void rms_norm_rows(const float* x, const float* w, float* y, int64_t D, float eps,
@@ -190,7 +232,7 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
     return;
   }
   j = 0;
-  for (; j + LANES <= a.S; j += LANES) store16(sc + j, exp_nonpositive(load16(sc + j) - mx));
+  for (; j + LANES <= a.S; j += LANES) store16(sc + j, exp_nonpositive(sub16(load16(sc + j), splat16(mx))));
   for (; j < a.S; ++j) sc[j] = exp_nonpositive(sc[j] - mx);
   // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped;
   // out by fused multiply-adds, 64 dims at a time in registers)
@@ -203,7 +245,7 @@ static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed
     for (int64_t j = 0; j < a.S; ++j) {
       if (sc[j] == 0.f) continue;
       if (i0 == 0) l += sc[j];          // (its latency hides under the multiply-adds)
-      const v16 p = v16{} + sc[j];
+      const v16 p = splat16(sc[j]);
       const float* vj = a.v + index(j) * a.v_s + i0;
       o0 = fma16(p, load16(vj), o0);
       o1 = fma16(p, load16(vj + LANES), o1);
