@@ -88,7 +88,7 @@ class OursDecodeRun:
         self.model, self.prompts, self.new_tokens = model, prompts, new_tokens
         self._caches = None
         self._first: Optional[torch.Tensor] = None     # (B, 1) greedy token after each prompt
-        self._rings: list = []                          # (ring cache, k, v, high) after prefill
+        self._rings: list = []                          # (ring cache, its state after prefill)
         self.tokens: Optional[torch.Tensor] = None
 
     @torch.inference_mode()
@@ -100,12 +100,9 @@ class OursDecodeRun:
             model.setup_caches(B, T + self.new_tokens)
             self._caches = model.caches
             self._first = prefill(model, self.prompts, 0).argmax(-1, keepdim=True)   # (B, 1)
-            self._rings = [(c, c.k_cache.clone(), c.v_cache.clone(), c.high)
-                           for c in model.caches if not c.in_slot_order]
-        for cache, k, v, high in self._rings:                    # back to just after prefill
-            cache.k_cache.copy_(k)
-            cache.v_cache.copy_(v)
-            cache.high = high
+            self._rings = [(c, c.snapshot()) for c in model.caches if not c.in_slot_order]
+        for cache, state in self._rings:                         # back to just after prefill
+            cache.restore(state)
         token, out = self._first, []
         t0 = time.perf_counter()
         for pos in range(T, T + self.new_tokens):

@@ -16,6 +16,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from typing import Callable, Optional
 
 from torchllama.errors import TorchLlamaError
@@ -104,8 +105,6 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
 
 def _compile_decode(model) -> None:
     from torchllama.generation import compile_decode
-
-    import warnings
 
     print("[compiling the decode step ...]", file=sys.stderr, flush=True)
     with warnings.catch_warnings(record=True) as caught:

@@ -119,6 +119,15 @@ class KVCache(nn.Module):
             elif d < 0:
                 buf[:, :, :end + d] = buf[:, :, -d:end].clone()
 
+    def snapshot(self) -> tuple:
+        """A copy of the cache's state (buffers and bookkeeping) for `restore`."""
+        return self.k_cache.clone(), self.v_cache.clone()
+
+    def restore(self, state: tuple) -> None:
+        """Put back a `snapshot` taken from this cache."""
+        self.k_cache.copy_(state[0])
+        self.v_cache.copy_(state[1])
+
     def zero(self, rows: slice, start: int, end: int) -> None:
         """Set slots [start, end) of `rows` to 0."""
         self.k_cache[rows, :, start:end] = 0
@@ -238,6 +247,13 @@ class SlidingWindowKVCache(KVCache):
         for buf in (self.k_cache, self.v_cache):
             buf.copy_(torch.roll(buf, d, dims=2))
         self.high = end + d
+
+    def snapshot(self) -> tuple:
+        return (*super().snapshot(), self.high)
+
+    def restore(self, state: tuple) -> None:
+        super().restore(state)
+        self.high = state[2]
 
     def zero(self, rows: slice, start: int, end: int) -> None:
         """Zero the ring indices of slots [start, end) still held (those ≥ high − capacity)."""
