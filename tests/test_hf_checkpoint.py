@@ -257,6 +257,9 @@ def test_config_defaults_follow_llama_config():
     ({"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
     ({"num_key_value_heads": 3}, r"config\.json: .*n_kv_heads \(3\) must divide n_heads \(4\)"),
     ({"quantization_config": {"quant_method": "gptq"}}, r"config\.json: quantized checkpoints \(gptq\)"),
+    ({"hidden_size": 2**40, "head_dim": 16}, r"config\.json: dim=1099511627776, .* parameters, "
+                                              r"more than any checkpoint"),
+    ({"num_hidden_layers": 10**7}, r"config\.json: n_layers=10000000, more than any model"),
 ])
 def test_config_errors(tiny_dir, changes, message):
     _edit_config(tiny_dir, **changes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import warnings
 from pathlib import Path
@@ -392,6 +393,22 @@ def test_params_dim_does_not_match_weights(checkpoint):
     assert msg.startswith(f"{folder} (consolidated.00.pth ... consolidated.01.pth): tensor "
                           "tok_embeddings.weight has shape (32000, 64) (merged from 2 shards), "
                           f"expected (32000, 128) from {folder / 'params.json'}")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dim", 10**12, r"dim=1000000000000, .* describe 2\.2e\+25 parameters, more than any"),
+    ("vocab_size", 10**13, r"vocab_size=10000000000000, .* parameters, more than any"),
+    ("multiple_of", 10**15, r"hidden size 1000000000000000 describe .* parameters"),
+    ("n_layers", 10**6, r"n_layers=1000000, more than any model \(4096\)"),
+])
+def test_inflated_params_are_a_clear_error(checkpoint, field, value, message):
+    # were: RuntimeError "Storage size calculation overflowed" (dim), or minutes building a
+    # million layers on the meta device (n_layers)
+    folder, args, _ = checkpoint
+    (folder / "params.json").write_text(json.dumps(params_of(args, **{field: value})))
+    msg = load_error(folder)
+    assert msg.startswith(f"{folder / 'params.json'}: ")
+    assert re.search(message, msg), msg
 
 
 def test_params_hidden_size_does_not_match_weights(checkpoint):

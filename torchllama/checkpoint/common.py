@@ -178,8 +178,7 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     Raises:
         ModelFileError: a missing or unexpected tensor, or a shape that does not match args.
     """
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = meta_model(args, source)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -227,18 +226,64 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     return model.eval().requires_grad_(False)
 
 
-def linear_weight_names(args) -> set[str]:
+#: More parameters than any checkpoint holds (the largest open models have ~10¹²): sizes past
+#: this in a config are damage, and building even the meta-device model of them would overflow
+#: torch's size arithmetic or create billions of modules.
+MAX_PARAMETERS = 10**13
+#: More layers than any model has (the deepest open ones have ~10²): each costs modules to build.
+MAX_LAYERS = 4096
+
+
+def approx_parameters(args) -> int:
+    """Parameters of a model with these sizes, to within the small tensors (norms, biases):
+    n_layers·(attention + feed-forward matrices) + embeddings and output. Python integers, so
+    absurd sizes give an absurd count rather than an overflow."""
+    hd = args.head_dim
+    attention = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads)      # wq, wo, wk, wv
+    ffn = 3 * args.dim * args.ffn_hidden_dim
+    return args.n_layers * (attention + ffn) + 2 * args.vocab_size * args.dim
+
+
+def meta_model(args, source: str = "the model's configuration") -> Transformer:
+    """`Transformer(args)` on the meta device (shapes only, no memory), for checking a
+    checkpoint's tensors against and for loading them into.
+
+    Raises:
+        ModelFileError: sizes describing more than `MAX_PARAMETERS` parameters or
+            `MAX_LAYERS` layers (a damaged or hostile config), or a model that cannot be built
+            from them; names `source`.
+    """
+    try:
+        n = approx_parameters(args)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{source}: sizes that describe no model ({e})") from None
+    if args.n_layers > MAX_LAYERS:
+        raise ModelFileError(f"{source}: n_layers={args.n_layers}, more than any model "
+                             f"({MAX_LAYERS}): is the file damaged?")
+    if n > MAX_PARAMETERS:
+        raise ModelFileError(
+            f"{source}: dim={args.dim}, n_layers={args.n_layers}, n_heads={args.n_heads}, "
+            f"vocab_size={args.vocab_size}, hidden size {args.ffn_hidden_dim} describe "
+            f"{n:.3g} parameters, more than any checkpoint ({MAX_PARAMETERS:.0e}): is the "
+            "file damaged?")
+    try:
+        with torch.device("meta"):
+            return Transformer(args)
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
+        raise ModelFileError(f"{source}: cannot build a model of these sizes ({e})") from None
+
+
+def linear_weight_names(args, source: str = "the model's configuration") -> set[str]:
     """Our names of the weights of the model's linear layers (the matrices weight-only
-    quantization can hold)."""
-    with torch.device("meta"):
-        model = Transformer(args)
+    quantization can hold). Raises ModelFileError as `meta_model`."""
+    model = meta_model(args, source)
     return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def expected_shapes(args) -> dict[str, torch.Size]:
-    """Our parameter names → shapes for a model with these args (built on the meta device)."""
-    with torch.device("meta"):
-        return {name: p.shape for name, p in Transformer(args).state_dict().items()}
+def expected_shapes(args, source: str = "the model's configuration") -> dict[str, torch.Size]:
+    """Our parameter names → shapes for a model with these args (built on the meta device).
+    Raises ModelFileError as `meta_model`."""
+    return {name: p.shape for name, p in meta_model(args, source).state_dict().items()}
 
 
 def _file_mapped_ranges() -> list[tuple[int, int]]:

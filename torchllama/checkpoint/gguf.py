@@ -224,7 +224,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     """
     from tqdm import tqdm
 
-    expected = expected_shapes(args)
+    expected = expected_shapes(args, source)
     mappings = family.mappings("gguf", args.n_layers, set(expected))
     by_name = {m.theirs: m for m in mappings}
     # tensors stored in several parts (`Part`): our name → its mappings, in table order
@@ -234,7 +234,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
             groups.setdefault(m.ours[0], []).append(m)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
-    quantizable = linear_weight_names(args) | {"tok_embeddings.weight"} if quant else set()
+    quantizable = linear_weight_names(args, source) | {"tok_embeddings.weight"} if quant else set()
     no_kernel: set[str] = set()
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
                   leave=False):

@@ -89,7 +89,8 @@ def weight_files(path: Path) -> dict[Path, Optional[list[str]]]:
 
 
 def load_hf_state_dict(files: dict[Path, Optional[list[str]]], family: Family, args: ModelArgs,
-                       dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype, progress: bool = True,
+                       source: str = "config.json") -> dict[str, torch.Tensor]:
     """Read safetensors files tensor by tensor into our names, layouts and `dtype`.
 
     `rotary_emb.inv_freq` keys are skipped; `lm_head.weight` may be absent when
@@ -101,11 +102,12 @@ def load_hf_state_dict(files: dict[Path, Optional[list[str]]], family: Family, a
     Raises:
         ModelFileError: an unreadable or truncated file, a tensor listed in the index but absent
             from its shard, an unknown tensor, a non-float dtype, a shape that does not match
-            config.json, or a missing tensor (the message names the file and the HF tensor name).
+            config.json, or a missing tensor (the message names the file and the HF tensor name);
+            sizes in config.json that describe no buildable model (`source` is named).
     """
     from tqdm import tqdm
 
-    expected = expected_shapes(args)
+    expected = expected_shapes(args, source)
     by_name = {m.theirs: m for m in family.mappings("hf", args.n_layers, set(expected))}
     state: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
@@ -244,7 +246,8 @@ def read_hf(path: Path, dtype: torch.dtype, progress: bool = True):
         raise ModelFileError(
             f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but "
             f"{config_path} says vocab_size {args.vocab_size}")
-    return args, load_hf_state_dict(files, family, args, dtype, progress), tokenizer
+    return args, load_hf_state_dict(files, family, args, dtype, progress, str(config_path)), \
+        tokenizer
 
 
 # ------------------------------------------------------------------------------------------------

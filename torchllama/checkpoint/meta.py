@@ -476,12 +476,12 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
     params = read_params(params_path)
     tokenizer = load_tokenizer_file(find_tokenizer(folder))
     args = model_args_from_params(params, tokenizer.vocab_size, str(params_path))
+    expected = expected_shapes(args, str(params_path))
 
     files = find_shards(folder)
     shards = [load_shard(f) for f in files]
     source = str(files[0]) if len(files) == 1 else \
         f"{folder} (consolidated.00.pth ... {files[-1].name})"
-    expected = expected_shapes(args)
     _checknames_list(shards, files, expected, source)
     _check_shapes(shards, files, expected, args, str(params_path), source)
 
