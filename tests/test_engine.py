@@ -1,5 +1,6 @@
 """The continuous-batching engine: requests joining and leaving at any step get exactly the tokens
-they would get alone (greedy), through the cache shifts, compaction and cancellations."""
+they would get alone (greedy), each in its own cache row at its own positions, through chunked
+prefills, the prefix cache and cancellations; for full, sliding-window and MLA caches."""
 
 import copy
 import threading
@@ -69,8 +70,8 @@ def test_joining_and_leaving_at_any_step(tiny_model):
         prompts = [[5, 6, 7], list(range(10, 40)), [50], list(range(60, 70)), [80, 81]]
         lengths = [20, 8, 30, 12, 25]
         clients = [Client(p, n) for p, n in zip(prompts, lengths)]
-        # Staggered: a 30-token prompt arrives after a 3-token one has started (rows shift
-        # right); more requests than rows wait for a free one.
+        # Staggered: a 30-token prompt arrives after a 3-token one has started (the rows at
+        # different positions); more requests than rows wait for a free one.
         run(engine, [(0.0, clients[0]), (0.01, clients[1]), (0.0, clients[2]),
                      (0.02, clients[3]), (0.0, clients[4])])
         for prompt, n, client in zip(prompts, lengths, clients):
@@ -81,11 +82,11 @@ def test_joining_and_leaving_at_any_step(tiny_model):
         engine.shutdown()
 
 
-def test_full_cache_is_compacted_and_context_ends_with_length(tiny_model):
+def test_context_ends_with_length(tiny_model):
     engine = Engine(copy.deepcopy(tiny_model), max_batch_size=2).start()
     try:
         long_runner = Client([1, 2, 3, 4], 200)              # wants more than the context
-        late = Client(list(range(20, 50)), 60)              # joins later, with padding
+        late = Client(list(range(20, 50)), 60)              # joins later, behind it
         run(engine, [(0.0, long_runner), (0.05, late)])
         assert long_runner.reason == "length"
         assert len(long_runner.tokens) == 128 - 4            # stopped by the context
@@ -152,19 +153,24 @@ def random_prompt(n, seed):
     return torch.randint(1, 256, (n,), generator=g).tolist()
 
 
-def record_forwards(engine, log):
-    """Append ("forward", (B, T)) to log at every forward pass of the engine's model."""
+def record_forwards(engine, log, with_start_pos=False):
+    """Append ("forward", (B, T)) to log at every forward pass of the engine's model (and its
+    start_pos: an int for a prefill chunk, a (B,) tensor for a decode step)."""
     engine.model.register_forward_pre_hook(
-        lambda module, args: log.append(("forward", tuple(args[0].shape))))
+        lambda module, args: log.append(("forward", tuple(args[0].shape)) +
+                                        ((args[1],) if with_start_pos else ())))
 
 
-def test_requests_arriving_together_share_one_prefill(tiny_model):
+def test_requests_arriving_together_are_prefilled_in_their_own_rows(tiny_model):
     prompts = [[5, 6, 7], list(range(10, 40)), [50], list(range(60, 70))]
     lengths = [6, 9, 12, 5]
-    for chunk, forwards in ((512, [(4, 30)]), (32, [(1, 3), (2, 30), (1, 10)])):
+    # Each prompt alone in its row, at most `prefill_chunk` prompt tokens per iteration: with 32,
+    # [3] and the first 29 of [30], then the last one of [30], [1] and [10].
+    for chunk, forwards in ((512, [(1, 3), (1, 30), (1, 1), (1, 10)]),
+                            (32, [(1, 3), (1, 29), (1, 1), (1, 1), (1, 10)])):
         engine = Engine(copy.deepcopy(tiny_model), max_batch_size=4, prefill_chunk=chunk)
         calls = []
-        record_forwards(engine, calls)
+        record_forwards(engine, calls, with_start_pos=True)
         clients = [Client(p, n) for p, n in zip(prompts, lengths)]
         for client in clients:                  # all waiting when the engine starts
             engine.submit(client.request)
@@ -174,10 +180,11 @@ def test_requests_arriving_together_share_one_prefill(tiny_model):
                 assert client.done.wait(60)
             for prompt, n, client in zip(prompts, lengths, clients):
                 assert client.tokens == alone(tiny_model, prompt, n)
-            # One left-padded forward for all four (512), or as many as fit in 32 prompt tokens
-            # per iteration: [3] alone (30 > 32 − 3), then [30] and [1], then [10].
-            prefills = [shape for _, shape in calls if shape[1] > 1]
+            prefills = [shape for _, shape, start_pos in calls if isinstance(start_pos, int)]
             assert prefills == forwards and engine.prefills == len(forwards)
+            first_decode = next(i for i, (_, _, p) in enumerate(calls) if not isinstance(p, int))
+            if chunk == 512:                               # then one step for all four rows
+                assert calls[first_decode][1] == (4, 1)
         finally:
             engine.shutdown()
 
@@ -198,10 +205,10 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(long_model):
             time.sleep(0.001)
         engine.submit(long.request)
         assert long.done.wait(60) and running.done.wait(60)
-        # Four chunks of 500 tokens, the running stream getting tokens between them.
+        # Chunks of 512 tokens (the last 464), the running stream getting tokens between them.
         chunks = [i for i, (kind, shape) in enumerate(timeline)
                   if kind == "forward" and shape[1] > 3]
-        assert [timeline[i][1] for i in chunks] == [(1, 500)] * 4
+        assert [timeline[i][1] for i in chunks] == [(1, 512)] * 3 + [(1, 464)]
         first_long = next(i for i, (kind, _) in enumerate(timeline) if kind == "long")
         between = [kind for kind, _ in timeline[chunks[0]:first_long]]
         assert between.count("running") >= 3
@@ -211,9 +218,9 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(long_model):
         engine.shutdown()
 
 
-def test_chunked_prefills_overlap_shift_and_run_alone(long_model):
-    """A long prompt admitted while another is mid-prefill (held back by the prefill budget)
-    shifts every row right; a long prompt with nothing else running advances alone."""
+def test_chunked_prefills_overlap_and_run_alone(long_model):
+    """A long prompt admitted while another is mid-prefill shares the iterations' prefill budget
+    with it; a long prompt with nothing else running advances alone."""
     engine = Engine(copy.deepcopy(long_model), max_batch_size=3, prefill_chunk=256).start()
     try:
         running = Client([9, 8, 7], 200)

@@ -3,9 +3,8 @@
 The engine owns the model and a KV cache of `max_batch_size` rows, and runs one loop in a
 background thread:
 
-    prefill: the next chunk of each long prompt being prefilled, then the requests waiting
-             for a free row, admitted together: one left-padded batched prefill per run of
-             adjacent rows (a long prompt's first chunk alone)
+    prefill: the next chunk of each prompt being prefilled, then waiting requests admitted
+             into free rows, up to `prefill_chunk` prompt tokens in all per iteration
     one decode step for all decoding rows at once  ─▶ one token for every running request
     retire finished or cancelled requests           ─▶ their rows are free for the next ones
 
@@ -13,25 +12,21 @@ A request joins at the next decode step and leaves as soon as it is done, so con
 share the weights' memory traffic (decode is bound by it) and total throughput grows with the
 number of requests.
 
-Cache layout: all rows write their next token at the same slot `cur`; row b's sequence occupies
-slots [pad[b], cur) and its first pad[b] slots are padding, never attended (the model's
-left-padding support, `Transformer.forward(pad=...)`, which also gives each row its own RoPE
-positions). A new request with a P-token prompt is prefilled into slots [cur − P, cur) of its row;
-if P > cur, every row is first shifted right by P − cur slots (their pads grow by as much). When
-`cur` reaches the end of the cache, rows are shifted left by the smallest pad; a row with no pad
-left has used the whole context and finishes with "length".
+Cache layout: a request owns one cache row from slot 0, as it would alone: its prompt fills
+slots 0..P-1 (prefilled in that row by itself, in chunks of at most `prefill_chunk` tokens, with
+decode steps of the other rows in between), and its n-th generated token is written at slot
+P + n − 1. Each row is at its own position: the decode step gives the model one position per
+row (`Transformer.forward` with a (B,) start_pos; −1 for rows not decoding, which write and
+attend nothing), and every row attends to its own slots only. Nothing is shared between rows —
+no common cursor, no padding, no shifts — so a request computes what it would alone, whatever
+else runs: with torchllama's kernels (batch-invariant products, attention summed in slot order,
+chunked prefill giving the same bits as whole) the very same bits, for every kind of cache
+(full, sliding-window rings with a per-row furthest slot, MLA's latents).
 
-Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled in K = ⌈P / chunk⌉
-chunks, one per loop iteration, so the running rows get a decode step between two chunks instead
-of waiting for the whole prompt. Its row is laid out for the cursor its last chunk will see: the
-prompt takes slots [pad, pad + P) with pad + P = cur + K − 1 (K − 1 decode steps to come). Each
-chunk writes the next prompt tokens at their slots, but never past `cur`: the decode steps in
-between write slot `cur` of every row in the batch, the prefilling row's included (fed padding,
-attending only itself, as idle rows are), and that slot is one its later chunks overwrite. With
-gap = pad + P − cur (decode steps still to come) a chunk takes min(chunk, remaining − gap)
-tokens, so the prompt is complete exactly when gap reaches 0; only then is the row sampled and
-fed its tokens. Shifts move its slots and pad with every other row's, so the gap is unchanged.
-When no row is decoding, the cursor advances without a forward pass.
+Prefix cache (`torchllama.prefix_cache`): when a prompt's prefill completes, a copy of its
+row's keys and values is kept (within a memory budget, least recently used first out); a later
+prompt that starts with the same tokens gets that copy put in its row and is prefilled from
+where they differ — the same bits as prefilling it whole, since chunked prefill is exact.
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
+from torchllama.prefix_cache import PrefixCache
 from torchllama.sampling import SamplingParams, sample, token_logprobs
 
 log = logging.getLogger("torchllama.engine")
@@ -98,14 +94,13 @@ class _Row:
     request: Request
     generator: torch.Generator
     generated: list[int] = field(default_factory=list)
-    pending: int = 0                  # the sampled token to feed at the next decode step
-    prefilled: int = 0                # prompt tokens in the cache so far
-    chunk: int = 0                    # prompt tokens per prefill chunk (≤ prefill_chunk)
+    pending: int = 0                  # the sampled token, written at slot `pos` next step
+    pos: int = 0                      # slots of this row's cache holding its tokens
 
     @property
     def prefilling(self) -> bool:
         """Still being prefilled: not sampled, not fed its tokens."""
-        return self.prefilled < len(self.request.prompt_ids)
+        return self.pos < len(self.request.prompt_ids)
 
 
 class Engine:
@@ -115,35 +110,39 @@ class Engine:
         model: a `Transformer` (eval mode). The engine allocates its KV cache.
         max_batch_size: rows decoded together.
         max_queue: requests that may wait for a row; beyond it `submit` raises QueueFull.
-        pad_id: token fed to idle rows (never attended).
-        prefill_chunk: prompt tokens prefilled per loop iteration: a longer prompt is
-            prefilled in chunks with decode steps in between, and the requests admitted
-            together stop at this many prompt tokens (the others wait for the next iteration).
+        pad_id: token fed to idle rows (nothing written, nothing attended).
+        prefill_chunk: prompt tokens prefilled per loop iteration, in all: a longer prompt is
+            prefilled in chunks with decode steps in between, and waiting requests are admitted
+            while the iteration has prompt tokens left (the first one always is).
+        prefix_cache_bytes: memory for the prefix cache (0: none); see `PrefixCache`.
 
     Raises:
-        ArgumentError: a size below 1.
+        ArgumentError: a size below 1 (below 0 for the prefix cache).
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, pad_id: int = 0,
-                 prefill_chunk: int = 512):
-        if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
-            raise ArgumentError("max_batch_size, max_queue and prefill_chunk must be ≥ 1")
+                 prefill_chunk: int = 512, prefix_cache_bytes: int = 0):
+        if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1 or prefix_cache_bytes < 0:
+            raise ArgumentError("max_batch_size, max_queue and prefill_chunk must be ≥ 1 and "
+                                "prefix_cache_bytes ≥ 0")
         self.model = model
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.context = model.args.max_seq_len
         self.pad_id = pad_id
         self.device = model.device
+        self.prefix_cache = PrefixCache(model, prefix_cache_bytes) if prefix_cache_bytes \
+            else None
         self._waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self._held: Optional[Request] = None     # taken from the queue, waits for a budget
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
-        self._pad = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
-        self._cur = 0
+        self._finite = [0] * max_batch_size      # per row: slots [0, n) hold finite numbers
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.steps = 0                    # decode steps run (for tests and stats)
-        self.prefills = 0                 # prefill forward passes run (batches and chunks)
+        self.prefills = 0                 # prefill forward passes run (chunks)
+        self.prefill_tokens = 0           # prompt tokens prefilled (not taken from the cache)
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -193,6 +192,11 @@ class Engine:
         """Requests holding a row now."""
         return sum(row is not None for row in self._rows)
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a row."""
+        return self._waiting.qsize() + (self._held is not None)
+
     # ---- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -200,14 +204,14 @@ class Engine:
             while not self._stop.is_set():
                 try:
                     self._prefill_step()
-                    if not self.active:
-                        self._cur = 0                         # nothing cached: start over
-                        self._wake.wait(timeout=0.1)
-                        self._wake.clear()
+                    if not self._decoding():
+                        if not self.active:
+                            self._wake.wait(timeout=0.1)
+                            self._wake.clear()
                         continue
                     self._decode_step()
                 except Exception:                             # never let the thread die: fail
-                    log.exception("engine step failed")       # what was running, start over
+                    log.exception("engine step failed")       # what was running, go on
                     for b, row in enumerate(self._rows):
                         if row is not None:
                             self._finish(b, "error")
@@ -222,31 +226,36 @@ class Engine:
             except queue.Empty:
                 break
 
+    def _decoding(self) -> list[int]:
+        return [b for b, row in enumerate(self._rows) if row is not None and not row.prefilling]
+
     # ---- prefill -----------------------------------------------------------------------------
 
     def _prefill_step(self) -> None:
-        """One iteration's prefill work: the next chunk of each prompt being prefilled, then the
-        waiting requests admitted into free rows (see the module docstring)."""
+        """One iteration's prefill work, at most `prefill_chunk` prompt tokens: the next chunks
+        of the prompts being prefilled (oldest row first), then new requests in free rows."""
+        budget = self.prefill_chunk
         for b, row in enumerate(self._rows):
-            if row is not None and row.prefilling:
-                self._guarded(self._prefill_chunk, [b])
-        new = self._admit()
-        whole = [b for b in new if self._gap(b) == 0]          # the whole prompt now
-        for rows in _adjacent_runs(whole):
-            self._guarded(self._prefill_batch, rows)
-        for b in new:
-            if b not in whole:
-                self._guarded(self._prefill_chunk, [b])
+            if budget > 0 and row is not None and row.prefilling:
+                budget -= self._guarded(b, budget)
+        while budget > 0 and None in self._rows:
+            request = self._next_request()
+            if request is None:
+                break
+            b = self._admit(request)
+            if b is not None:
+                budget -= self._guarded(b, budget)
 
-    def _guarded(self, prefill: Callable[[list[int]], None], rows: list[int]) -> None:
-        """Run a prefill of these rows; if it fails, their requests fail, the other rows go on."""
+    def _guarded(self, b: int, budget: int) -> int:
+        """Prefill the next chunk of row b (at most `budget` tokens); if it fails, its request
+        fails and the other rows go on. Returns the tokens prefilled."""
         try:
-            prefill(rows)
+            return self._prefill_chunk(b, budget)
         except Exception:
             log.exception("prefill failed")
-            for b in rows:
-                if self._rows[b] is not None:
-                    self._finish(b, "error")
+            if self._rows[b] is not None:
+                self._finish(b, "error")
+            return 0
 
     def _next_request(self) -> Optional[Request]:
         """The oldest request waiting (cancelled ones are answered and skipped), or None."""
@@ -261,114 +270,47 @@ class Engine:
                 return request
             _notify(request.on_finish, "cancelled")
 
-    def _admit(self) -> list[int]:
-        """Give free rows (lowest first) to waiting requests and lay out their slots.
+    def _admit(self, request: Request) -> Optional[int]:
+        """Give the lowest free row to a request, its prompt's cached prefix (if any) put in
+        it. Returns the row, or None if the request failed here."""
+        b = self._rows.index(None)
+        try:
+            generator = request.sampling.make_generator(self.device)
+            self.model.reset_cache_rows(slice(b, b + 1))
+            reused = 0
+            if self.prefix_cache is not None:
+                reused = self.prefix_cache.restore(request.prompt_ids, b)
+        except Exception:
+            log.exception("admission failed")
+            _notify(request.on_finish, "error")
+            return None
+        self._rows[b] = _Row(request, generator, pos=reused)
+        self._finite[b] = max(self._finite[b], reused)
+        return b
 
-        The requests admitted in one call bring at most `prefill_chunk` prompt tokens in all (a
-        long prompt counts its first chunk; the first request always fits); the next one is
-        held for the next call. Every row is shifted right first if a new prompt needs more
-        slots before its end than `cur` leaves; a prompt whose shift would push the end of a
-        prompt being prefilled past the context waits for it. Nothing is written into the new
-        rows yet.
-
-        Returns:
-            the new rows, in increasing order.
-        """
-        new: list[int] = []
-        budget = self.prefill_chunk
-        reach = max((self._gap(b) for b, row in enumerate(self._rows)
-                     if row is not None and row.prefilling), default=0)   # slots after cur
-        for b in range(self.max_batch_size):
-            if self._rows[b] is not None:
-                continue
-            request = self._next_request()
-            if request is None:
-                break
-            P = len(request.prompt_ids)
-            cost = min(P, self.prefill_chunk)
-            K = -(-P // self.prefill_chunk)
-            if (new and cost > budget) or max(P - (K - 1), self._cur) + reach > self.context:
-                self._held = request
-                break
-            try:
-                generator = request.sampling.make_generator(self.device)
-            except Exception:
-                log.exception("admission failed")
-                _notify(request.on_finish, "error")
-                continue
-            budget -= cost
-            self._rows[b] = _Row(request, generator)
-            new.append(b)
-        if not new:
-            return new
-        chunks = {b: -(-len(self._rows[b].request.prompt_ids) // self.prefill_chunk)
-                  for b in new}                                 # K chunks per prompt
-        # The prompt ends where `cur` will be after its K − 1 decode steps: slots before its
-        # start must exist.
-        need = max(len(self._rows[b].request.prompt_ids) - (chunks[b] - 1) for b in new)
-        if need > self._cur:
-            self._shift(need - self._cur)
-        for b in new:
-            row = self._rows[b]
-            P = len(row.request.prompt_ids)
-            gap = min(chunks[b] - 1, self.context - self._cur)  # decode steps before its end
-            row.chunk = -(-P // (gap + 1))                      # ≤ prefill_chunk
-            start = self._cur + gap - P
-            self._pad[b] = start
-            # The padding slots are masked out, but attention still multiplies their values by
-            # a zero weight: they must be finite, and this row's may never have been written.
-            self.model.zero_cache_slots(slice(b, b + 1), 0, start)
-        return new
-
-    def _gap(self, b: int) -> int:
-        """Decode steps until row b's prompt ends at `cur` (0: it ends there now)."""
-        return int(self._pad[b]) + len(self._rows[b].request.prompt_ids) - self._cur
-
-    def _prefill_batch(self, rows: list[int]) -> None:
-        """Prefill the whole prompts of adjacent new rows in one left-padded forward pass (each
-        ends at slot cur), and sample their first tokens."""
-        b0, b1 = rows[0], rows[-1] + 1
-        prompts = [self._rows[b].request.prompt_ids for b in rows]
-        T = max(len(p) for p in prompts)
-        tokens = torch.tensor([[self.pad_id] * (T - len(p)) + p for p in prompts],
-                              device=self.device)                      # (b1 − b0, T)
-        logits = self.model(tokens, self._cur - T, last_only=True, pad=self._pad[b0:b1],
-                            cache_rows=slice(b0, b1))[:, -1]           # (b1 − b0, V)
-        self.prefills += 1
-        for i, b in enumerate(rows):
-            self._rows[b].prefilled = len(prompts[i])
-            self._take(b, logits[i:i + 1])
-
-    def _prefill_chunk(self, rows: list[int]) -> None:
-        """Prefill the next chunk of row b's prompt (rows = [b]): as many tokens as fit before
-        `cur`, at most row.chunk; the last chunk ends at cur and samples the first token."""
-        (b,) = rows
+    def _prefill_chunk(self, b: int, budget: int) -> int:
+        """Prefill the next prompt tokens of row b, at most `budget`, in its cache row at its
+        own positions; after the last chunk, sample its first token. Returns the tokens."""
         row = self._rows[b]
         if row.request.cancelled.is_set():
             self._finish(b, "cancelled")
-            return
+            return 0
         prompt = row.request.prompt_ids
-        n = min(row.chunk, len(prompt) - row.prefilled - self._gap(b))
-        if n <= 0:                  # a decode step was skipped: the slots are not there yet
-            return
-        start_pos = int(self._pad[b]) + row.prefilled
-        tokens = torch.tensor([prompt[row.prefilled:row.prefilled + n]],
-                              device=self.device)                      # (1, n)
-        logits = self.model(tokens, start_pos, last_only=True, pad=self._pad[b:b + 1],
-                            cache_rows=slice(b, b + 1))[:, -1]         # (1, V)
+        n = min(len(prompt) - row.pos, budget)
+        tokens = torch.tensor([prompt[row.pos:row.pos + n]], device=self.device)   # (1, n)
+        logits = self.model(tokens, row.pos, last_only=True,
+                            cache_rows=slice(b, b + 1))[:, -1]                     # (1, V)
         self.prefills += 1
-        row.prefilled += n
+        self.prefill_tokens += n
+        row.pos += n
+        self._finite[b] = max(self._finite[b], row.pos)
         if not row.prefilling:
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(prompt, b)
             self._take(b, logits)
+        return n
 
     # ---- decode ------------------------------------------------------------------------------
-
-    def _shift(self, d: int) -> None:
-        """Move every row's cached slots by d (right if d > 0, left if d < 0); slots uncovered
-        by a right shift are zeroed, so the new padding is finite (see _admit)."""
-        self.model.shift_caches(d, self._cur)
-        self._pad += d
-        self._cur += d
 
     def _take(self, b: int, logits: torch.Tensor) -> None:
         """Sample row b's next token from its logits (1, V) and report or finish."""
@@ -405,51 +347,38 @@ class Engine:
 
     def _finish(self, b: int, reason: str) -> None:
         row, self._rows[b] = self._rows[b], None
-        self._pad[b] = self._cur                    # idle: all of its slots are padding
         _notify(row.request.on_finish, reason)
 
     def _decode_step(self) -> None:
-        if self._cur >= self.context:               # cache full: drop the common padding
-            held = [b for b, row in enumerate(self._rows) if row is not None]
-            d = int(self._pad[held].min())
-            if d == 0:                              # these rows used the whole context
-                for b in held:
-                    if int(self._pad[b]) == 0:
-                        self._finish(b, "length")
-                return
-            self._shift(-d)
-        decoding = [b for b, row in enumerate(self._rows)
-                    if row is not None and not row.prefilling]
-        if not decoding:           # only rows mid-prefill: move on as a decode step would
-            self._cur += 1
-            return
-        # Rows are filled lowest first, so the decoding ones sit in rows 0..B-1: decode just
-        # those (B = last decoding row + 1). Idle and prefilling rows among them are fed padding
-        # and attend only their own new slot (finite; a prefilling row's later chunks overwrite
-        # it).
+        """One token for every decoding row: rows 0..B-1 (B = last decoding row + 1) at their
+        own positions, the others idle (−1)."""
+        decoding = self._decoding()
         B = decoding[-1] + 1
-        live = [row is not None and not row.prefilling for row in self._rows[:B]]
-        tokens = torch.tensor([[row.pending if ok else self.pad_id]
-                               for row, ok in zip(self._rows[:B], live)],
-                              device=self.device)                                # (B, 1)
-        pad = torch.where(torch.tensor(live, device=self.device), self._pad[:B],
-                          self._cur)                                             # (B,)
-        logits = self.model(tokens, self._cur, pad=pad)[:, -1]                   # (B, V)
-        self._cur += 1
+        pos = [-1] * B
+        tokens = [self.pad_id] * B
+        for b in decoding:
+            pos[b], tokens[b] = self._rows[b].pos, self._rows[b].pending
+        self._make_finite(decoding, max(pos) + 1)
+        logits = self.model(torch.tensor(tokens, device=self.device)[:, None],      # (B, 1)
+                            torch.tensor(pos, device=self.device),
+                            cache_rows=slice(0, B))[:, -1]                           # (B, V)
         self.steps += 1
         for b in decoding:
+            row = self._rows[b]
+            row.pos += 1
+            self._finite[b] = max(self._finite[b], row.pos)
             self._take(b, logits[b:b + 1])
 
-
-def _adjacent_runs(rows: list[int]) -> list[list[int]]:
-    """Split increasing row indices into runs of adjacent ones: [0, 1, 3] → [[0, 1], [3]]."""
-    runs: list[list[int]] = []
-    for b in rows:
-        if runs and runs[-1][-1] == b - 1:
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    return runs
+    def _make_finite(self, rows: list[int], end: int) -> None:
+        """Make slots [0, end) of these cache rows finite: a row attends over the first `end`
+        slots of the batch, masked past its own position, and torch's attention multiplies
+        masked values by 0 (0 · NaN is NaN in slots never written). Zeroed 256 slots ahead,
+        so that this costs a call every 256 steps, not every step."""
+        for b in rows:
+            if self._finite[b] < end:
+                stop = min(max(end, self._finite[b] + 256), self.context)
+                self.model.zero_cache_slots(slice(b, b + 1), self._finite[b], stop)
+                self._finite[b] = stop
 
 
 def _notify(callback: Callable, value) -> bool:

@@ -32,6 +32,7 @@ from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.nn import (ALiBi, AttentionInputs, KVCache, LearnedPositions, RotaryEmbedding,
                            SinusoidalPositions, T5RelativeBias, linear_cross_entropy,
                            make_attention, make_mlp, make_norm)
+from torchllama.nn.kv_cache import SlidingWindowKVCache
 
 
 class TransformerBlock(nn.Module):
@@ -97,13 +98,20 @@ class TransformerBlock(nn.Module):
         cs = torch.view_as_real(cs) if cs.is_complex() else cs              # (…, T, hd/2, 2)
         if 2 * cs.shape[-2] != attention.head_dim:                          # partial RoPE
             return None
-        slots = cache.write_slots(inputs.start_pos, x.shape[1])
-        if slots is None:
-            return None
         rows = inputs.cache_rows
         row0 = 0 if rows is None else (rows.start or 0)
+        if inputs.row_pos is not None:                   # rows at their own positions
+            if type(cache) not in (KVCache, SlidingWindowKVCache):
+                return None
+            cache.count_row_writes(inputs.row_pos, rows)
+            slots = (0, inputs.mask.shape[-1])
+        else:
+            slots = cache.write_slots(inputs.start_pos, x.shape[1],
+                                      range(row0, row0 + x.shape[0]))
+            if slots is None:
+                return None
         return (*weights[:6], cache.k_cache, cache.v_cache, row0, *slots, cs, inputs.mask,
-                *weights[6:], None, inputs.key_start)
+                *weights[6:], inputs.row_index, inputs.key_start)
 
     def _fused_weights(self) -> Optional[tuple]:
         """This layer's weights for `decoder_layer`, or None if its structure does not fit;
@@ -258,15 +266,26 @@ class Transformer(nn.Module):
             return None
         return self.caches[0].max_batch_size, self.caches[0].max_seq_len
 
-    def cache_can_write_at(self, start_pos: int) -> bool:
-        """Whether every cache can take a write starting at start_pos (rewinding a sliding-
-        window cache further than its margin cannot; then start over at 0)."""
-        return all(cache.can_write_at(start_pos) for cache in self.caches or ())
+    def cache_can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
+        """Whether every cache can take a write starting at start_pos in cache row `row` (default:
+        in every row): rewinding a sliding-window cache further than its margin cannot; then
+        start over at 0."""
+        return all(cache.can_write_at(start_pos, row) for cache in self.caches or ())
 
-    def shift_caches(self, d: int, end: int) -> None:
-        """Move slots [0, end) of every cache row by d slots (`KVCache.shift`)."""
+    def reset_cache_rows(self, rows: slice) -> None:
+        """The cache rows start new sequences from slot 0 (`KVCache.reset_rows`)."""
         for cache in self.caches or ():
-            cache.shift(d, end)
+            cache.reset_rows(rows)
+
+    def read_cache_row(self, row: int, end: int) -> list:
+        """A copy of cache row `row`'s slots [0, end) in every layer (a prefix cache entry; a
+        sliding-window layer's ring as it is), for `write_cache_row`."""
+        return [cache.read_row(row, end) for cache in self.caches or ()]
+
+    def write_cache_row(self, row: int, state: list) -> None:
+        """Put a `read_cache_row` copy into cache row `row` (any row)."""
+        for cache, layer_state in zip(self.caches or (), state):
+            cache.write_row(row, layer_state)
 
     def zero_cache_slots(self, rows: slice, start: int, end: int) -> None:
         """Zero slots [start, end) of the given cache rows in every layer (`KVCache.zero`)."""
@@ -275,7 +294,8 @@ class Transformer(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False,
+    def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, *,
+                last_only: bool = False,
                 pad: Optional[torch.Tensor] = None, cache_rows: Optional[slice] = None,
                 targets: Optional[torch.Tensor] = None, hidden: bool = False) -> torch.Tensor:
         """Logits of the next token after each of the given tokens, or, given targets, the
@@ -283,7 +303,11 @@ class Transformer(nn.Module):
 
         Args:
             tokens: (B, T) int64 token ids in cache slots start_pos..start_pos+T-1.
-            start_pos: number of slots already in the KV cache (0 without a cache).
+            start_pos: number of slots already in the KV cache (0 without a cache); or, for
+                rows at their own positions (the serving engine's decode step: T = 1, a KV
+                cache, no pad), a (B,) int64 tensor: row b's token goes to slot start_pos[b]
+                and attends to that row's slots up to it; −1 marks an idle row (nothing
+                written, its logits meaningless).
             last_only: compute logits for the last position only (what generation needs after
                 a prefill; saves a (T, dim)×(dim, V) matmul).
             pad: (B,) int64, for left-padded batches: the first pad[b] slots of row b hold
@@ -308,15 +332,24 @@ class Transformer(nn.Module):
             ArgumentError: start_pos > 0 without a KV cache, or B above the cache's batch size.
         """
         B, T = tokens.shape
+        row_pos = self._row_positions(start_pos, B, T, pad)
+        if row_pos is not None:
+            start_pos = max(row_pos)                         # the furthest row's slot
         end = start_pos + T
         self._check_slots(B, start_pos, end, cache_rows)
         h = self.tok_embeddings(tokens)                      # (B, T, D)
         if self.args.embed_scale:                            # × √dim, rounded to h's dtype
             h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
         if hasattr(self, "pos_embeddings"):                  # absolute positions (T|B,T) → +D
-            h = h + self.pos_embeddings(self._positions(tokens.device, start_pos, end, pad))
-        inputs = [self._attention_inputs(k, tokens.device, start_pos, end, pad, cache_rows, B)
-                  for k in range(len(self.specs))]           # one per kind of layer
+            positions = self._positions(tokens.device, start_pos, end, pad) if row_pos is None \
+                else torch.tensor(row_pos, device=tokens.device).clamp(min=0)[:, None]
+            h = h + self.pos_embeddings(positions)
+        if row_pos is None:
+            inputs = [self._attention_inputs(k, tokens.device, start_pos, end, pad, cache_rows,
+                                             B) for k in range(len(self.specs))]
+        else:                                                # one per kind of layer
+            inputs = [self._row_attention_inputs(k, tokens.device, row_pos, cache_rows)
+                      for k in range(len(self.specs))]
         for layer in self.layers:
             h = layer(h, inputs[layer.kind])                 # (B, T, D)
         if last_only:
@@ -339,6 +372,19 @@ class Transformer(nn.Module):
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         return logits
+
+    def _row_positions(self, start_pos: int | torch.Tensor, B: int, T: int,
+                       pad: Optional[torch.Tensor]) -> Optional[list[int]]:
+        """start_pos as a list when rows are at their own positions, else None (see forward)."""
+        if not isinstance(start_pos, torch.Tensor):
+            return None
+        row_pos = start_pos.tolist()
+        if T != 1 or pad is not None or not self.caches or len(row_pos) != B or \
+                max(row_pos) < 0 or min(row_pos) < -1:
+            raise ArgumentError(
+                f"rows at their own positions need one token each (T = 1, got {T}), a KV cache, "
+                f"no pad and B = {B} positions ≥ −1, at least one ≥ 0; got {row_pos}")
+        return row_pos
 
     def _check_slots(self, B: int, start_pos: int, end: int, cache_rows: Optional[slice]) -> None:
         cache_shape = self.cache_shape
@@ -414,3 +460,33 @@ class Transformer(nn.Module):
             bias = bias.masked_fill(~mask, float("-inf"))                # (1|B, H, T, S)
             mask = None
         return AttentionInputs(start_pos, freqs_cis, mask, bias, cache_rows, key_start)
+
+    def _row_attention_inputs(self, kind: int, device: torch.device, row_pos: list[int],
+                              cache_rows: Optional[slice]) -> AttentionInputs:
+        """RoPE rotations, mask, key order and position bias of one new token per row, row b's
+        at slot row_pos[b] (−1: idle), for every layer of kind self.specs[kind]: each row
+        attends to its own slots up to its own, within the window of a local layer."""
+        spec = self.specs[kind]
+        cache = self.layers[self._first_layer[kind]].attention.kv_cache
+        index, k_slot, key_start = cache.row_slots(row_pos, device)      # (B,), (B, S), (B,)
+        q_slot = torch.tensor(row_pos, device=device)[:, None]           # (B, 1)
+        # key s of row b may be attended iff it was written (≥ 0) and s ≤ q (and, in a local
+        # layer, s > q − window); an idle row (q = −1) attends nothing
+        mask = (k_slot >= 0) & (k_slot <= q_slot)                        # (B, S)
+        if spec.window is not None:
+            mask &= k_slot > q_slot - spec.window
+        mask = mask[:, None, None, :]                                    # (B, 1, 1, S)
+        freqs_cis = None
+        if self.rope:
+            end = max(row_pos) + 1
+            freqs_cis = self.rope[kind](q_slot.clamp(min=0), end)        # (B, 1, rot/2)
+        bias = None
+        bias_module = getattr(self, "position_bias", None)
+        if bias_module is not None:                  # relative: row by row (q − k slots)
+            bias = torch.cat([bias_module(q_slot[b], k_slot[b])          # (1, H, 1, S) each
+                              for b in range(len(row_pos))])             # (B, H, 1, S)
+            bias = bias.masked_fill(~mask, float("-inf"))
+            mask = None
+        return AttentionInputs(max(row_pos), freqs_cis, mask, bias, cache_rows, key_start,
+                               row_pos, index)
+

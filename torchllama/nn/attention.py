@@ -47,6 +47,10 @@ class AttentionInputs:
         cache_rows: KV cache rows of the B sequences (default 0..B-1).
         key_start: (B,) int64, where the keys the cache returns start in slot order (a
             sliding-window ring: its oldest slot; see `KVCache.key_start`), or None (in order).
+        row_pos: rows at their own positions (one new token each; the serving engine's
+            decode): row b's token goes to slot row_pos[b] (−1: an idle row, nothing written,
+            nothing attended); start_pos is then unused. None: every row at start_pos.
+        row_index: (B,) int64, with row_pos: the cache index each row writes at (−1: none).
     """
 
     start_pos: int
@@ -55,6 +59,18 @@ class AttentionInputs:
     bias: Optional[torch.Tensor] = None
     cache_rows: Optional[slice] = None
     key_start: Optional[torch.Tensor] = None
+    row_pos: Optional[list[int]] = None
+    row_index: Optional[torch.Tensor] = None
+
+    def cache_update(self, cache: KVCache, xk: torch.Tensor, xv: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys xk (B, KV, T, ·) and values into `cache` and return the keys and
+        values to attend over, (B, KV, S, ·) (`KVCache.update` or `update_rows`)."""
+        if self.row_pos is None:
+            return cache.update(self.start_pos, xk, xv, self.cache_rows)
+        return cache.update_rows(self.row_pos, self.row_index, xk, xv, self.cache_rows,
+                                 self.mask.shape[-1] if self.mask is not None
+                                 else self.bias.shape[-1])
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -234,7 +250,7 @@ class Attention(nn.Module):
         xk = xk.transpose(1, 2)                                       # (B, KV, T, hd)
         xv = xv.transpose(1, 2)                                       # (B, KV, T, hd)
         if self.kv_cache is not None:                                 # (B, KV, S, hd)
-            keys, values = self.kv_cache.update(inputs.start_pos, xk, xv, inputs.cache_rows)
+            keys, values = inputs.cache_update(self.kv_cache, xk, xv)
         else:
             keys, values = xk, xv                                     # (B, KV, T, hd), S = T
         out = attend(xq, keys, values, inputs, scale=self.scale,      # (B, H, T, hd)
@@ -319,8 +335,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = apply_rotary_emb(k_rope[:, :, None], inputs.freqs_cis, dtype)  # (B, T, 1, dr)
         c_kv, k_rope = c_kv[:, None].to(dtype), k_rope.transpose(1, 2)   # (B, 1, T, r|dr)
         if self.kv_cache is not None:                                 # (B, 1, S, r|dr)
-            c_kv, k_rope = self.kv_cache.update(inputs.start_pos, c_kv, k_rope,
-                                                inputs.cache_rows)
+            c_kv, k_rope = inputs.cache_update(self.kv_cache, c_kv, k_rope)
         S = c_kv.shape[2]
         kv = self.wkv_b(c_kv[:, 0].to(x.dtype)).view(B, S, H, dn + dv).transpose(1, 2)
         k_nope, v = kv.split([dn, dv], dim=-1)                        # (B, H, S, dn|dv)

@@ -2,16 +2,18 @@
 
 A cache is addressed by *slots*: slot s of a row holds the keys and values of the token fed at
 start_pos = s. Generation prefills slots 0..T-1 with the prompt and decodes one slot at a time;
-batched callers (left-padded batches, the serving engine) keep all rows on one shared slot
-counter and mask each row's padding slots.
+left-padded batches keep all rows on one slot counter and mask each row's padding slots; the
+serving engine keeps every row at its own position (a row is one request, from slot 0).
 
 Callers (Session, generate_batch, the engine) use this interface and nothing else:
 
-    update(start_pos, k, v, rows)   write the new tokens' keys/values, return those to attend to
-    key_slots(start_pos, T)         the slot of each key `update` returns (for masks and biases)
-    can_write_at(start_pos)         whether a write may start there (rewinding a window cache)
-    shift(d, end)                   move every row's slots [0, end) by d (the engine's re-packing)
-    zero(rows, start, end)          make slots finite (padding that was never written)
+    update(start_pos, k, v, rows)     write the new tokens' keys/values, return those to attend to
+    key_slots(start_pos, T)           the slot of each key `update` returns (for masks and biases)
+    key_start(start_pos, T)           where the oldest of them is (a ring's), for slot order
+    row_slots(pos) / update_rows(…)   the same for one token per row at its own position
+    can_write_at(start_pos, row)      whether a write may start there (rewinding a window cache)
+    reset_rows(rows) / copy_row(…)    a row given to a new sequence / a prefix put back in a row
+    zero(rows, start, end)            make slots finite (padding that was never written)
 
 Two kinds: `KVCache` keeps every slot (global attention); `SlidingWindowKVCache` keeps only the
 last window (+ a margin) of slots in a ring buffer (local attention, Mistral / Gemma). MLA's
@@ -27,6 +29,12 @@ import torch
 from torch import nn
 
 
+def _row_range(rows: Optional[slice], B: int) -> range:
+    """The cache row indices of a `rows` slice over B sequences (default rows 0..B-1)."""
+    first = 0 if rows is None else (rows.start or 0)
+    return range(first, first + B)
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values of one attention layer, written at the slots of new tokens.
     `update` returns slots 0..start_pos+T-1 in order (`in_slot_order`), so plain causal
@@ -34,9 +42,10 @@ class KVCache(nn.Module):
 
     Buffers k_cache (max_batch_size, n_heads, max_seq_len, k_dim) and v_cache (…, v_dim). They are
     allocated uninitialised (untouched pages cost no memory): `update` only returns slots
-    [0, start_pos + T), which previous calls have written — except padding slots a caller never
-    wrote, which it must `zero`: masked slots still meet a zero attention weight, and 0 · NaN is
-    NaN.
+    [0, start_pos + T), which previous calls have written — except padding slots, or the slots
+    past a row's own position when rows decode at their own positions, which a caller never
+    wrote and must `zero`: masked slots still meet a zero attention weight, and 0 · NaN is NaN
+    (torchllama's attention kernel skips them; torch's SDPA does not).
 
     Args:
         max_batch_size: rows.
@@ -89,11 +98,11 @@ class KVCache(nn.Module):
         self.v_cache[rows, :, start_pos:end] = xv
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
-    def write_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
-        """For an op that writes the T new keys and values into the buffers itself
-        (`torch.ops.torchllama.decoder_layer`): (index of the first one, number of indices to attend
-        over) — what `update` would write and return — or None when the buffers cannot take
-        them in place. Counts the write, as `update` does."""
+    def write_slots(self, start_pos: int, T: int, rows: range) -> Optional[tuple[int, int]]:
+        """For an op that writes the T new keys and values of cache rows `rows` into the buffers
+        itself (`torch.ops.torchllama.decoder_layer`): (index of the first one, number of
+        indices to attend over) — what `update` would write and return — or None when the
+        buffers cannot take them in place. Counts the write, as `update` does."""
         return (start_pos, start_pos + T) if type(self) is KVCache else None
 
     def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
@@ -105,19 +114,58 @@ class KVCache(nn.Module):
         wrapping, so that it sums them in slot order (0: they are in slot order already)."""
         return 0
 
-    def can_write_at(self, start_pos: int) -> bool:
+    # ---- rows at their own positions (one new token each) ---------------------------------
+
+    def row_slots(self, pos: list[int], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """For B rows writing one token each at slot pos[b] (−1: the row is idle and writes
+        nothing): (index each row writes at (B,) int64, −1 for idle rows; the slot held at each
+        of the S indices `update_rows` returns, (B, S), negative where none; where each row's
+        oldest key is, (B,) int64, or None when they are in slot order). Here the S = max(pos)
+        + 1 first slots, the same for every row."""
+        index = torch.tensor(pos, dtype=torch.long, device=device)                 # (B,)
+        S = max(pos) + 1
+        return index, torch.arange(S, device=device).expand(len(pos), S), None      # (B, S)
+
+    def update_rows(self, pos: list[int], index: torch.Tensor, xk: torch.Tensor,
+                    xv: torch.Tensor, rows: Optional[slice], n_keys: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write row b's key xk[b] (KV, 1, k_dim) and value of slot pos[b] at buffer index
+        index[b] (skipped where −1; both from `row_slots`) and return the first n_keys indices of
+        the B rows, (B, KV, n_keys, ·)."""
+        B = xk.shape[0]
+        first = _row_range(rows, B)[0]
+        live = (index >= 0).nonzero().flatten()                                     # (n,)
+        self.k_cache[first + live, :, index[live]] = xk[live, :, 0]                 # (n, KV, ·)
+        self.v_cache[first + live, :, index[live]] = xv[live, :, 0]
+        self.count_row_writes(pos, rows)
+        rows = slice(first, first + B)
+        return self.k_cache[rows, :, :n_keys], self.v_cache[rows, :, :n_keys]
+
+    def count_row_writes(self, pos: list[int], rows: Optional[slice]) -> None:
+        """Note that row b wrote slot pos[b] (−1: nothing), e.g. in place by an op."""
+
+    # ---- rows given to new sequences -------------------------------------------------------
+
+    def can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
         """Every slot is kept, so a write may start anywhere (rewinding is free)."""
         return True
 
-    def shift(self, d: int, end: int) -> None:
-        """Move the slots [0, end) of every row by d (right if d > 0, left if d < 0); slots
-        uncovered on the left by a right shift are zeroed (they become padding)."""
-        for buf in (self.k_cache, self.v_cache):
-            if d > 0:
-                buf[:, :, d:d + end] = buf[:, :, :end].clone()
-                buf[:, :, :d] = 0
-            elif d < 0:
-                buf[:, :, :end + d] = buf[:, :, -d:end].clone()
+    def reset_rows(self, rows: slice) -> None:
+        """The rows start new sequences from slot 0 (nothing to forget: every slot is
+        rewritten before it is attended)."""
+
+    def read_row(self, row: int, end: int) -> tuple:
+        """A copy of what row `row` holds for slots [0, end), for `write_row` (a prefix cache
+        entry): keys (n_heads, end, k_dim) and values."""
+        return (self.k_cache[row, :, :end].clone(), self.v_cache[row, :, :end].clone())
+
+    def write_row(self, row: int, state: tuple) -> None:
+        """Put a `read_row` copy back into row `row` (any row): its slots [0, end) are as they
+        were, and a write may start at any slot up to end."""
+        k, v = state
+        self.k_cache[row, :, :k.shape[1]] = k
+        self.v_cache[row, :, :v.shape[1]] = v
 
     def snapshot(self) -> tuple:
         """A copy of the cache's state (buffers and bookkeeping) for `restore`."""
@@ -142,19 +190,22 @@ class SlidingWindowKVCache(KVCache):
 
     capacity = window + margin: the margin lets a caller rewind (write again from a slot up to
     margin + 1 before the furthest slot written, e.g. a chat turn that re-tokenizes the end of
-    the previous answer) without losing the window the rewound queries need; `can_write_at`
-    tells when a rewind goes further, and the caller must then start over from slot 0.
+    the previous answer, or a prefix cache hit that ends before the prompt it was saved with)
+    without losing the window the rewound queries need; `can_write_at` tells when a rewind goes
+    further, and the caller must then start over from slot 0 (`reset_rows`). Each row keeps its
+    own furthest slot (`high`), so rows at different positions are independent.
 
     Two ways to attend, chosen by `update`:
-    - appending one token (decode): write it, then attend over the whole ring in storage order
+    - one new token (decode): write it, then attend over the whole ring in storage order
       (no copy); `key_slots` tells the mask which slot each ring index holds and `key_start`
       where the oldest is, so that attention visits the keys in slot order;
-    - several tokens, or a rewind: attend over the ring as it was, rotated into slot order,
-      *plus* the new keys (concatenated), then write the newest `capacity` of them.
+    - several tokens: attend over the ring as it was, rotated into slot order, *plus* the new
+      keys (concatenated), then write the newest `capacity` of them.
     Either way a query sees its keys in slot order, so a prompt prefilled at once, in chunks or
-    decoded token by token gives the same bits on torchllama's attention kernel.
-    Never-written indices hold zeros (the buffer is zero-initialised) and negative slots, so masks
-    exclude them.
+    decoded token by token gives the same bits on torchllama's attention kernel. A ring index
+    whose slot a rewind abandoned is seen as the slot `capacity` before it, which is outside
+    every window as long as `can_write_at` held. Never-written indices hold zeros (the buffer
+    is zero-initialised: always finite) and negative slots, so masks exclude them.
 
     Args:
         window: tokens a query sees, itself included.
@@ -172,14 +223,11 @@ class SlidingWindowKVCache(KVCache):
         self._allocate(torch.zeros, max_batch_size, n_heads, capacity, k_dim, v_dim, dtype,
                        device)
         self.window, self.capacity, self.context = window, capacity, max_seq_len
-        self.high = 0                  # one past the furthest slot written (all rows)
+        self.high = [0] * max_batch_size   # per row: one past the furthest slot written
 
     @property
     def max_seq_len(self) -> int:
         return self.context
-
-    def _appends_one(self, start_pos: int, T: int) -> bool:
-        return T == 1 and start_pos >= self.high
 
     def _ring_slots(self, end: int, device: torch.device) -> torch.Tensor:
         """Slot held at each ring index when `end` is one past the last slot written: the
@@ -188,31 +236,71 @@ class SlidingWindowKVCache(KVCache):
         index = torch.arange(C, device=device)
         return end - 1 - (end - 1 - index) % C
 
+    def _wrote(self, rows: range, end: int) -> None:
+        for b in rows:
+            self.high[b] = max(self.high[b], end)
+
     def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
-        """(C,) when appending one token, else (C + T,): the ring's slots (rotated into slot
-        order, see `update`), then the new ones."""
-        if self._appends_one(start_pos, T):
+        """(C,) for one new token, else (C + T,): the ring's slots (rotated into slot order, see
+        `update`), then the new ones."""
+        if T == 1:
             return self._ring_slots(start_pos + 1, device)
         ring = self._ring_slots(start_pos, device).roll(-(start_pos % self.capacity))
         return torch.cat([ring, torch.arange(start_pos, start_pos + T, device=device)])
 
     def key_start(self, start_pos: int, T: int) -> int:
-        """When appending one token: the ring index of the oldest slot, (start_pos + 1) mod C;
-        else 0 (`update` returns the keys in slot order)."""
-        return (start_pos + 1) % self.capacity if self._appends_one(start_pos, T) else 0
+        """For one new token: the ring index of the oldest slot, (start_pos + 1) mod C; else 0
+        (`update` returns the keys in slot order)."""
+        return (start_pos + 1) % self.capacity if T == 1 else 0
 
-    def can_write_at(self, start_pos: int) -> bool:
+    def row_slots(self, pos: list[int], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """As `KVCache.row_slots`, over the whole ring (S = capacity): row b writes at index
+        pos[b] mod C and then holds `_ring_slots(pos[b] + 1)`, oldest at (pos[b] + 1) mod C."""
+        C = self.capacity
+        index = torch.tensor([p % C if p >= 0 else -1 for p in pos], dtype=torch.long,
+                             device=device)                                        # (B,)
+        slots = torch.stack([self._ring_slots(p + 1, device) if p >= 0 else
+                             torch.full((C,), -1, dtype=torch.long, device=device)
+                             for p in pos])                                        # (B, C)
+        start = torch.tensor([(p + 1) % C if p >= 0 else 0 for p in pos], dtype=torch.long,
+                             device=device)                                        # (B,)
+        return index, slots, start
+
+    def count_row_writes(self, pos: list[int], rows: Optional[slice]) -> None:
+        for b, p in zip(_row_range(rows, len(pos)), pos):
+            if p >= 0:
+                self.high[b] = max(self.high[b], p + 1)
+
+    def can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
         """False when rewinding to start_pos would need slots already overwritten: a query at
         start_pos needs slots from start_pos − window + 1, which the ring holds while
-        high − start_pos ≤ capacity − window + 1."""
-        return self.high - start_pos <= self.capacity - self.window + 1
+        high − start_pos ≤ capacity − window + 1 (high of `row`, default: of every row)."""
+        high = max(self.high) if row is None else self.high[row]
+        return high - start_pos <= self.capacity - self.window + 1
 
-    def write_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
-        """(start_pos mod capacity, capacity) when appending one token (then the whole ring is
+    def reset_rows(self, rows: slice) -> None:
+        """The rows start new sequences from slot 0: what they held is seen as never written
+        (negative slots) from then on."""
+        for b in range(*rows.indices(self.max_batch_size)):
+            self.high[b] = 0
+
+    def read_row(self, row: int, end: int) -> tuple:
+        """A copy of row `row`'s ring after writing slots up to end − 1, with its `high`."""
+        return (self.k_cache[row].clone(), self.v_cache[row].clone(), self.high[row])
+
+    def write_row(self, row: int, state: tuple) -> None:
+        k, v, high = state
+        self.k_cache[row] = k
+        self.v_cache[row] = v
+        self.high[row] = high
+
+    def write_slots(self, start_pos: int, T: int, rows: range) -> Optional[tuple[int, int]]:
+        """(start_pos mod capacity, capacity) for one new token (then the whole ring is
         attended over in storage order, as `update` does), else None (see `KVCache`)."""
-        if type(self) is not SlidingWindowKVCache or not self._appends_one(start_pos, T):
+        if type(self) is not SlidingWindowKVCache or T != 1:
             return None
-        self.high = start_pos + 1
+        self._wrote(rows, start_pos + 1)
         return start_pos % self.capacity, self.capacity
 
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
@@ -222,12 +310,12 @@ class SlidingWindowKVCache(KVCache):
         `key_slots` describes: the ring (B, KV, C, ·), or the ring before the write followed by
         the new ones (B, KV, C + T, ·)."""
         B, _, T, _ = xk.shape
+        self._wrote(_row_range(rows, B), start_pos + T)
         rows = rows if rows is not None else slice(0, B)
         C = self.capacity
-        if self._appends_one(start_pos, T):
+        if T == 1:
             self.k_cache[rows, :, start_pos % C] = xk[:, :, 0]
             self.v_cache[rows, :, start_pos % C] = xv[:, :, 0]
-            self.high = start_pos + 1
             return self.k_cache[rows], self.v_cache[rows]                 # (B, KV, C, ·)
         r = start_pos % C                       # the oldest slot's index: rotate it first
         keys = torch.cat([self.k_cache[rows, :, r:], self.k_cache[rows, :, :r], xk],
@@ -237,28 +325,14 @@ class SlidingWindowKVCache(KVCache):
         index = torch.arange(start_pos + T - n, start_pos + T, device=xk.device) % C
         self.k_cache[rows, :, index] = xk[:, :, T - n:]
         self.v_cache[rows, :, index] = xv[:, :, T - n:]
-        self.high = max(self.high, start_pos + T)
         return keys, values
 
-    def shift(self, d: int, end: int) -> None:
-        """Move every row's slots by d: the ring rotates by d, so slot s + d sits where s + d
-        mod capacity says (the contents of slots [0, d) after a right shift are padding and
-        masked; they stay finite)."""
-        for buf in (self.k_cache, self.v_cache):
-            buf.copy_(torch.roll(buf, d, dims=2))
-        self.high = end + d
-
     def snapshot(self) -> tuple:
-        return (*super().snapshot(), self.high)
+        return (*super().snapshot(), list(self.high))
 
     def restore(self, state: tuple) -> None:
         super().restore(state)
-        self.high = state[2]
+        self.high = list(state[2])
 
     def zero(self, rows: slice, start: int, end: int) -> None:
-        """Zero the ring indices of slots [start, end) still held (those ≥ high − capacity)."""
-        start = max(start, self.high - self.capacity, 0)
-        if end > start:
-            index = torch.arange(start, end, device=self.k_cache.device) % self.capacity
-            self.k_cache[rows, :, index] = 0
-            self.v_cache[rows, :, index] = 0
+        """Nothing to do: the ring is zero-initialised and only ever holds written keys."""
