@@ -490,10 +490,10 @@ def test_api_key_is_required(server):
         assert e.value.status_code == 401
 
 
-def open_stream(server: Server, body: dict, events: int) -> None:
+def open_stream(server: Server, body: dict, events: int, path: str = "/v1/completions") -> None:
     """Start a streaming request, read `events` SSE events, then drop the connection."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+    conn.request("POST", path, json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     response = conn.getresponse()
     assert response.status == 200
@@ -566,3 +566,225 @@ def test_one_log_line_per_request(server, client, smollm2):
         assert match, lines[0]
         assert int(match.group(1)) == len(encode_prompt(smollm2[1], prompt))
         assert int(match.group(2)) == 5
+
+
+# --------------------------------------------------------------------------------------------
+# Structured output (response_format, grammar, regex), /metrics, the prefix cache under load
+# --------------------------------------------------------------------------------------------
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "city": {"enum": ["Paris", "London", "Rome"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                  "maxItems": 3}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+ORDER = {"type": "object",
+         "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2,
+                                  "items": {"type": "object",
+                                            "properties": {"sku": {"type": "string",
+                                                                   "pattern": "^[A-Z]{3}$"},
+                                                           "qty": {"type": "integer",
+                                                                   "minimum": 1}},
+                                            "required": ["sku", "qty"],
+                                            "additionalProperties": False}},
+                        "paid": {"type": "boolean"}},
+         "required": ["items", "paid"], "additionalProperties": False}
+
+
+def test_json_schema_output_always_validates(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    asks = [("Describe Ada, 36, who lives in Rome, as JSON.", PERSON),
+            ("Give a person record as JSON.", PERSON),
+            ("An order of two things, paid, as JSON.", ORDER)]
+    done = 0
+    for ask, schema, stream in [(*a, False) for a in asks] + [(*asks[0], True)]:
+        if True:
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=120,
+                          temperature=0.7, seed=1, n=2 if not stream else 1,
+                          response_format={"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": schema}})
+            if stream:
+                chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                outs = [("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                         [c.choices[0].finish_reason for c in chunks if c.choices][-1])]
+            else:
+                r = client.chat.completions.create(**kwargs)
+                outs = [(c.message.content, c.finish_reason) for c in r.choices]
+            for text, reason in outs:
+                if reason == "stop":
+                    jsonschema.validate(json.loads(text), schema)
+                    done += 1
+                else:
+                    assert reason == "length"
+    assert done >= 4
+
+
+def test_json_object_regex_and_grammars(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name, age as JSON, short."}],
+        response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    r = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20, temperature=0,
+                                  extra_body={"regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    assert r.choices[0].finish_reason == "stop"
+    for grammar in ('root ::= "yes" | "no"',                         # llama.cpp's GBNF
+                    'start: "yes" | "no"'):                           # Lark
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
+            max_tokens=10, temperature=0, extra_body={"grammar": grammar})
+        assert r.choices[0].message.content in ("yes", "no")
+
+
+def test_a_schema_cut_short_is_length_never_valid(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=5,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": PERSON}})
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format", "nonsense"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+    ({"regex": "(("}, "regex", "unclosed group"),
+    ({"grammar": "root ::= ("}, "grammar", ""),
+    ({"regex": "a", "grammar": 'start: "a"'}, "response_format", "one of"),
+])
+def test_grammars_the_engine_cannot_compile_are_400(server, extra, param, message):
+    status, body = http_json(server.port, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert status == 400, body
+    assert body["error"]["param"] == param and message in body["error"]["message"]
+
+
+def metric_values(server) -> dict[str, float]:
+    """/metrics parsed by prometheus-client's own parser: {sample name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+    text = response.read().decode()
+    conn.close()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k in ("endpoint", "finish_reason"))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client):
+    wait_idle(server)
+    before = metric_values(server)
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=7,
+                                  temperature=0)
+    r2 = client.completions.create(model=MODEL, prompt="One two three", max_tokens=5,
+                                   temperature=0, stream=True)
+    streamed = sum(1 for c in r2 if c.choices and c.choices[0].text) >= 1
+    after = metric_values(server)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert streamed
+    assert delta("torchllama_requests_total{endpoint=completions,finish_reason=length}") == 2
+    assert delta("torchllama_generation_tokens_total") == 7 + 5
+    assert delta("torchllama_prompt_tokens_total") == r.usage.prompt_tokens + \
+        len(encode_prompt(client_tokenizer(), "One two three"))
+    assert delta("torchllama_time_to_first_token_seconds_count") == 2
+    assert delta("torchllama_inter_token_latency_seconds_count") == 6 + 4
+    assert after["torchllama_requests_running"] == 0 and after["torchllama_requests_waiting"] == 0
+    assert "torchllama_prefix_cache_hits_total" in after
+
+
+def client_tokenizer():
+    from torchllama.checkpoint.io import load_tokenizer
+    from torchllama.checkpoint.common import resolve_model_path
+
+    return load_tokenizer(resolve_model_path(None))
+
+
+SYSTEM_PROMPTS = [
+    "You are a careful assistant for a bakery in Lyon. You answer questions about bread, "
+    "pastries, opening hours (7 am to 7 pm, closed on Mondays) and orders for events. " * 3,
+    "You are a travel guide for the Italian lakes. You know the ferries of Lake Como, the "
+    "villas, the walks and the restaurants, and you give short practical answers. " * 3]
+QUESTIONS = ["What time do you open?", "Do you have croissants?", "Can I order a cake?",
+             "Is there a ferry to Bellagio?", "Where can I walk?", "What should I eat?",
+             "How much is a baguette?", "Are you open on Sunday?"]
+
+
+def test_load_with_shared_prefixes_and_dropped_streams_equals_alone(server, smollm2):
+    """24 clients × 3 chat requests on two shared system prompts, every tenth stream dropped
+    mid-way: each finished answer is the answer alone (greedy), the prefix cache is hit, and
+    the server answers normally afterwards."""
+    model, tokenizer = smollm2
+    jobs = [(SYSTEM_PROMPTS[i % 2], QUESTIONS[i % len(QUESTIONS)], 6 + i % 11, i % 10 == 9)
+            for i in range(72)]
+    messages = {job: [{"role": "system", "content": job[0]}, {"role": "user", "content": job[1]}]
+                for job in jobs}
+    before = metric_values(server)
+
+    def run(job):
+        body = {"messages": messages[job], "max_tokens": job[2], "temperature": 0,
+                "stream": True}
+        if job[3]:                                      # a client that goes away mid-stream
+            open_stream(server, body, events=3, path="/v1/chat/completions")
+            return job, None
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                           timeout=120) as c:
+            chunks = list(c.chat.completions.create(model=MODEL, **body))
+        return job, "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        results = dict(pool.map(run, jobs))
+    expected = {}
+    for job, text in results.items():
+        if text is not None:
+            key = (job[0], job[1], job[2])
+            if key not in expected:
+                expected[key] = greedy(smollm2, encode_chat(tokenizer, messages[job]), job[2])[0]
+            assert text == expected[key], job
+    after = metric_values(server)
+    assert after["torchllama_prefix_cache_hits_total"] - \
+        before.get("torchllama_prefix_cache_hits_total", 0) >= 50
+    assert after["torchllama_prefix_cache_tokens_reused_total"] > 50 * 100
+    wait_idle(server, timeout=30)
+    status, _ = http_json(server.port, "GET", "/health", key=None)
+    assert status == 200
+
+
+def test_constrained_and_free_requests_share_a_batch(client, smollm2):
+    """Masks are per request: free requests decoded next to grammar-constrained ones get the
+    answer they get alone."""
+    tokenizer = smollm2[1]
+    free = [("The capital of France is", 12), ("Water boils at", 10)]
+    expected = [greedy(smollm2, encode_prompt(tokenizer, p), n)[0] for p, n in free]
+
+    def run(i):
+        if i < 2:
+            return client.completions.create(model=MODEL, prompt=free[i][0],
+                                             max_tokens=free[i][1], temperature=0
+                                             ).choices[0].text
+        return client.completions.create(model=MODEL, prompt="A code:", max_tokens=12,
+                                         temperature=0, extra_body={"regex": "[A-Z]{2}[0-9]{3}"}
+                                         ).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out = list(pool.map(run, range(4)))
+    assert out[:2] == expected
+    assert all(re.fullmatch("[A-Z]{2}[0-9]{3}", text) for text in out[2:])

@@ -355,9 +355,9 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
-          max_queue: int = 64, prefill_chunk: int = 512) -> int:
+          max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
-    /v1/chat/completions, /v1/models, /health), batching concurrent requests.
+    /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
 
     Args:
         model: checkpoint to serve (default: the embedded SmolLM2-135M-Instruct).
@@ -370,9 +370,10 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             other group sizes).
         max_batch_size: requests decoded together.
         max_queue: requests that may wait for a free slot (more get HTTP 429).
-        prefill_chunk: prompt tokens prefilled per engine step: requests arriving together
-            are prefilled in one batch up to this many tokens, and a longer prompt is
-            prefilled in chunks of it between decode steps, so running streams keep flowing.
+        prefill_chunk: prompt tokens prefilled per engine step, in all: a longer prompt is
+            prefilled in chunks between decode steps, so running streams keep flowing.
+        prefix_cache_mb: memory (MiB) for the prefix cache: prompts that start like an earlier
+            one (a system prompt, a chat resent in full) reuse its keys and values (0: off).
     """
     from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
@@ -382,9 +383,12 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         raise ArgumentError(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
         raise ArgumentError("--max-batch-size, --max-queue and --prefill-chunk must be ≥ 1")
+    if prefix_cache_mb < 0:
+        raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
     from torchllama.serve import serve as run_server
 
-    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk)
+    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
+               prefix_cache_mb)
     return 0
 
 

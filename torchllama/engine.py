@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,6 +73,8 @@ class Request:
         on_token: called from the engine thread with each `TokenEvent`.
         on_finish: called from the engine thread once, with "stop", "length", "cancelled" or
             "error" (sampling or the model failed for this request; the engine goes on).
+        constraint: a `torchllama.grammar.Constraint`: only tokens its grammar allows are
+            sampled, and the request stops ("stop") when the grammar is complete.
     """
 
     prompt_ids: list[int]
@@ -82,6 +84,7 @@ class Request:
     on_token: Callable[[TokenEvent], None]
     on_finish: Callable[[str], None]
     logprobs: Optional[int] = None
+    constraint: Optional[Any] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -319,13 +322,17 @@ class Engine:
         if request.cancelled.is_set():
             self._finish(b, "cancelled")
             return
-        params = request.sampling
+        params, constraint = request.sampling, request.constraint
         try:            # a request's own settings can fail (e.g. a tiny temperature: inf/NaN)
+            if constraint is not None:                   # −inf where the grammar says no
+                logits = constraint.mask_logits(logits)
             token = sample(logits, params, row.generator, [request.prompt_ids + row.generated],
                            [row.generated])                                      # (1,)
             if int(token) in request.stop_ids:
                 self._finish(b, "stop")
                 return
+            if constraint is not None:
+                constraint.accept(int(token))
             event = TokenEvent(int(token))
             if request.logprobs is not None:
                 chosen, top_ids, top_lp = token_logprobs(logits, token, request.logprobs)
@@ -339,6 +346,9 @@ class Engine:
         row.pending = event.token_id
         if not _notify(request.on_token, event):   # its consumer broke: end it, not the batch
             self._finish(b, "error")
+            return
+        if constraint is not None and constraint.finished:        # nothing more may follow
+            self._finish(b, "stop" if constraint.error is None else "error")
             return
         # Like Session: prompt + output never exceed the context.
         if len(row.generated) >= request.max_tokens or \

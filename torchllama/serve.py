@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching engine.
 
     GET  /health                 liveness
+    GET  /metrics                Prometheus metrics (`torchllama.metrics`)
     GET  /v1/models              the one model served
     POST /v1/completions         text completion (OpenAI's legacy API), stream or not
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not
@@ -27,6 +28,8 @@ from typing import Any, AsyncIterator, Literal, Optional, Union
 from torchllama.engine import Engine, QueueFull, Request, TokenEvent
 from torchllama.errors import ArgumentError, TorchLlamaError
 from torchllama.generation import StreamDecoder, encode_chat, encode_prompt
+from torchllama.grammar import Grammars, GrammarError
+from torchllama.metrics import ServerMetrics
 from torchllama.sampling import SamplingParams
 from torchllama.stopping import StopStrings
 
@@ -35,7 +38,7 @@ log = logging.getLogger("torchllama.serve")
 try:  # the server's own dependencies; the rest of torchllama works without them
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, Field
 except ImportError as e:  # pragma: no cover - fastapi is a dependency of the package
     raise ImportError("torchllama serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
@@ -63,6 +66,11 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+    # structured output: OpenAI's response_format, and (extensions) a Lark/GBNF grammar or a
+    # regular expression the output must match
+    response_format: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
+    regex: Optional[str] = None
 
 
 class CompletionBody(_Sampling):
@@ -99,6 +107,37 @@ def _error_response(status: int, message: str, param: Optional[str] = None,
         "error": {"message": message, "type": kind, "param": param, "code": None}})
 
 
+def constraint_of(body: _Sampling) -> Optional[tuple[str, Any]]:
+    """(kind, spec) of the request's output constraint for `torchllama.grammar`, or None.
+
+    Raises:
+        APIError: 400 for a malformed response_format or more than one constraint.
+    """
+    found = []
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("json_object", None))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
+                                    "is required", "response_format")
+            found.append(("json_schema", schema))
+        elif kind != "text":
+            raise APIError(400, "response_format.type must be text, json_object or "
+                                f"json_schema, got {kind!r}", "response_format")
+    if body.grammar is not None:
+        found.append(("grammar", body.grammar))
+    if body.regex is not None:
+        found.append(("regex", body.regex))
+    if len(found) > 1:
+        raise APIError(400, "give one of response_format (JSON), grammar and regex",
+                       "response_format")
+    return found[0] if found else None
+
+
 # --------------------------------------------------------------------------------------------
 # One choice: engine events → text, stop strings, logprobs
 # --------------------------------------------------------------------------------------------
@@ -107,8 +146,12 @@ class _Choice:
     """Collects one generated sequence: its engine request and what the client sees of it."""
 
     def __init__(self, index: int, tokenizer, prompt_ids: list[int], stops: Optional[StopStrings],
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, metrics: Optional[ServerMetrics] = None,
+                 endpoint: str = "", started: float = 0.0):
         self.index = index
+        self.metrics, self.endpoint = metrics, endpoint
+        self.started = started                  # perf_counter() when the request arrived
+        self.last_token_at: Optional[float] = None
         self.tokenizer = tokenizer
         self.stream = StreamDecoder(tokenizer, prompt_ids)
         self.stops = stops
@@ -122,9 +165,20 @@ class _Choice:
 
     # called from the engine thread
     def on_token(self, event: TokenEvent) -> None:
+        if self.metrics is not None:
+            now = time.perf_counter()
+            if self.last_token_at is None:
+                self.metrics.ttft.observe(now - self.started)
+            else:
+                self.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.metrics.generation_tokens.inc()
         self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", event))
 
     def on_finish(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(self.endpoint, reason).inc()
+            self.metrics.duration.observe(time.perf_counter() - self.started)
         self.loop.call_soon_threadsafe(self.events.put_nowait, ("finish", reason))
 
     async def pieces(self) -> AsyncIterator[tuple[str, Optional[TokenEvent]]]:
@@ -171,8 +225,13 @@ class _Choice:
 # The app
 # --------------------------------------------------------------------------------------------
 
+#: The prefix cache's default memory budget (MiB): ~11,000 tokens of SmolLM2's keys and values.
+DEFAULT_PREFIX_CACHE_MB = 512
+
+
 def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
-               max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512) -> FastAPI:
+               max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
+               prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -183,11 +242,14 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         max_queue: requests that may wait for a free row (beyond: 429).
         prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
             prefilled in chunks while the running requests keep decoding (`Engine`).
+        prefix_cache_mb: memory for the prefix cache, MiB (0: no prefix cache).
     """
     from contextlib import asynccontextmanager
 
     engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20)
+    metrics = ServerMetrics(engine)
+    grammars = Grammars(tokenizer)
     context = model.args.max_seq_len
 
     @asynccontextmanager
@@ -198,6 +260,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
 
     app = FastAPI(title="torchllama", lifespan=lifespan)
     app.state.engine = engine
+    app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
@@ -223,6 +286,11 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
     async def health():
         return {"status": "ok", "active": engine.active}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
@@ -244,6 +312,19 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             param = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param) from None
 
+    async def constraints_for(body: _Sampling) -> list:
+        """One grammar constraint per choice (None each without one); compiled off the event
+        loop (the first one builds the vocabulary's token table)."""
+        spec = constraint_of(body)
+        if spec is None:
+            return [None] * body.n
+        try:
+            first = await asyncio.to_thread(grammars.compile, *spec)
+        except GrammarError as e:
+            param = "response_format" if spec[0].startswith("json") else spec[0]
+            raise APIError(400, str(e), param) from None
+        return [first] + [first.copy() for _ in range(body.n - 1)]
+
     async def run(http: HTTPRequest, body: _Sampling, prompt_ids: list[int], chat: bool,
                   max_tokens: Optional[int], logprobs: Optional[int]):
         if len(prompt_ids) >= context:
@@ -256,14 +337,16 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if any(not s for s in stops) or len(stops) > 4:
             raise APIError(400, "stop: up to 4 non-empty strings", "stop")
+        constraints = await constraints_for(body)
         loop = asyncio.get_running_loop()
         choices = []
+        started = time.perf_counter()
         for i in range(body.n):
             choice = _Choice(i, tokenizer, prompt_ids, StopStrings(stops) if stops else None,
-                             loop)
+                             loop, metrics, "chat" if chat else "completions", started)
             choice.request = Request(prompt_ids, max_tokens, sampling_of(body, i, logprobs or 0),
                                      tokenizer.stop_ids, choice.on_token, choice.on_finish,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, constraint=constraints[i])
             choices.append(choice)
         try:
             for choice in choices:
@@ -276,6 +359,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             for choice in choices:
                 choice.request.cancel()
             raise APIError(400, str(e)) from None
+        metrics.prompt_tokens.inc(len(prompt_ids))
         return choices, max_tokens
 
     def log_request(rid: str, prompt_tokens: int, choices, started: float) -> None:
@@ -439,15 +523,17 @@ def _chat_logprobs(choice: _Choice) -> dict:
 
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: Optional[str] = None, dtype: str = "float32", max_batch_size: int = 8,
-          max_queue: int = 64, prefill_chunk: int = 512) -> None:
+          api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
+          max_queue: int = 64, prefill_chunk: int = 512,
+          prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> None:
     """Load a checkpoint and serve it with uvicorn until interrupted (arguments: `create_app`)."""
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype)
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk)
+    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk,
+                     prefix_cache_mb)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

@@ -190,6 +190,33 @@ class Tokenizer(ABC):
         """The vocabulary entry of id ``i`` as stored (e.g. ``'▁Hello'``, ``'Ġworld'``, ``'<0x0A>'``)."""
         return self._pieces[self._check_id(i)]
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id adds to the text, for every id (what grammar-constrained decoding
+        matches token by token): a byte-level BPE piece's bytes (``'Ġworld'`` → ``b' world'``), a
+        SentencePiece piece with ``▁`` as a space and ``<0xNN>`` as byte NN, a user-defined
+        token's text; ``b''`` for control tokens (BOS, EOS, ``<|im_end|>``), which add no text."""
+        if getattr(self, "_token_bytes", None) is None:
+            byte_level = self._byte_level()
+            inverse = {c: b for b, c in enumerate(_BYTE_CHARS)}
+            out = []
+            for i, piece in enumerate(self._pieces):
+                if i in self._control_ids:
+                    out.append(b"")
+                elif i in self._user_defined_ids:
+                    out.append(piece.encode())
+                elif byte_level:
+                    out.append(bytes(inverse[c] for c in piece if c in inverse))
+                elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                    out.append(bytes([int(piece[3:5], 16)]))
+                else:
+                    out.append(piece.replace("\u2581", " ").encode())
+            self._token_bytes = out
+        return self._token_bytes
+
+    def _byte_level(self) -> bool:
+        """Whether the pieces are GPT-2's byte-level alphabet (else SentencePiece-style)."""
+        return False
+
     def _check_id(self, i: Any) -> int:
         try:
             ok = int(i) == i and 0 <= i < self.vocab_size
@@ -796,6 +823,10 @@ class HFTokenizer(Tokenizer):
             "tokenizer.ggml.merges": merges,
             **self._gguf_common_fields(),
         }
+
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        return "ByteLevel" in json.dumps(decoder)
 
     def _encode(self, text: str, special: bool) -> list[int]:
         with self._lock:
