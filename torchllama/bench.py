@@ -522,11 +522,11 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         where = url
         results = measure(url.rstrip("/"))
     else:
-        from torchllama.checkpoint import resolve_dtype, resolve_model_path
+        from torchllama.checkpoint import parse_dtype, resolve_model_path
         from torchllama.serve import create_app, load_for_engine
 
         path = str(resolve_model_path(model_path))
-        resolve_dtype(dtype)
+        parse_dtype(dtype)
         model, tokenizer = load_for_engine(path, dtype, progress=False)
         app = create_app(model, tokenizer, Path(path).name, api_key,
                          max_batch_size=max(concurrencies), max_queue=64)

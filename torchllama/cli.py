@@ -261,7 +261,8 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
           batch: int = 8, no_hf: bool = False, serve: bool = False,
           url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
           preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
-          steps: int = 5, device: str = "cpu", compile: bool = False) -> int:
+          steps: int = 5, device: str = "cpu", compile: bool = False, load: bool = False,
+          clients: int = 64, requests: int = 10, drop: float = 0.1) -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
     llama.cpp, through llama-cpp-python: `make bench-peer` builds it). With --serve: the HTTP
@@ -296,6 +297,14 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
         device: with --train, cpu or cuda.
         compile: with --train, torch.compile both models; otherwise compile our decode step
             (the seconds it takes are printed).
+        load: with --serve, a load test instead: --clients clients each sending --requests chat
+            requests (shared system prompts, streaming or not, --drop of them dropped
+            mid-stream, up to --new-tokens tokens each) against our server and, where
+            llama-cpp-python's server is installed, against it on the same file (--peer none:
+            ours only); prints tokens/s, p50/p99 time to first token and inter-token latency.
+        clients: with --load, concurrent clients.
+        requests: with --load, requests per client.
+        drop: with --load, the fraction of requests whose client goes away mid-stream.
     """
     import http.client
 
@@ -311,6 +320,15 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
                                 "--model")
         run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats, with_hf=not no_hf,
                         device=device, compile=compile)
+        return 0
+    if load:
+        from torchllama.load_bench import run_load_bench
+
+        if not serve or url is not None:
+            raise ArgumentError("--load goes with --serve and serves the model in this process "
+                                "(no --url)")
+        run_load_bench(model, dtype, clients, requests, drop, new_tokens, batch,
+                       peer="none" if no_hf or peer == "none" else "llama.cpp")
         return 0
     if serve:
         from torchllama.bench import run_serve_bench

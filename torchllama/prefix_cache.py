@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: A prompt must bring at least this many tokens beyond its hit to be kept as a new entry (a
-#: question after a shared system prompt adds little that another request could reuse).
+#: A prompt is kept as a new entry only if it brings at least this many tokens beyond its hit,
+#: and at least a quarter as many as the hit: a short question after a cached system prompt
+#: would copy the whole prompt again for little that another request could reuse, while a
+#: chat resent with a new answer and turn brings enough.
 MIN_NEW_TOKENS = 16
 
 
@@ -109,14 +111,14 @@ class PrefixCache:
 
     def store(self, prompt: list[int], row: int) -> None:
         """Keep the prompt just prefilled in cache row `row` (slots 0..P-1), unless an entry
-        already gives all but MIN_NEW_TOKENS of it; evict the least recently used entries
+        already gives most of it (see MIN_NEW_TOKENS); evict the least recently used entries
         beyond the budget."""
         key = tuple(prompt)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         m, _ = self._best(prompt)
-        if len(prompt) - m < MIN_NEW_TOKENS:
+        if len(prompt) - m < max(MIN_NEW_TOKENS, m // 4):
             return
         state = self.model.read_cache_row(row, len(prompt))
         nbytes = _nbytes(state)
