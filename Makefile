@@ -82,6 +82,7 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 
 $(VENV)/.peer: $(VENV)/.test
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-binary llama-cpp-python $(LLAMA_CPP)
+	$(PIP) install sse-starlette==3.7.0 starlette-context==0.5.1 pydantic-settings==2.16.3
 	touch $@
 
 bench-peer: $(VENV)/.peer

@@ -125,6 +125,9 @@ def send(url: str, job: Job, model: str, api_key: Optional[str] = None) -> Outco
             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                 continue
             event = json.loads(line[5:])
+            if "error" in event:
+                out.error = f"error event: {event['error']}"
+                return out
             content = "".join((c.get("delta") or {}).get("content") or ""
                               for c in event.get("choices", ()))
             if content:
@@ -298,7 +301,8 @@ def run_llama_cpp_server(path: str, plan: list[list[Job]], threads: int, context
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
          "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-         "--n_ctx", str(context), "--verbose", "False"],
+         "--n_ctx", str(context), "--verbose", "False",
+         "--interrupt_requests", "False"],       # queue concurrent requests, do not cut them
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
