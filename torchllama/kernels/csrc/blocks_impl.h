@@ -381,24 +381,28 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
   const S* wd_p = static_cast<const S*>(w.d);
   const S* wm_p = static_cast<const S*>(w.m);
   const int64_t nb = w.K / 32;
-  const bool laid_out = TM == 4 && a.q4 != nullptr;   // prefill: Act::q4 and Act::s_t
+  constexpr int TQ = (TM + 3) / 4;               // groups of four rows
+  const bool laid_out = TM % 4 == 0 && a.q4 != nullptr;   // prefill: Act::q4 and Act::s_t
   Acc acc[TM][TN];
   float macc[TM][TN];                            // the m_w·s_x chain, one per output
-  F4 macc4[TN];                                  // the same chains, four rows as lanes
+  F4 macc4[TQ][TN];                              // the same chains, four rows as lanes
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) macc[i][j] = 0.f;
-  for (int j = 0; j < TN; ++j) macc4[j] = splat4(0.f);
+  for (int q = 0; q < TQ; ++q)
+    for (int j = 0; j < TN; ++j) macc4[q][j] = splat4(0.f);
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
     const int n = two ? 2 : 1;
     Q4Pair wq[TN];
     F4 wd[TN];                                   // (d_w of block b, of block b+1, -, -)
+    Scales wds[TM > 1 ? TN : 1];                 // several rows: d_w spread over the lanes once
     F4 wm[TN];                                   // (m_w of block b, of block b+1, -, -)
     for (int j = 0; j < TN; ++j) {
       const uint8_t* codes = w.codes + (n0 + j) * (w.K / 2) + 16 * b;
       if (TM == 1) __builtin_prefetch(codes + PF * (w.K / 2));   // see PF
       wq[j] = q4_pair(codes, two);
       wd[j] = load_scales(wd_p + (n0 + j) * nb + b, n);
+      if constexpr (TM > 1) wds[j] = quarters_q4(wd[j]);
       wm[j] = load_scales(wm_p + (n0 + j) * nb + b, n);
     }
     for (int i = 0; i < TM; ++i) {
@@ -406,15 +410,20 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       const XPair xv = laid_out ? q4_x_laid_out(a.q4 + (m0 + i) * a.Kp + 32 * b)
                                 : q4_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
       const F4 xd = load_scales(a.d + r, n);
-      for (int j = 0; j < TN; ++j)               // lane scales d_w·d_x, products of 2 lanes
-        acc[i][j].add(q4_dot(wq[j], xv), quarters_q4(mul4(wd[j], xd)));
+      // lane scales d_w·d_x (the same float products either way), products of 2 lanes
+      if constexpr (TM == 1) {
+        for (int j = 0; j < TN; ++j) acc[i][j].add(q4_dot(wq[j], xv), quarters_q4(mul4(wd[j], xd)));
+      } else {
+        const Scales xds = quarters_q4(xd);
+        for (int j = 0; j < TN; ++j) acc[i][j].add(q4_dot(wq[j], xv), mul(wds[j], xds));
+      }
       if (laid_out) continue;
       if (TM == 1 && TN == 4) {                  // the four m_w·s_x chains as 4 lanes
-        macc4[0] = fma4(F4_of(first(wm[0]), first(wm[1]), first(wm[2]), first(wm[3])),
-                        splat4(a.s[r]), macc4[0]);
+        macc4[0][0] = fma4(F4_of(first(wm[0]), first(wm[1]), first(wm[2]), first(wm[3])),
+                           splat4(a.s[r]), macc4[0][0]);
         if (two)
-          macc4[0] = fma4(F4_of(second(wm[0]), second(wm[1]), second(wm[2]), second(wm[3])),
-                          splat4(a.s[r + 1]), macc4[0]);
+          macc4[0][0] = fma4(F4_of(second(wm[0]), second(wm[1]), second(wm[2]), second(wm[3])),
+                             splat4(a.s[r + 1]), macc4[0][0]);
         continue;
       }
       for (int j = 0; j < TN; ++j) {
@@ -423,19 +432,23 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       }
     }
     if (laid_out) {
-      const F4 s0 = load_scales(a.s_t + b * a.M + m0, 4);
-      for (int j = 0; j < TN; ++j) macc4[j] = fma4(splat4(first(wm[j])), s0, macc4[j]);
-      if (two) {
-        const F4 s1 = load_scales(a.s_t + (b + 1) * a.M + m0, 4);
-        for (int j = 0; j < TN; ++j) macc4[j] = fma4(splat4(second(wm[j])), s1, macc4[j]);
+      for (int q = 0; q < TQ; ++q) {
+        const F4 s0 = load_scales(a.s_t + b * a.M + m0 + 4 * q, 4);
+        for (int j = 0; j < TN; ++j) macc4[q][j] = fma4(splat4(first(wm[j])), s0, macc4[q][j]);
+        if (two) {
+          const F4 s1 = load_scales(a.s_t + (b + 1) * a.M + m0 + 4 * q, 4);
+          for (int j = 0; j < TN; ++j)
+            macc4[q][j] = fma4(splat4(second(wm[j])), s1, macc4[q][j]);
+        }
       }
     }
   }
   if (TM == 1 && TN == 4 && !laid_out)
-    for (int j = 0; j < TN; ++j) macc[0][j] = lane4(macc4[0], j);
+    for (int j = 0; j < TN; ++j) macc[0][j] = lane4(macc4[0][0], j);
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j)
-      y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() + (laid_out ? lane4(macc4[j], i) : macc[i][j]);
+      y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() +
+                                   (laid_out ? lane4(macc4[i / 4][j], i % 4) : macc[i][j]);
 }
 
 // ---- Q8 weights: w = d·q, q ∈ [-128, 127], one d per B = 32 or 16 weights ---------------------
@@ -473,15 +486,17 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
 // 4 × 2 tiles over chunks of MC activation rows, so a weight tile is reused from cache.
 constexpr int64_t MC = 64;
 
-template <typename Tile1x4, typename Tile1x1, typename Tile4x2, typename Tile4x1>
+template <typename Tile1x4, typename Tile1x1, typename Tile4x2, typename Tile4x1,
+          typename Tile8x2>
 static inline void drive(int64_t M, int64_t n_begin, int64_t n_end, Tile1x4 t14, Tile1x1 t11,
-                         Tile4x2 t42, Tile4x1 t41) {
+                         Tile4x2 t42, Tile4x1 t41, Tile8x2 t82) {
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t mend = std::min(M, mc + MC);
     int64_t n = n_begin;
     if (mend - mc >= 4) {
       for (; n + 2 <= n_end; n += 2) {
         int64_t m = mc;
+        for (; m + 8 <= mend; m += 8) t82(m, n);
         for (; m + 4 <= mend; m += 4) t42(m, n);
         for (; m < mend; ++m) { t11(m, n); t11(m, n + 1); }
       }
@@ -506,7 +521,8 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t n_begin
         [&](int64_t m, int64_t n) { q4_tile<1, 4, S>(a, m, w, n, y, ld); },
         [&](int64_t m, int64_t n) { q4_tile<1, 1, S>(a, m, w, n, y, ld); },
         [&](int64_t m, int64_t n) { q4_tile<4, 2, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<4, 1, S>(a, m, w, n, y, ld); });
+        [&](int64_t m, int64_t n) { q4_tile<4, 1, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q4_tile<8, 2, S>(a, m, w, n, y, ld); });
 }
 
 static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
@@ -521,7 +537,9 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t n_begin
         [&](int64_t m, int64_t n) { q8_tile<1, 4, B, S>(a, m, w, n, y, ld); },
         [&](int64_t m, int64_t n) { q8_tile<1, 1, B, S>(a, m, w, n, y, ld); },
         [&](int64_t m, int64_t n) { q8_tile<4, 2, B, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 1, B, S>(a, m, w, n, y, ld); });
+        [&](int64_t m, int64_t n) { q8_tile<4, 1, B, S>(a, m, w, n, y, ld); },
+        [&](int64_t m, int64_t n) { q8_tile<4, 2, B, S>(a, m, w, n, y, ld);
+                                    q8_tile<4, 2, B, S>(a, m + 4, w, n, y, ld); });
 }
 
 static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t n_begin, int64_t n_end) {
