@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from torchllama.engine import Engine, QueueFull, Request, TokenEvent
@@ -221,6 +222,240 @@ class _Choice:
         return self.tokenizer.decode([token_id])
 
 
+@dataclass
+class _Reply:
+    """One request being answered: its id, kind and choices."""
+
+    rid: str
+    chat: bool
+    logprobs: Optional[int]
+    prompt_tokens: int
+    choices: list
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+
+    def usage(self) -> dict:
+        out = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out,
+                "total_tokens": self.prompt_tokens + out}
+
+    def log(self) -> None:
+        out = sum(len(c.token_ids) for c in self.choices)
+        seconds = time.perf_counter() - self.started
+        log.info("%s prompt_tokens=%d completion_tokens=%d latency=%.2fs tok/s=%.1f", self.rid,
+                 self.prompt_tokens, out, seconds, out / seconds if seconds else 0.0)
+
+
+class _Completions:
+    """What the completion endpoints do: check a request, submit one engine request per choice
+    and answer with the whole result or a stream of server-sent events."""
+
+    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, model_name: str):
+        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.model_name = model_name
+        self.grammars = Grammars(tokenizer)
+        self.context = engine.context
+
+    @staticmethod
+    def sampling_of(body: _Sampling, index: int, top_logprobs: int) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", "logit_bias") from None
+        try:
+            return SamplingParams(
+                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                logit_bias=bias or None, logprobs=top_logprobs,
+                seed=None if body.seed is None else body.seed + index)
+        except ArgumentError as e:
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param) from None
+
+    async def constraints_for(self, body: _Sampling) -> list:
+        """One grammar constraint per choice (None each without one); compiled off the event
+        loop (the first one builds the vocabulary's token table)."""
+        spec = constraint_of(body)
+        if spec is None:
+            return [None] * body.n
+        try:
+            first = await asyncio.to_thread(self.grammars.compile, *spec)
+        except GrammarError as e:
+            param = "response_format" if spec[0].startswith("json") else spec[0]
+            raise APIError(400, str(e), param) from None
+        return [first] + [first.copy() for _ in range(body.n - 1)]
+
+    def check(self, body: _Sampling, prompt_ids: list[int], chat: bool,
+              max_tokens: Optional[int]) -> tuple[int, list[str]]:
+        """(max_tokens capped by the context, stop strings) of a valid request.
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+        context = self.context
+        if len(prompt_ids) >= context:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                                f"{context}", "messages" if chat else "prompt")
+        for token in (body.logit_bias or {}):
+            if not (token.isascii() and token.isdigit()) or \
+                    int(token) >= self.tokenizer.vocab_size:
+                raise APIError(400, f"logit_bias: {token!r} is not a token id", "logit_bias")
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if any(not s for s in stops) or len(stops) > 4:
+            raise APIError(400, "stop: up to 4 non-empty strings", "stop")
+        return min(max_tokens or context, context - len(prompt_ids)), stops
+
+    async def submit(self, body: _Sampling, prompt_ids: list[int], chat: bool,
+                     max_tokens: Optional[int], logprobs: Optional[int]) -> list[_Choice]:
+        """Check the request and queue one engine request per choice."""
+        max_tokens, stops = self.check(body, prompt_ids, chat, max_tokens)
+        constraints = await self.constraints_for(body)
+        loop = asyncio.get_running_loop()
+        choices = []
+        started = time.perf_counter()
+        for i in range(body.n):
+            choice = _Choice(i, self.tokenizer, prompt_ids, StopStrings(stops) if stops else None,
+                             loop, self.metrics, "chat" if chat else "completions", started)
+            choice.request = Request(prompt_ids, max_tokens,
+                                     self.sampling_of(body, i, logprobs or 0),
+                                     self.tokenizer.stop_ids, choice.on_token, choice.on_finish,
+                                     logprobs=logprobs, constraint=constraints[i])
+            choices.append(choice)
+        try:
+            for choice in choices:
+                self.engine.submit(choice.request)
+        except QueueFull as e:
+            for choice in choices:
+                choice.request.cancel()
+            raise APIError(429, str(e), kind="rate_limit_error") from None
+        except TorchLlamaError as e:
+            for choice in choices:
+                choice.request.cancel()
+            raise APIError(400, str(e)) from None
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return choices
+
+    async def respond(self, http: HTTPRequest, body: _Sampling, prompt_ids: list[int],
+                      chat: bool, max_tokens: Optional[int], logprobs: Optional[int]):
+        """The response to a completion request: a JSON body, or a stream of events."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reply = _Reply(rid, chat, logprobs, len(prompt_ids), [])
+        reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs)
+        if not body.stream:
+            return await self.whole(http, reply)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(self.events(reply, include_usage),
+                                 media_type="text/event-stream")
+
+    async def whole(self, http: HTTPRequest, reply: _Reply) -> dict:
+        """Wait for every choice; cancel them if the client goes away first."""
+        choices = reply.choices
+
+        async def watch() -> None:         # the client went away: free the engine's rows
+            try:
+                while (await http.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:              # noqa: BLE001 - cannot tell: let it finish
+                return
+            for choice in choices:
+                choice.request.cancel()
+
+        watcher = asyncio.create_task(watch())
+        texts = []
+        try:
+            for choice in choices:
+                parts = [text async for text, _ in choice.pieces()]
+                texts.append("".join(parts))
+        finally:
+            watcher.cancel()
+            for choice in choices:
+                choice.request.cancel()
+        out = []
+        for choice, text in zip(choices, texts):
+            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+            if reply.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+                entry["logprobs"] = _chat_logprobs(choice) if reply.logprobs is not None else None
+            else:
+                entry["text"] = text
+                entry["logprobs"] = (_completion_logprobs(choice) if reply.logprobs is not None
+                                     else None)
+            out.append(entry)
+        reply.log()
+        return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
+                "created": reply.created, "model": self.model_name, "choices": out,
+                "usage": reply.usage()}
+
+    def chunk(self, reply: _Reply, choice_payload: list[dict],
+              extra: Optional[dict] = None) -> str:
+        data = {"id": reply.rid,
+                "object": "chat.completion.chunk" if reply.chat else "text_completion",
+                "created": reply.created, "model": self.model_name, "choices": choice_payload,
+                **(extra or {})}
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def delta(self, reply: _Reply, choice: _Choice, text: str,
+              event: Optional[TokenEvent]) -> dict:
+        """One choice's payload in a stream chunk: its new text (and log-probabilities)."""
+        payload: dict[str, Any] = {"index": choice.index, "finish_reason": None}
+        if reply.chat:
+            payload["delta"] = {"content": text}
+            if reply.logprobs is not None and event is not None:
+                payload["logprobs"] = {"content": [_chat_token(choice, event)]}
+        else:
+            payload["text"] = text
+            if reply.logprobs is not None and event is not None:
+                payload["logprobs"] = _completion_logprobs(choice, [event])
+        return payload
+
+    async def events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events of every choice as their tokens arrive, then [DONE]."""
+        merged: asyncio.Queue = asyncio.Queue()
+        choices = reply.choices
+
+        async def pump(choice):
+            try:
+                async for text, event in choice.pieces():
+                    await merged.put((choice, text, event))
+            except APIError as e:
+                choice.error = e
+            finally:
+                await merged.put((choice, None, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            if reply.chat:
+                yield self.chunk(reply, [{"index": c.index, "finish_reason": None,
+                                          "delta": {"role": "assistant", "content": ""}}
+                                         for c in choices])
+            remaining = len(choices)
+            while remaining:
+                choice, text, event = await merged.get()
+                if text is None:
+                    if choice.error is not None:       # OpenAI's in-stream error event
+                        e = choice.error
+                        yield "data: " + json.dumps({"error": {
+                            "message": e.message, "type": e.kind, "param": e.param,
+                            "code": None}}) + "\n\n"
+                        return
+                    remaining -= 1
+                    payload = {"index": choice.index, "finish_reason": choice.finish_reason}
+                    payload.update({"delta": {}} if reply.chat else {"text": ""})
+                    yield self.chunk(reply, [payload])
+                elif text or event is not None:
+                    yield self.chunk(reply, [self.delta(reply, choice, text, event)])
+            if include_usage:
+                yield self.chunk(reply, [], {"usage": reply.usage()})
+            yield "data: [DONE]\n\n"
+            reply.log()
+        finally:                          # client gone or done: free the engine's rows
+            for choice in choices:
+                choice.request.cancel()
+            for task in tasks:
+                task.cancel()
+
+
 # --------------------------------------------------------------------------------------------
 # The app
 # --------------------------------------------------------------------------------------------
@@ -249,8 +484,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
     engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20)
     metrics = ServerMetrics(engine)
-    grammars = Grammars(tokenizer)
-    context = model.args.max_seq_len
+    service = _Completions(engine, tokenizer, metrics, model_name)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -296,196 +530,13 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "torchllama"}]}
 
-    def sampling_of(body: _Sampling, index: int, top_logprobs: int) -> SamplingParams:
-        try:
-            bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-        except ValueError:
-            raise APIError(400, "logit_bias: keys must be token ids", "logit_bias") from None
-        try:
-            return SamplingParams(
-                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                logit_bias=bias or None, logprobs=top_logprobs,
-                seed=None if body.seed is None else body.seed + index)
-        except ArgumentError as e:
-            param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param) from None
-
-    async def constraints_for(body: _Sampling) -> list:
-        """One grammar constraint per choice (None each without one); compiled off the event
-        loop (the first one builds the vocabulary's token table)."""
-        spec = constraint_of(body)
-        if spec is None:
-            return [None] * body.n
-        try:
-            first = await asyncio.to_thread(grammars.compile, *spec)
-        except GrammarError as e:
-            param = "response_format" if spec[0].startswith("json") else spec[0]
-            raise APIError(400, str(e), param) from None
-        return [first] + [first.copy() for _ in range(body.n - 1)]
-
-    async def run(http: HTTPRequest, body: _Sampling, prompt_ids: list[int], chat: bool,
-                  max_tokens: Optional[int], logprobs: Optional[int]):
-        if len(prompt_ids) >= context:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                                f"{context}", "messages" if chat else "prompt")
-        max_tokens = min(max_tokens or context, context - len(prompt_ids))   # capped by context
-        for token in (body.logit_bias or {}):
-            if not (token.isascii() and token.isdigit()) or int(token) >= tokenizer.vocab_size:
-                raise APIError(400, f"logit_bias: {token!r} is not a token id", "logit_bias")
-        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        if any(not s for s in stops) or len(stops) > 4:
-            raise APIError(400, "stop: up to 4 non-empty strings", "stop")
-        constraints = await constraints_for(body)
-        loop = asyncio.get_running_loop()
-        choices = []
-        started = time.perf_counter()
-        for i in range(body.n):
-            choice = _Choice(i, tokenizer, prompt_ids, StopStrings(stops) if stops else None,
-                             loop, metrics, "chat" if chat else "completions", started)
-            choice.request = Request(prompt_ids, max_tokens, sampling_of(body, i, logprobs or 0),
-                                     tokenizer.stop_ids, choice.on_token, choice.on_finish,
-                                     logprobs=logprobs, constraint=constraints[i])
-            choices.append(choice)
-        try:
-            for choice in choices:
-                engine.submit(choice.request)
-        except QueueFull as e:
-            for choice in choices:
-                choice.request.cancel()
-            raise APIError(429, str(e), kind="rate_limit_error") from None
-        except TorchLlamaError as e:
-            for choice in choices:
-                choice.request.cancel()
-            raise APIError(400, str(e)) from None
-        metrics.prompt_tokens.inc(len(prompt_ids))
-        return choices, max_tokens
-
-    def log_request(rid: str, prompt_tokens: int, choices, started: float) -> None:
-        out = sum(len(c.token_ids) for c in choices)
-        seconds = time.perf_counter() - started
-        log.info("%s prompt_tokens=%d completion_tokens=%d latency=%.2fs tok/s=%.1f", rid,
-                 prompt_tokens, out, seconds, out / seconds if seconds else 0.0)
-
-    def usage(prompt_tokens: int, choices) -> dict:
-        out = sum(len(c.token_ids) for c in choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": out,
-                "total_tokens": prompt_tokens + out}
-
-    async def respond(http: HTTPRequest, body: _Sampling, prompt_ids: list[int], chat: bool,
-                      max_tokens: Optional[int], logprobs: Optional[int]):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created, started = int(time.time()), time.perf_counter()
-        choices, _ = await run(http, body, prompt_ids, chat, max_tokens, logprobs)
-        obj = "chat.completion" if chat else "text_completion"
-
-        if not body.stream:
-            async def watch() -> None:         # the client went away: free the engine's rows
-                try:
-                    while (await http.receive())["type"] != "http.disconnect":
-                        pass
-                except Exception:              # noqa: BLE001 - cannot tell: let it finish
-                    return
-                for choice in choices:
-                    choice.request.cancel()
-
-            watcher = asyncio.create_task(watch())
-            texts = []
-            try:
-                for choice in choices:
-                    parts = [text async for text, _ in choice.pieces()]
-                    texts.append("".join(parts))
-            finally:
-                watcher.cancel()
-                for choice in choices:
-                    choice.request.cancel()
-            out = []
-            for choice, text in zip(choices, texts):
-                entry: dict[str, Any] = {"index": choice.index, "finish_reason":
-                                         choice.finish_reason}
-                if chat:
-                    entry["message"] = {"role": "assistant", "content": text}
-                    entry["logprobs"] = _chat_logprobs(choice) if logprobs is not None else None
-                else:
-                    entry["text"] = text
-                    entry["logprobs"] = (_completion_logprobs(choice) if logprobs is not None
-                                         else None)
-                out.append(entry)
-            log_request(rid, len(prompt_ids), choices, started)
-            return {"id": rid, "object": obj, "created": created, "model": model_name,
-                    "choices": out, "usage": usage(len(prompt_ids), choices)}
-
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        def chunk(choice_payload: list[dict], extra: Optional[dict] = None) -> str:
-            data = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
-                    "choices": choice_payload, **(extra or {})}
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            merged: asyncio.Queue = asyncio.Queue()
-
-            async def pump(choice):
-                try:
-                    async for text, event in choice.pieces():
-                        await merged.put((choice, text, event))
-                except APIError as e:
-                    choice.error = e
-                finally:
-                    await merged.put((choice, None, None))
-
-            tasks = [asyncio.create_task(pump(c)) for c in choices]
-            try:
-                if chat:
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                  "finish_reason": None} for c in choices])
-                remaining = len(choices)
-                while remaining:
-                    choice, text, event = await merged.get()
-                    if text is None:
-                        if choice.error is not None:       # OpenAI's in-stream error event
-                            e = choice.error
-                            yield "data: " + json.dumps({"error": {
-                                "message": e.message, "type": e.kind, "param": e.param,
-                                "code": None}}) + "\n\n"
-                            return
-                        remaining -= 1
-                        payload = {"index": choice.index, "finish_reason": choice.finish_reason}
-                        payload.update({"delta": {}} if chat else {"text": ""})
-                        yield chunk([payload])
-                        continue
-                    if not text and event is None:
-                        continue
-                    payload = {"index": choice.index, "finish_reason": None}
-                    if chat:
-                        payload["delta"] = {"content": text}
-                        if logprobs is not None and event is not None:
-                            payload["logprobs"] = {"content": [_chat_token(choice, event)]}
-                    else:
-                        payload["text"] = text
-                        if logprobs is not None and event is not None:
-                            payload["logprobs"] = _completion_logprobs(choice, [event])
-                    yield chunk([payload])
-                if include_usage:
-                    yield chunk([], {"usage": usage(len(prompt_ids), choices)})
-                yield "data: [DONE]\n\n"
-                log_request(rid, len(prompt_ids), choices, started)
-            finally:                          # client gone or done: free the engine's rows
-                for choice in choices:
-                    choice.request.cancel()
-                for task in tasks:
-                    task.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt_ids = encode_prompt(tokenizer, body.prompt)
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        return await respond(http, body, prompt_ids, False, body.max_tokens, body.logprobs)
+        return await service.respond(http, body, prompt_ids, False, body.max_tokens,
+                                     body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
@@ -494,8 +545,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         except TorchLlamaError as e:
             raise APIError(400, str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(http, body, prompt_ids, True,
-                             body.max_completion_tokens or body.max_tokens, logprobs)
+        return await service.respond(http, body, prompt_ids, True,
+                                     body.max_completion_tokens or body.max_tokens, logprobs)
 
     return app
 
