@@ -353,6 +353,50 @@ def prefix_cache_ttft(path: str, dtype: str, questions: int = 10, system_repeat:
     return medians[0], medians[1], len(encode_chat(tokenizer, jobs[1].messages))
 
 
+#: The JSON schema of the structured-output cost line.
+PERSON_SCHEMA = {"type": "object",
+                 "properties": {"name": {"type": "string"},
+                                "age": {"type": "integer", "minimum": 0},
+                                "tags": {"type": "array", "items": {"type": "string"},
+                                         "maxItems": 3}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def grammar_mask_cost(tokenizer, steps: int = 300, seed: int = 0
+                      ) -> tuple[float, float, float]:
+    """Seconds of one structured-output step — a JSON schema's allowed-token mask and its −inf
+    logits (`Constraint.mask_logits`) — over `steps` tokens drawn among the allowed ones (a new
+    document every 60 tokens or when one is complete): (median, p99, median of a document's
+    first step, which includes compiling the schema)."""
+    import torch
+
+    from torchllama.grammar import Grammars
+
+    grammars, rng = Grammars(tokenizer), random.Random(seed)
+    grammars.compile("json_schema", PERSON_SCHEMA)           # the vocabulary's table, once
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    times: list[float] = []
+    firsts: list[float] = []
+    while len(times) < steps:
+        t0 = time.perf_counter()
+        constraint = grammars.compile("json_schema", PERSON_SCHEMA)
+        constraint.mask_logits(logits)
+        firsts.append(time.perf_counter() - t0)
+        for _ in range(60):
+            t0 = time.perf_counter()
+            masked = constraint.mask_logits(logits)                       # (1, V)
+            times.append(time.perf_counter() - t0)
+            allowed = [t for t in torch.isfinite(masked[0]).nonzero().flatten().tolist()
+                       if t not in tokenizer.stop_ids]
+            if not allowed:
+                break
+            constraint.accept(rng.choice(allowed))
+            if constraint.finished:
+                break
+    times.sort()
+    return times[len(times) // 2], times[int(0.99 * len(times))], statistics.median(firsts)
+
+
 def run_load_bench(model_path: Optional[str] = None, dtype: str = "auto", clients: int = 64,
                    requests: int = 10, drop: float = 0.1, max_tokens: int = 32, batch: int = 8,
                    peer: str = "llama.cpp", check: bool = True,
@@ -387,6 +431,13 @@ def run_load_bench(model_path: Optional[str] = None, dtype: str = "auto", client
     print_fn(HEADER)
     for r in results:
         print_fn(r.row())
+    from torchllama.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    median, p99, first = grammar_mask_cost(tokenizer)
+    print_fn(f"structured output: a JSON schema's token mask and −inf logits per token: "
+             f"{median * 1e6:.0f} µs median, {p99 * 1e6:.0f} µs p99; compiling it and the first "
+             f"mask {first * 1e3:.1f} ms (vocabulary of {tokenizer.vocab_size})")
     with_cache, without, n = prefix_cache_ttft(path, dtype)
     print_fn(f"prefix cache: a {n}-token chat prompt sharing its ~400-token system prompt with "
              f"the previous one, time to first token (median of 10, one at a time): "

@@ -1,0 +1,48 @@
+"""`torchllama bench --serve --load`: the load plan, the run against our in-process server (every
+finished answer equals the request alone, dropped streams counted), the structured-output cost
+and the prefix cache's time to first token — small sizes, the real SmolLM2."""
+
+import pytest
+
+from torchllama.load_bench import (HEADER, grammar_mask_cost, load_plan, prefix_cache_ttft,
+                                   run_load_bench)
+
+
+def test_load_plan_mixes_prompts_streams_and_drops():
+    plan = load_plan(40, 10, drop=0.1, max_tokens=32, seed=1)
+    jobs = [j for client in plan for j in client]
+    assert len(plan) == 40 and len(jobs) == 400
+    system = sum(len(j.messages) == 2 for j in jobs) / 400
+    stream = sum(j.stream for j in jobs) / 400
+    dropped = sum(j.drop_after is not None for j in jobs) / 400
+    assert 0.65 < system < 0.85 and 0.65 < stream < 0.85 and 0.05 < dropped < 0.15
+    assert all(8 <= j.max_tokens <= 32 for j in jobs)
+    assert all(j.stream for j in jobs if j.drop_after is not None)
+    assert load_plan(40, 10, 0.1, 32, seed=1)[3][4].key() == plan[3][4].key()   # reproducible
+
+
+def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
+    import torchllama.load_bench as lb
+
+    monkeypatch.setattr(lb, "prefix_cache_ttft", lambda path, dtype: (0.01, 0.1, 447))
+    monkeypatch.setattr(lb, "grammar_mask_cost", lambda tokenizer: (4e-5, 1e-4, 1e-3))
+    lines = []
+    results = run_load_bench(str(smollm2_gguf), clients=6, requests=2, drop=0.5, max_tokens=12,
+                             batch=4, peer="none", print_fn=lines.append)
+    (ours,) = results
+    assert len(ours.outcomes) == 12 and not any(o.error for o in ours.outcomes)
+    assert sum(o.dropped for o in ours.outcomes) >= 1
+    equal, checked = ours.exact
+    assert equal == checked == sum(not o.dropped for o in ours.outcomes)
+    assert ours.prefix_hit_rate is not None and ours.prefix_hit_rate > 0
+    assert lines[1] == HEADER and lines[2].startswith("torchllama")
+    assert "prefix cache" in lines[-1] and "10.0× lower" in lines[-1]
+
+
+def test_grammar_cost_and_prefix_cache_ttft(smollm2_gguf):
+    from torchllama.checkpoint import load_tokenizer
+
+    median, p99, first = grammar_mask_cost(load_tokenizer(smollm2_gguf), steps=40)
+    assert 0 < median <= p99 and first > 0
+    with_cache, without, n = prefix_cache_ttft(str(smollm2_gguf), "auto", questions=2)
+    assert n > 400 and with_cache > 0 and without > 0     # (speed: the bench, not a test)
