@@ -187,6 +187,11 @@ q, k, v = (torch.randn(2, 4, s, 64, generator=g) for s in (1, 37, 37))   # four 
 layers += [ops.attention(q, k, v, None, 0.125, 0.0),                   # side, 64-wide PV sums
            ops.attention(q, k, v, torch.rand(2, 1, 1, 37, generator=g) > 0.2, 0.125, 0.0,
                          torch.tensor([3, 30]))]                        # a ring, oldest first
+xa = torch.randn(7, 160, generator=g) * 5                               # activations with
+xa[2, :32] = 0.0                                                        # a zero block and
+xa[4, :32] = torch.arange(-15.5, 16.5)                                  # ties (scale 1 when
+xa[4, 0] = 127.0                                                        # amax is 127)
+layers += [t.float() for t in ops.quantize_act(xa)]                     # quantized per ISA
 np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
                                     [t.numpy().ravel() for t in layers]))
 print(kernels.isa())

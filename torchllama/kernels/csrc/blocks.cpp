@@ -99,25 +99,19 @@ Isa isa_in_use() {
 
 int64_t isa_level() { return int64_t(isa_in_use()); }
 
-// Activation quantization, scalar (O(M·K), small next to the product's O(M·N·K)). The exact
-// float operations the tests' NumPy reference repeats: d = amax / 127, id = 1 / d, q = rint(x·id).
-static void quantize_block(const float* xb, int8_t* qb, float* d, float* s) {
-  float amax = 0.f;
-  for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
-  const float db = amax / 127.f;
-  const float id = db != 0.f ? 1.f / db : 0.f;
-  int32_t sum = 0;
-  for (int t = 0; t < 32; ++t) {
-    const int32_t v = int32_t(std::nearbyint(xb[t] * id));
-    qb[t] = int8_t(v);
-    sum += v;
-  }
-  *d = db;
-  *s = db * float(sum);
+// Activation quantization (O(M·K), small next to the product's O(M·N·K)): each block by the
+// instruction set's `quantize_block` (blocks_impl.h), the same bits on every level.
+using QuantizeBlock = void (*)(const float*, int8_t*, float*, float*);
+
+static QuantizeBlock quantize_block_of(Isa isa) {
+  if (isa == Isa::vnni) return &vnni::quantize_block;
+  if (isa == Isa::avx2) return &avx2::quantize_block;
+  return &scalar::quantize_block;
 }
 
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
+  const QuantizeBlock quantize_block = quantize_block_of(isa_in_use());
   auto rows = [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m)
       for (int64_t b = 0; b < nb; ++b)

@@ -207,6 +207,63 @@ static inline F4 mul4(F4 a, F4 b) {
 #endif
 }
 
+// ---- activation quantization: one block of 32 floats → int8, d = amax / 127, s = d·Σq ------
+// The exact float operations of blocks.cpp's contract (and the tests' NumPy reference) on every
+// level: amax = max |x| (exact in any order), d = amax / 127, id = 1 / d, q = rint(x·id) (round
+// half to even, the default mode), s = d · Σq (an exact integer sum). The vector levels only
+// do the same operations 16 or 8 lanes at a time (libm's nearbyint, one call per float, was
+// ~1/8 of a batch-8 decode step).
+static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* s) {
+#if ISA_LEVEL == 0
+  float amax = 0.f;
+  for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  int32_t sum = 0;
+  for (int t = 0; t < 32; ++t) {
+    const int32_t v = int32_t(std::nearbyint(xb[t] * id));
+    qb[t] = int8_t(v);
+    sum += v;
+  }
+#elif ISA_LEVEL == 1
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], a = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm256_loadu_ps(xb + 8 * k);
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, x[k]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  alignas(32) int32_t v[32];
+  for (int k = 0; k < 4; ++k)
+    _mm256_store_si256((__m256i*)(v + 8 * k), _mm256_cvtps_epi32(_mm256_round_ps(
+        _mm256_mul_ps(x[k], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  int32_t sum = 0;
+  for (int t = 0; t < 32; ++t) {
+    qb[t] = int8_t(v[t]);
+    sum += v[t];
+  }
+#else
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  const __m512 vid = _mm512_set1_ps(id);
+  const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, vid), rn));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, vid), rn));
+  _mm_storeu_si128((__m128i*)qb, _mm512_cvtepi32_epi8(q0));          // |q| ≤ 127: exact
+  _mm_storeu_si128((__m128i*)(qb + 16), _mm512_cvtepi32_epi8(q1));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#endif
+  *d = db;
+  *s = db * float(sum);
+}
+
 // ---- Q4 pair: weight bytes as the lane map wants them, activations likewise (once per row) ---
 // A Q4 block is 16 bytes: byte t holds q[t] (low nibble) and q[t+16] (high nibble).
 #if ISA_LEVEL == 0
