@@ -74,6 +74,7 @@ test-all: setup-test $(CORPUS)/.done
 # The same tests on torch's own int4/int8 kernels, as on a machine where ours cannot be built.
 test-fallback: setup-test $(CORPUS)/.done
 	TORCHLLAMA_KERNELS=0 $(PY) -m pytest -q tests/test_quantize.py tests/test_engine.py \
+		tests/test_engine_families.py \
 		tests/test_kernels.py tests/test_gguf_loader.py tests/test_gemma3.py
 
 # The speed peer, llama.cpp, through llama-cpp-python built from the registry's source package

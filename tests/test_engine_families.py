@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from torchllama import kernels
 from torchllama.config import get_preset
 from torchllama.engine import Engine
 from torchllama.model import Transformer
@@ -164,14 +165,17 @@ def test_real_gemma3_served_together_equals_alone():
 
 def test_rows_at_their_own_positions_match_one_row_at_a_time():
     """Transformer.forward with a (B,) start_pos: each row's logits equal the row decoded alone
-    (int4 weights on torchllama's kernels, which are batch-invariant: the same bits); −1 rows
-    write nothing."""
+    (int4 weights on torchllama's kernels, which are batch-invariant: the same bits; on torch's
+    fallback kernels within rounding); −1 rows write nothing."""
     model = family_model("gemma3", "int4")
     prompts = [random_prompt(n, s) for n, s in ((3, 1), (40, 2), (90, 3))]
     with torch.inference_mode():
         model.setup_caches(3, 512)
         for b, p in enumerate(prompts):
             model(torch.tensor([p]), 0, cache_rows=slice(b, b + 1))
+            # slots past a row's own are masked but must be finite for torch's attention (the
+            # engine's _make_finite; KVCache's contract)
+            model.zero_cache_slots(slice(b, b + 1), len(p), 512)
         tokens = torch.tensor([[7], [8], [9]])
         pos = torch.tensor([3, -1, 90])
         before = [c.k_cache[1].clone() for c in model.caches]
@@ -182,6 +186,9 @@ def test_rows_at_their_own_positions_match_one_row_at_a_time():
             single.setup_caches(1, 512)
             single(torch.tensor([prompts[b]]), 0)
             expected = single(tokens[b:b + 1], len(prompts[b]))[:, -1]
-            assert torch.equal(batched[b], expected[0])
+            if kernels.available():            # batch-invariant products: the same bits
+                assert torch.equal(batched[b], expected[0])
+            else:                              # torch's int4 kernels: rounding differs by B
+                torch.testing.assert_close(batched[b], expected[0], rtol=1e-4, atol=1e-4)
     with pytest.raises(Exception, match="own positions"):
         model(torch.tensor([[1, 2]] * 3), torch.tensor([0, 1, 2]))
