@@ -118,11 +118,8 @@ class Grammars:
         """
         from llguidance import LLMatcher
 
-        grammar = grammar_of(kind, spec)
-        error = LLMatcher.validate_grammar(grammar, self.lltokenizer)
-        if error and not error.startswith("WARNING"):
-            raise GrammarError(f"{kind}: {error}")
-        matcher = LLMatcher(self.lltokenizer, grammar, log_level=0)
+        grammar = grammar_of(kind, spec)          # compiled once, by the matcher itself:
+        matcher = LLMatcher(self.lltokenizer, grammar, log_level=0)   # errors are its state
         if matcher.is_error():
             raise GrammarError(f"{kind}: {matcher.get_error()}")
         return Constraint(matcher, self.tokenizer.vocab_size)

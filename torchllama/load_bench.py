@@ -261,8 +261,6 @@ def _metric(url: str, name: str, api_key: Optional[str]) -> float:
 def run_ours(path: str, dtype: str, plan: list[list[Job]], batch: int, check: bool,
              system_repeat: int) -> LoadResult:
     """The load against torchllama's server, in this process."""
-    import torch
-
     from torchllama.bench import serve_in_thread
     from torchllama.serve import create_app, load_for_engine
 
@@ -280,7 +278,6 @@ def run_ours(path: str, dtype: str, plan: list[list[Job]], batch: int, check: bo
         hits = _metric(url, "torchllama_prefix_cache_hits_total", None) - hits0
         misses = _metric(url, "torchllama_prefix_cache_misses_total", None) - misses0
         exact = check_alone(url, outcomes, "torchllama") if check else None
-    del torch
     return LoadResult("torchllama", outcomes, seconds, (rss0, rss1), exact,
                       hits / (hits + misses) if hits + misses else None)
 

@@ -236,7 +236,8 @@ class SlidingWindowKVCache(KVCache):
         index = torch.arange(C, device=device)
         return end - 1 - (end - 1 - index) % C
 
-    def _wrote(self, rows: range, end: int) -> None:
+    def _wrote(self, rows, end: int) -> None:
+        """Rows `rows` wrote slots up to end − 1: each row's furthest slot moves on."""
         for b in rows:
             self.high[b] = max(self.high[b], end)
 
@@ -270,7 +271,7 @@ class SlidingWindowKVCache(KVCache):
     def count_row_writes(self, pos: list[int], rows: Optional[slice]) -> None:
         for b, p in zip(_row_range(rows, len(pos)), pos):
             if p >= 0:
-                self.high[b] = max(self.high[b], p + 1)
+                self._wrote((b,), p + 1)
 
     def can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
         """False when rewinding to start_pos would need slots already overwritten: a query at
