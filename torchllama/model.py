@@ -360,7 +360,9 @@ class Transformer(nn.Module):
             return h
         softcap = self.args.final_logit_softcap
         if targets is not None:                              # training: fused output + loss
-            return linear_cross_entropy(h.flatten(0, 1), self.output.weight,  # (B·T, D)
+            weight = self.output.weight if isinstance(self.output, nn.Linear) else \
+                self.output.dequantize()                     # QLoRA: (V, D) fp32, frozen
+            return linear_cross_entropy(h.flatten(0, 1), weight,              # (B·T, D)
                                         targets.flatten(), softcap=softcap)   # → () fp32
         return self.logits(h)
 

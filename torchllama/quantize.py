@@ -307,7 +307,41 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme) -> BlockWeight:
 # Modules
 # --------------------------------------------------------------------------------------------
 
-class Int8Linear(nn.Module):
+class _InputGradient(torch.autograd.Function):
+    """y = module._forward(x) with ∂L/∂x = ∂L/∂y · W, W dequantized in the backward pass and
+    dropped after it (QLoRA, Dettmers et al. 2023 §3: the frozen 4-bit weight is dequantized
+    to compute the gradient of the input, never stored in float). W gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return module._forward(x)                                          # (..., N)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        w = ctx.module.dequantize()                                        # (N, K) fp32
+        grad_x = grad_y.to(w.dtype) @ w                                    # (..., K)
+        return grad_x.to(grad_y.dtype), None
+
+
+class WeightOnlyLinear(nn.Module):
+    """Base of the weight-only quantized linears: `forward` runs the subclass's `_forward`
+    (the fast product, no autograd) and, when x requires a gradient (QLoRA: adapters before
+    this layer), adds the backward pass of x through the frozen weight (`_InputGradient`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _InputGradient.apply(x, self)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(WeightOnlyLinear):
     """y = x · Wᵀ (+ b) with W int8 per output channel (`Int8Weight`).
 
     Shapes: x (..., in_features) float → (..., out_features) in x's dtype; the product runs in
@@ -328,7 +362,7 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.weight_int8.float() * self.scale.float()[:, None]     # (N, K) fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)             # (M, K) bf16
         if x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)  # (M, N)
@@ -341,7 +375,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """y = x · Wᵀ (+ b) with W int4 group-wise (`Int4Weight`), packed for
     `aten._weight_int4pack_mm_for_cpu`.
 
@@ -368,7 +402,7 @@ class Int4Linear(nn.Module):
             eye, self.weight_packed, self.group_size, self.scales_and_zeros)
         return cols.t().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)             # (M, K) bf16
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(                    # (M, N) bf16
             x2, self.weight_packed, self.group_size, self.scales_and_zeros)
@@ -390,7 +424,7 @@ def compact_scales(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.float().contiguous() for t in scales)
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(WeightOnlyLinear):
     """y = x · Wᵀ (+ b) with W in 4-bit blocks (`Q4Blocks`), on torchllama's kernel
     `torch.ops.torchllama.q4_linear` (torchllama.kernels: int8 activations per block of 32,
     integer dot products; each output row is independent of the others, bit for bit).
@@ -419,7 +453,7 @@ class Q4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.weight_blocks().dequantize()                            # (N, K) fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
         y = torch.ops.torchllama.q4_linear(x2 if x2.dtype == torch.float32 else x2.float(),
                                         self.codes, self.d, self.m)  # (M, N) fp32
@@ -431,7 +465,7 @@ class Q4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, q4 blocks"
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(WeightOnlyLinear):
     """y = x · Wᵀ (+ b) with W in int8 blocks (`Q8Blocks`, B = 32 or 16), on
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
@@ -456,7 +490,7 @@ class Q8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.weight_blocks().dequantize()                            # (N, K) fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
         y = torch.ops.torchllama.q8_linear(x2 if x2.dtype == torch.float32 else x2.float(),
                                         self.codes, self.d)          # (M, N) fp32

@@ -22,49 +22,61 @@ from __future__ import annotations
 
 import torch
 
+#: targets with this value are left out of the loss (torch's F.cross_entropy default)
+IGNORE_INDEX = -100
+
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 chunk_size: int, want_grads: bool, softcap: float | None) -> torch.Tensor:
-        N = h.shape[0]
+        # Targets equal to IGNORE_INDEX (prompt tokens of chat data) add nothing to the loss
+        # nor to the gradients; the mean is over the others.
+        N = int((targets != IGNORE_INDEX).sum())
+        want_grad_w = want_grads and weight.requires_grad
         # Matmuls in the autocast dtype when autocast is on (as nn.Linear would), else W's.
         dtype = (torch.get_autocast_dtype(h.device.type)
                  if torch.is_autocast_enabled(h.device.type) else weight.dtype)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)                                        # (V, D)
             grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)          # (N, D)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)  # (V, D)
+            grad_w = torch.zeros(weight.shape if want_grad_w else (0,), dtype=torch.float32,
+                                 device=h.device)                        # (V, D) or none
             loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
             for start in range(0, N, chunk_size):
                 hc = h[start:start + chunk_size].to(dtype)               # (n, D)
                 yc = targets[start:start + chunk_size]                   # (n,)
+                keep = yc != IGNORE_INDEX                                # (n,) bool
+                yc = yc.clamp(min=0)                                     # ignored: any id
                 logits = (hc @ w.t()).float()                            # (n, V) fp32
                 if softcap is not None:                                  # c·tanh(z/c)
                     capped = torch.tanh(logits / softcap)                # (n, V)
                     logits = capped * softcap
                 lse = torch.logsumexp(logits, dim=-1)                    # (n,)
-                loss_sum += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+                loss_sum += ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * keep).sum()
                 if not want_grads:                                       # evaluation
                     continue
                 # softmax − onehot, in place of the logits: (n, V)
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(yc), device=g.device), yc] -= 1.0
+                g *= keep[:, None]                                       # ignored rows: 0
                 if softcap is not None:                                  # d(c·tanh(z/c))/dz
                     g *= 1.0 - capped.square_()
                 g = g.to(dtype)
                 grad_h[start:start + chunk_size] = g @ w                 # (n, D)
-                grad_w += (g.t() @ hc).float()                           # (V, D)
+                if want_grad_w:
+                    grad_w += (g.t() @ hc).float()                       # (V, D)
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.n = N
-        return loss_sum / N
+        ctx.n = max(N, 1)
+        ctx.want_grad_w = want_grad_w
+        return loss_sum / ctx.n
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss / ctx.n                                        # d loss / d loss_sum
-        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(grad_w.dtype), None, None,
-                None, None)
+        grad_weight = (grad_w * scale).to(grad_w.dtype) if ctx.want_grad_w else None
+        return grad_h * scale.to(grad_h.dtype), grad_weight, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -79,7 +91,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     Args:
         h: (N, D) final hidden states, any float dtype.
         weight: (V, D) output projection (requires grad for training).
-        targets: (N,) int64 token ids in [0, V).
+        targets: (N,) int64 token ids in [0, V), or IGNORE_INDEX (−100, as torch's
+            cross_entropy) for positions left out of the loss; the mean is over the others
+            (0 when none is left).
         chunk_size: positions per chunk; each chunk holds a (chunk_size, V) float32 block.
         softcap: c of the final-logit soft-capping, or None.
 
