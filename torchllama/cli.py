@@ -34,7 +34,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              system: Optional[str] = None, dtype: str = "auto",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
              repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
-             compile: bool = False) -> int:
+             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 8) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -61,6 +61,13 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         stop: end the text before this string (it may span tokens; never printed).
         compile: compile the decode step with torch.compile first (faster per token; the
             first run compiles for about a minute, later runs reuse Inductor's cache).
+        draft: speculative decoding, keeping the model's exact output distribution (at
+            temperature 0 the same tokens): lookup (prompt lookup: n-grams copied from the
+            context), int4, int8 or auto (the model's own checkpoint in that format drafts,
+            e.g. --dtype float32 --draft int4: the float32 answer at near-int4 speed), or the
+            path of a smaller model with the same tokenizer. Not with --prompt-file.
+        draft_tokens: with --draft, the most tokens drafted per step (also the first step's;
+            then +2 after a step whose drafts were all accepted, −1 after a rejection).
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
@@ -76,17 +83,22 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
     if system is not None and not chat:
         raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
+    if draft is not None and prompt_file is not None:
+        raise ArgumentError("--draft speculates for one prompt; --prompt-file batches prompts "
+                            "(batching already shares the weights' memory traffic)")
+    _check_draft_tokens(draft_tokens)
     parse_dtype(dtype)
     stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
     llm, tokenizer = load(model, dtype=dtype)
+    drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
     if prompts is not None:
         return _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
                               batch_size, stop or [])
     prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
-    session = Session(llm, tokenizer)
+    session = Session(llm, tokenizer, draft=drafter, draft_tokens=draft_tokens)
     stream = StreamDecoder(tokenizer, prompt_ids)
     new_ids = session.generate(prompt_ids, max_new_tokens, sampling)
     first = next(new_ids, None)  # runs the prefill: a too-long prompt fails before any output
@@ -101,6 +113,23 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     _write(stops.push(stream.flush()) + stops.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _check_draft_tokens(draft_tokens: int) -> None:
+    from torchllama.errors import ArgumentError
+
+    if draft_tokens < 1:
+        raise ArgumentError(f"--draft-tokens must be ≥ 1, got {draft_tokens}")
+
+
+def _load_draft(draft: Optional[str], model: Optional[str]):
+    """The drafter of a --draft value (`torchllama.speculative.make_drafter`), or None."""
+    if draft is None:
+        return None
+    from torchllama.speculative import make_drafter
+
+    print(f"[loading the draft: {draft}]", file=sys.stderr, flush=True)
+    return make_drafter(draft, model, progress=True)
 
 
 def _compile_decode(model) -> None:
@@ -173,7 +202,8 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
 
 def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
-         seed: Optional[int] = None, dtype: str = "auto", compile: bool = False) -> int:
+         seed: Optional[int] = None, dtype: str = "auto", compile: bool = False,
+         draft: Optional[str] = None, draft_tokens: int = 8) -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
@@ -192,6 +222,12 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
             other group sizes).
         compile: compile the decode step with torch.compile first.
+        draft: speculative decoding, keeping the model's exact output distribution (at
+            temperature 0 the same tokens): lookup (prompt lookup), int4, int8 or auto (the
+            model's own checkpoint in that format drafts, e.g. --dtype float32 --draft int4),
+            or the path of a smaller model with the same tokenizer.
+        draft_tokens: with --draft, the most tokens drafted per step (adapted to the
+            acceptance: +2 after a step whose drafts were all accepted, −1 after a rejection).
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError, ContextLengthError
@@ -200,14 +236,16 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    _check_draft_tokens(draft_tokens)
     parse_dtype(dtype)
     llm, tokenizer = load(model, dtype=dtype)
+    drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
     if chat_format(tokenizer) is None:
         raise ArgumentError(f"{tokenizer.source}: the model has no chat template; "
                             "use `torchllama generate` instead")
-    session = Session(llm, tokenizer)
+    session = Session(llm, tokenizer, draft=drafter, draft_tokens=draft_tokens)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
@@ -373,7 +411,8 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
-          max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512) -> int:
+          max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
+          draft: Optional[str] = None, draft_tokens: int = 8) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
 
@@ -392,6 +431,13 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             prefilled in chunks between decode steps, so running streams keep flowing.
         prefix_cache_mb: memory (MiB) for the prefix cache: prompts that start like an earlier
             one (a system prompt, a chat resent in full) reuse its keys and values (0: off).
+        draft: speculative decoding while a single request is decoding: lookup, int4, int8,
+            auto (the served checkpoint in that format drafts, e.g. --dtype float32 --draft
+            int4) or the path of a smaller model with the same tokenizer. With several
+            requests decoding, steps are plain batched ones (batching already shares the
+            weights' memory traffic). Answers keep the model's exact distribution (temperature
+            0: the same tokens either way); requests with a grammar decode plainly.
+        draft_tokens: with --draft, the most tokens drafted per round.
     """
     from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
@@ -403,10 +449,11 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         raise ArgumentError("--max-batch-size, --max-queue and --prefill-chunk must be ≥ 1")
     if prefix_cache_mb < 0:
         raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
+    _check_draft_tokens(draft_tokens)
     from torchllama.serve import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb)
+               prefix_cache_mb, draft, draft_tokens)
     return 0
 
 
@@ -514,6 +561,33 @@ def _train_spec():
 train.cli_spec = _train_spec   # options from TrainConfig's fields and their docs
 
 
+def finetune(**options) -> int:
+    """Finetune a model with LoRA / QLoRA / DoRA adapters (PEFT's format); --merge writes the
+    adapted model as a full checkpoint."""
+    from torchllama.train.finetune import FinetuneConfig, finetune as run, merge
+
+    merge_to = options.pop("merge")
+    to, dtype = options.pop("merge_format"), options.pop("merge_dtype")
+    result = run(FinetuneConfig(**options))
+    before, after = result["val_loss_before"], result["val_loss"]
+    print(f"step {result['step']}: loss {result['loss']:.4f}"
+          + (f", val_loss {before:.4f} → {after:.4f}" if before is not None and after else "")
+          + f"; {result['seconds']:.0f} s, peak memory {result['peak_rss_mib']:.0f} MiB; "
+          f"adapter {result['checkpoint']}")
+    if merge_to is not None:
+        to = to or ("gguf" if merge_to.endswith(".gguf") else "hf")
+        print(f"merged: {merge(options.get('model'), options['out'], merge_to, to, dtype)}")
+    return 0
+
+
+def _finetune_spec():
+    from torchllama.train.finetune import FinetuneCommand
+    return FinetuneCommand
+
+
+finetune.cli_spec = _finetune_spec
+
+
 def ablate(*, data: str, out: str, steps: int = 100, variants: Optional[list[str]] = None,
            seq_len: int = 128, batch_size: int = 16, lr: float = 2e-3, seed: int = 1337,
            no_progress: bool = False) -> int:
@@ -615,7 +689,8 @@ def anatomy(model: Optional[str] = None, text: Optional[str] = None,
 
 def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
                batch_size: int = 4, chunks: Optional[int] = None, dtype: str = "auto",
-               peer: Optional[str] = None, progress: bool = True) -> int:
+               peer: Optional[str] = None, progress: bool = True,
+               adapter: Optional[str] = None) -> int:
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does:
     non-overlapping windows of --ctx tokens (BOS first when the model adds one), the second half
     of each scored; prints the running PPL per chunk ([1]x,[2]y,...) and PPL ± its standard
@@ -634,18 +709,20 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
         peer: llama.cpp: also compute llama.cpp's own perplexity of the same GGUF file on the
             same text (needs llama-cpp-python: `make bench-peer`).
         progress: show progress bars.
+        adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run applied to
+            the model without merging.
     """
     from torchllama.perplexity import run_perplexity
 
     run_perplexity(model, text_file, ctx=ctx, batch_size=batch_size, dtype=dtype,
-                   chunks=chunks, peer=peer, progress=progress)
+                   chunks=chunks, peer=peer, progress=progress, adapter=adapter)
     return 0
 
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
     "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
-    "train": train, "plot-log": plot_log, "ablate": ablate,
+    "train": train, "finetune": finetune, "plot-log": plot_log, "ablate": ablate,
     "anatomy": anatomy, "perplexity": perplexity}
 
 

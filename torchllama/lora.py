@@ -341,36 +341,48 @@ _OUR_SHORT = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
 
 
 def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:
-    """Attach the PEFT adapter in `folder` to `model` (in place: `apply_lora`, then the saved
-    A, B (and magnitudes) copied in, B's rows back in our order).
+    """Attach the PEFT adapter in `folder` to `model` (in place: `apply_lora`, then
+    `copy_adapter_weights`) and return its configuration.
 
     Raises:
-        ModelFileError: missing/malformed files, or an adapter for another model: a tensor
-            whose shape differs, one the model has no module for, or a module without its
-            tensor — the message names the first mismatch and both shapes.
+        ModelFileError: missing/malformed files, or an adapter for another model (see
+            `copy_adapter_weights`; target modules the model lacks are named).
+    """
+    folder = Path(folder)
+    config = read_adapter_config(folder)
+    try:
+        apply_lora(model, config)
+    except ArgumentError as e:
+        raise ModelFileError(f"{folder}: an adapter for another architecture ({e})") from None
+    copy_adapter_weights(model, folder)
+    return config
+
+
+def copy_adapter_weights(model: nn.Module, folder: Path | str) -> None:
+    """Copy adapter_model.safetensors' A, B (and DoRA magnitudes) into the model's LoRA
+    modules (B's rows back in our order).
+
+    Raises:
+        ModelFileError: unreadable file, or an adapter for another model: a tensor whose shape
+            differs, one the model has no module for, or a module without its tensor — the
+            message names the first mismatch and both shapes.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    config = read_adapter_config(folder)
-    path = folder / WEIGHTS_FILE
+    path = Path(folder) / WEIGHTS_FILE
     try:
         saved = load_file(str(path))
     except FileNotFoundError:
         raise ModelFileError(f"{path} is missing") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelFileError(f"{path}: cannot read it ({e})") from None
-    try:
-        apply_lora(model, config)
-    except ArgumentError as e:
-        raise ModelFileError(f"{folder}: an adapter for another architecture ({e})") from None
     wanted = adapter_state_dict(model)              # our modules' tensors, in PEFT's names
-    names = _hf_names(model, list(lora_modules(model)))
     for key in saved:
         if key not in wanted:
-            raise ModelFileError(f"{path}: {key} has no module in this model ({model.args.n_layers} "
-                                 "layers): an adapter for another architecture")
+            raise ModelFileError(f"{path}: {key} has no module in this model "
+                                 f"({model.args.n_layers} layers): an adapter for another "
+                                 "architecture")
     for key, expected in wanted.items():
         if key not in saved:
             raise ModelFileError(f"{path}: {key} is missing: an adapter for another "
@@ -379,6 +391,7 @@ def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:
             raise ModelFileError(f"{path}: {key} has shape {tuple(saved[key].shape)} but this "
                                  f"model needs {tuple(expected.shape)}: an adapter for another "
                                  "architecture")
+    names = _hf_names(model, list(lora_modules(model)))
     with torch.no_grad():
         for name, module in lora_modules(model).items():
             theirs, layout = names[name]
@@ -388,7 +401,6 @@ def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:
             if module.magnitude is not None:
                 m = layout.load(saved[key + ".lora_magnitude_vector"][:, None], model.args)[0]
                 module.magnitude.copy_(m[:, 0])
-    return config
 
 
 def resolve_adapter(path: str | Path) -> Path:

@@ -370,7 +370,8 @@ def format_result(r: PerplexityResult) -> str:
 
 def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
                    batch_size: int = 4, dtype: str = "auto", chunks: Optional[int] = None,
-                   peer: Optional[str] = None, progress: bool = True) -> list[PerplexityResult]:
+                   peer: Optional[str] = None, progress: bool = True,
+                   adapter: Optional[str] = None) -> list[PerplexityResult]:
     """`torchllama perplexity`: load the model, compute and print its perplexity (and the peer's).
 
     Prints the per-chunk running PPL and the final estimate in llama.cpp's format to stdout.
@@ -411,10 +412,14 @@ def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
         if not (gguf_path.is_file() and gguf_path.suffix == ".gguf"):
             raise ArgumentError(f"--peer llama.cpp needs a .gguf --model, got {gguf_path}")
     source = f"--text-file {text_file}"
-    model, tokenizer = load(model_path, dtype=dtype, progress=progress)
+    if adapter is not None and peer is not None:
+        raise ArgumentError("--peer llama.cpp scores the GGUF file alone; it cannot apply "
+                            "--adapter (merge it first: torchllama finetune --merge)")
+    model, tokenizer = load(model_path, dtype=dtype, progress=progress, adapter=adapter)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in model.state_dict().values()
                      if not t.is_complex()})
-    print(f"model: {model_path or 'SmolLM2-135M-Instruct (embedded)'}, --dtype {dtype} "
+    print(f"model: {model_path or 'SmolLM2-135M-Instruct (embedded)'}"
+          + (f" + adapter {adapter}" if adapter else "") + f", --dtype {dtype} "
           f"(tensors: {', '.join(dtypes)}), {torch.get_num_threads()} threads", flush=True)
     results = [perplexity(model, tokenizer, text, ctx, batch_size, chunks, progress, source)]
     del model

@@ -57,7 +57,8 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
 
 
 def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "auto",
-         max_seq_len: Optional[int] = None, progress: bool = True):
+         max_seq_len: Optional[int] = None, progress: bool = True,
+         adapter: Optional[str | os.PathLike] = None):
     """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
 
     Args:
@@ -73,6 +74,9 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
             embedding), activations float32 around bfloat16 matmuls (`torchllama.quantize`).
         max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
         progress: show a progress bar while loading weights.
+        adapter: a LoRA adapter folder in PEFT's format (or a `torchllama finetune` run
+            folder: its latest checkpoint) applied on top of the weights without merging
+            (`torchllama.lora.load_adapter`; on a quantized base as in QLoRA).
 
     Returns:
         (model, tokenizer): a `torchllama.model.Transformer` in eval mode on the CPU, and a
@@ -81,6 +85,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     Raises:
         ModelFileError: missing, unreadable, truncated or unsupported file.
         ArgumentError: unknown dtype, bad max_seq_len.
+        ModelFileError: also an adapter for another architecture (the first mismatch named).
     """
     torch_dtype, quant = parse_dtype(dtype)
     if max_seq_len is not None and max_seq_len < 1:
@@ -96,6 +101,11 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     model = build_model(args, state, str(path))
     if quant not in (None, "auto") and fmt != "gguf":
         quantize_model(model, quant)
+    if adapter is not None:
+        from torchllama.lora import load_adapter, resolve_adapter
+
+        load_adapter(model, resolve_adapter(adapter))
+        model.eval().requires_grad_(False)                # inference: nothing to train
     return model, tokenizer
 
 
