@@ -38,7 +38,7 @@ from torchllama.errors import ArgumentError, TrainingError
 from torchllama.lora import (LoRAConfig, apply_lora, copy_adapter_weights, lora_parameters,
                              parse_targets, save_adapter)
 from torchllama.train import checkpointing as ckpt_io
-from torchllama.train.optim import lr_at
+from torchllama.train.optim import count_params, lr_at
 
 
 @dataclass(kw_only=True)
@@ -234,6 +234,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
+    from torchllama.checkpoint.common import meta_model
     from torchllama.train.plot import plot_log, read_log
 
     config.check()
@@ -241,7 +242,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     model, tokenizer, data, optimizer, step, saved = _setup(config)
     params = lora_parameters(model)
     trainable = sum(p.numel() for p in params)
-    total = sum({t.data_ptr(): t.numel() for t in model.state_dict().values()}.values())
+    total = count_params(meta_model(model.args)) + trainable   # the base's, whatever its form
     warmup = config.warmup_steps if config.warmup_steps is not None else \
         min(100, config.max_steps // 10)
     min_lr = config.min_lr if config.min_lr is not None else config.lr / 10
@@ -258,7 +259,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     _write_json(run_dir / "run.json", {
         "config": dataclasses.asdict(config), "trainable_parameters": trainable,
         "parameters": total, "train_tokens": data.n_train_tokens, "val_loss_before": before})
-    print(f"finetuning {trainable:,} adapter parameters ({trainable / total:.2%} of {total:,}; "
+    print(f"finetuning {trainable:,} adapter parameters ({trainable / total:.2%} of {total:,} in all; "
           f"{config.lora_targets}, r={config.lora_r}, α={config.lora_alpha:g}"
           f"{', DoRA' if config.dora else ''}) on a {config.dtype} base; "
           f"{data.n_train_tokens:,} training tokens; {type(data).__name__}"
