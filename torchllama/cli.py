@@ -34,7 +34,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              system: Optional[str] = None, dtype: str = "auto",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
              repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
-             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 8) -> int:
+             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 8,
+             adapter: Optional[str] = None) -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -68,6 +69,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
             path of a smaller model with the same tokenizer. Not with --prompt-file.
         draft_tokens: with --draft, the most tokens drafted per step (also the first step's;
             then +2 after a step whose drafts were all accepted, −1 after a rejection).
+        adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
+            to the model without merging.
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
@@ -90,7 +93,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     parse_dtype(dtype)
     stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
-    llm, tokenizer = load(model, dtype=dtype)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
@@ -203,7 +206,8 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
 def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
          seed: Optional[int] = None, dtype: str = "auto", compile: bool = False,
-         draft: Optional[str] = None, draft_tokens: int = 8) -> int:
+         draft: Optional[str] = None, draft_tokens: int = 8,
+         adapter: Optional[str] = None) -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
@@ -228,6 +232,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             or the path of a smaller model with the same tokenizer.
         draft_tokens: with --draft, the most tokens drafted per step (adapted to the
             acceptance: +2 after a step whose drafts were all accepted, −1 after a rejection).
+        adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
+            to the model without merging.
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError, ContextLengthError
@@ -238,7 +244,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     _check_draft_tokens(draft_tokens)
     parse_dtype(dtype)
-    llm, tokenizer = load(model, dtype=dtype)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
