@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
+import subprocess
+import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -67,24 +70,39 @@ def _losses(run):
     return [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
 
 
-def test_finetune_lowers_the_loss_and_resume_is_exact(base, text_file, tmp_path):
-    result = finetune(_config(base, text_file, tmp_path / "a"))
+def test_finetune_lowers_the_loss_and_resume_after_kill_9_is_exact(base, text_file, tmp_path):
+    config = _config(base, text_file, tmp_path / "whole", max_steps=12, save_every=2)
+    result = finetune(config)
     assert result["val_loss"] < result["val_loss_before"]
-    straight = _losses(tmp_path / "a")
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    # a run killed after its step-3 checkpoint: the later checkpoint and log lines are gone
-    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
-    shutil.rmtree(tmp_path / "b" / "step-00000006")
-    (tmp_path / "b" / "latest").unlink()
-    log = (tmp_path / "b" / "log.jsonl").read_text().splitlines()
-    (tmp_path / "b" / "log.jsonl").write_text("\n".join(log[:4]) + "\n")   # one line too many
-    finetune(_config(base, text_file, tmp_path / "b", resume=True))
-    assert _losses(tmp_path / "b") == straight                             # bit for bit
-    assert (tmp_path / "b" / "loss.png").stat().st_size > 0
+    straight = _losses(tmp_path / "whole")
+    assert len(straight) == 12 and straight[-1] < straight[0]
+
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "torchllama", "finetune", "--data", str(text_file), "--out",
+           str(cut), "--model", str(base), "--max-steps", "12", "--batch-size", "2",
+           "--seq-len", "32", "--lr", "1e-2", "--eval-every", "3", "--eval-batches", "2",
+           "--save-every", "2", "--lora-dropout", "0.1", "--lora-targets", "all",
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        log = cut / "log.jsonl"
+        if log.exists() and len(log.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len((cut / "log.jsonl").read_text().splitlines())
+    assert 5 <= killed_at < 12, "the run should have been killed mid-way"
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "resuming at step" in done.stdout
+    assert _losses(cut) == straight                                        # bit for bit
+    assert not list(cut.glob(".tmp-*")) and (cut / "loss.png").stat().st_size > 0
     with pytest.raises(ArgumentError, match="--lora-r 8 in the run, 4 now"):
-        finetune(_config(base, text_file, tmp_path / "b", resume=True, lora_r=4))
+        finetune(_config(base, text_file, cut, resume=True, lora_r=4))
     with pytest.raises(ArgumentError, match="already holds a finetuning run"):
-        finetune(_config(base, text_file, tmp_path / "b"))
+        finetune(_config(base, text_file, cut))
 
 
 def test_chat_examples_score_only_the_assistant(base):
