@@ -192,6 +192,10 @@ xa[2, :32] = 0.0                                                        # a zero
 xa[4, :32] = torch.arange(-15.5, 16.5)                                  # ties (scale 1 when
 xa[4, 0] = 127.0                                                        # amax is 127)
 layers += [t.float() for t in ops.quantize_act(xa)]                     # quantized per ISA
+wl = torch.randn(37, 100, generator=g)                  # f32_linear: K and N off the vectors,
+xl = torch.randn(9, 100, generator=g)                   # both layouts, alone and in tiles
+wc = wl.t().contiguous().t()
+layers += [ops.f32_linear(xl[:m], w_) for m in (1, 2, 3, 7, 9) for w_ in (wl, wc)]
 np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
                                     [t.numpy().ravel() for t in layers]))
 print(kernels.isa())
@@ -390,9 +394,7 @@ def test_a_sliding_window_prompt_has_the_same_bits_whole_chunked_or_token_by_tok
     assert type(model.layers[0].attention.make_cache(1, 192, torch.float32, "cpu")).__name__ \
         == "SlidingWindowKVCache"
     whole = logits(150)
-    # token by token (decode steps appending to the ring) with block weights only: float32
-    # matrix products are MKL's, whose GEMV and GEMM round differently
-    for chunk in (40, 1) if scheme else (40,):
+    for chunk in (40, 1):               # 1: decode steps appending to the ring
         assert torch.equal(logits(chunk), whole), chunk
 
 
@@ -464,3 +466,118 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
 
 def _inputs(model):
     return model._attention_inputs(0, torch.device("cpu"), 0, 1, None, None, 1)
+
+
+# ---- the float32 linear product (f32_linear, torchllama.nn.linear.Linear) ----------------------
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """The same (N, K) matrix stored as the transpose of a contiguous (K, N) (the loaders')."""
+    return w.t().contiguous().t()
+
+
+@pytest.mark.parametrize("N, K", [(40, 64), (37, 100), (70, 576), (33, 17), (5, 3)])
+def test_f32_linear_equals_float64_reference(N, K):
+    """Row- and column-major weights, K off the 16 lanes (100, 17, 3), N off the 16-column
+    vectors (37, 33, 5): within float32 accumulation of the float64 product."""
+    g = torch.Generator().manual_seed(10)
+    x, w = torch.randn(23, K, generator=g), torch.randn(N, K, generator=g)
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T                          # Σ |x_k·w_k|
+    for weight in (w, column_major(w)):
+        y = torch.ops.torchllama.f32_linear(x, weight)
+        assert y.shape == (23, N) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("N, K", [(40, 64), (37, 100), (130, 576)])
+def test_f32_linear_rows_are_batch_invariant(N, K):
+    """Each output row is the same bits computed alone, among M = 1..70 rows (every tile shape
+    and remainder, the in-place and the packed paths of a column-major weight), shuffled, in
+    slices and in a strided view, and for either layout of the weight."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(70, K, generator=g), torch.randn(N, K, generator=g)
+    op = torch.ops.torchllama.f32_linear
+    alone = torch.cat([op(x[i:i + 1], w) for i in range(70)])
+    for weight in (w, column_major(w)):
+        for M in range(1, 71):
+            assert torch.equal(op(x[:M], weight), alone[:M]), M
+        perm = torch.randperm(70, generator=g)
+        assert torch.equal(op(x[perm], weight), alone[perm])
+        assert torch.equal(op(x[13:50], weight), alone[13:50])
+        assert torch.equal(op(x[::3], weight), alone[::3])                  # copied contiguous
+        assert torch.equal(torch.cat([op(c, weight) for c in x.split([9, 1, 31, 29])]), alone)
+
+
+def test_f32_linear_refuses_mismatched_shapes_and_gives_fake_shapes():
+    with pytest.raises(RuntimeError, match="f32_linear: x must be"):
+        torch.ops.torchllama.f32_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.torchllama.f32_linear(torch.randn(2, 8).double(), torch.randn(4, 8).double())
+    y = torch.ops.torchllama.f32_linear(torch.empty(3, 64, device="meta"),
+                                        torch.empty(8, 64, device="meta"))
+    assert y.shape == (3, 8) and y.device.type == "meta"
+    assert torch.ops.torchllama.f32_linear(torch.randn(0, 8), torch.randn(4, 8)).shape == (0, 4)
+    assert torch.equal(torch.ops.torchllama.f32_linear(torch.randn(2, 0), torch.randn(4, 0)),
+                       torch.zeros(2, 4))
+
+
+def test_linear_module_uses_the_kernel_at_inference_only(monkeypatch):
+    """torchllama.nn.linear.Linear: an nn.Linear (same state-dict keys), the kernel plus bias
+    under no_grad in float32, F.linear when a gradient is tracked (training) or switched off."""
+    from torchllama.nn import linear as linear_mod
+
+    torch.manual_seed(12)
+    lin = linear_mod.Linear(100, 37)
+    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 5, 100)
+    calls = []
+    op = torch.ops.torchllama.f32_linear
+    monkeypatch.setattr(torch.ops.torchllama, "f32_linear",
+                        lambda *a: calls.append(1) or op(*a), raising=False)
+    with torch.no_grad():
+        y = lin(x)
+    assert calls and y.shape == (2, 5, 37)
+    assert torch.equal(y, op(x.reshape(10, 100), lin.weight).view(2, 5, 37) + lin.bias)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    calls.clear()
+    y = lin(x)                                                 # training: differentiable
+    y.sum().backward()
+    assert not calls and lin.weight.grad is not None
+    monkeypatch.setattr(linear_mod, "use_kernel", False)
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert not calls
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+def test_float32_model_gives_the_same_logits_one_token_at_a_time(layout):
+    """A float32 Transformer's logits are the same bits fed one token at a time through the KV
+    cache (decode), all at once (prefill, a speculative verification), in chunks, and for a
+    row alone or batched with another (the serving engine's batches)."""
+    from torchllama.config import ModelArgs
+    from torchllama.cpu import set_weight_layout
+    from torchllama.model import Transformer
+
+    torch.manual_seed(13)
+    # hidden 192, a multiple of 16: torch's F.silu computes the last elements of a buffer whose
+    # length is not a multiple of its vector width by another route (1 ulp apart), so with
+    # hidden 200 a row's gate depends on where the row lies in the batch (not our kernels)
+    model = Transformer(ModelArgs(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=200,
+                                  hidden_dim=192, max_seq_len=64)).eval()
+    set_weight_layout(model, layout)
+    tokens = torch.randint(0, 200, (2, 21))
+
+    def logits(rows, chunks):
+        model.setup_caches(2, 64)
+        with torch.inference_mode():
+            out, t = [], 0
+            for c in chunks:
+                out.append(model(tokens[rows, t:t + c], t))
+                t += c
+            return torch.cat(out, dim=1)
+
+    whole = logits(slice(0, 2), [21])
+    assert torch.equal(logits(slice(0, 2), [1] * 21), whole)
+    assert torch.equal(logits(slice(0, 2), [5, 1, 9, 1, 5]), whole)
+    assert torch.equal(logits(slice(1, 2), [21]), whole[1:])
+    assert torch.equal(logits(slice(0, 1), [1] * 21), whole[:1])

@@ -14,8 +14,8 @@ H n_heads, KV n_kv_heads, hd head_dim, D dim, F hidden, V vocab.
 
 The model holds no device, compile or process-group code: callers move it (`.to`), compile its
 decode step, or shard it from outside. Everything in `forward` has static shapes given
-(B, T, start_pos), and the linear layers are plain `nn.Linear`s that weight-only quantization can
-swap later.
+(B, T, start_pos), and the linear layers are `nn.Linear`s (`torchllama.nn.linear.Linear`: batch-
+invariant float32 products at inference) that weight-only quantization can swap later.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torchllama.nn import (ALiBi, AttentionInputs, KVCache, LearnedPositions, Ro
                            SinusoidalPositions, T5RelativeBias, linear_cross_entropy,
                            make_attention, make_mlp, make_norm)
 from torchllama.nn.kv_cache import SlidingWindowKVCache
+from torchllama.nn.linear import Linear
 
 
 class TransformerBlock(nn.Module):
@@ -195,7 +196,7 @@ class Transformer(nn.Module):
             layer.kind = self.specs.index(layer.spec)        # index into self.specs
         if args.norm_placement != "post":                    # post-norm blocks end normed
             self.norm = make_norm(args, args.dim)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # RoPE rotations of every position for each kind of layer (θ and scaling), derived from
         # args: plain attributes, not parameters or buffers. rope[k] serves self.specs[k].

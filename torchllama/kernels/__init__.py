@@ -21,6 +21,10 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
                                    mask (T, S) | (B|1, 1, T, S) bool | None, scale, softcap,
                                    key_start (B,) int64 | None: keys visited from that index on,
                                    wrapping — a sliding-window ring oldest slot first)
+    torch.ops.torchllama.f32_linear(x (M, K), w (N, K)) → (M, N) = x·wᵀ, w row-major or the
+        transpose of a contiguous (K, N) (the loaders' float32 layout): each output the same
+        16-lane dot product whatever M, so a row's result is the same bits alone or batched
+        (csrc/linear_impl.h; `torchllama.nn.linear.Linear` calls it)
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
         layer with block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
@@ -38,7 +42,8 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h", "decoder.cpp")
+SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h", "linear_impl.h",
+           "decoder.cpp")
 COMPILED = ("blocks.cpp", "layers.cpp", "decoder.cpp")
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
@@ -120,6 +125,10 @@ def _register_fakes() -> None:
         B, H, T, _ = q.shape
         return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
 
+    @torch.library.register_fake("torchllama::f32_linear")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
     @torch.library.register_fake("torchllama::decoder_layer")
     def _(x, *args):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -153,9 +162,9 @@ def available() -> bool:
 
 
 def layer_ops_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """Whether the float32 layer ops (rms_norm, rope, attention) serve this call: x float32 on
-    the CPU, inference (no gradient to track through x or params, no CPU autocast) and the
-    kernels available. Training keeps torch's differentiable ops."""
+    """Whether the float32 layer ops (rms_norm, rope, attention, f32_linear) serve this call: x
+    float32 on the CPU, inference (no gradient to track through x or params, no CPU autocast)
+    and the kernels available. Training keeps torch's differentiable ops."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):

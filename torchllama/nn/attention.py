@@ -22,6 +22,7 @@ from torch import nn
 from torchllama import kernels
 from torchllama.config import LayerSpec, ModelArgs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
+from torchllama.nn.linear import Linear
 from torchllama.nn.norms import RMSNorm, make_norm
 from torchllama.nn.position import apply_rotary_emb, yarn_mscale
 
@@ -198,10 +199,10 @@ class Attention(nn.Module):
         self.scale = args.attn_scale
         self.softcap = args.attn_logit_softcap
         self.rope = args.position == "rope"
-        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
+        self.wq = Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
         #: wq, wk and wv as one product, where `torchllama.quantize.fuse_projections` made one
         self.wqkv: Optional[nn.Module] = None
         if args.qk_norm:                                   # over each head's hd dims
@@ -294,15 +295,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.dn, self.dr, self.dv = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         if args.q_lora_rank:
-            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)         # W_DQ
+            self.wq_a = Linear(args.dim, args.q_lora_rank, bias=False)            # W_DQ
             self.q_norm = RMSNorm(args.q_lora_rank, eps=1e-6)
-            self.wq_b = nn.Linear(args.q_lora_rank, H * (self.dn + self.dr), bias=False)  # W_UQ
+            self.wq_b = Linear(args.q_lora_rank, H * (self.dn + self.dr), bias=False)     # W_UQ
         else:
-            self.wq = nn.Linear(args.dim, H * (self.dn + self.dr), bias=False)
-        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.dr, bias=False)  # W_DKV
+            self.wq = Linear(args.dim, H * (self.dn + self.dr), bias=False)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + self.dr, bias=False)     # W_DKV
         self.kv_norm = RMSNorm(args.kv_lora_rank, eps=1e-6)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, H * (self.dn + self.dv), bias=False)  # W_UKV
-        self.wo = nn.Linear(H * self.dv, args.dim, bias=args.out_bias)
+        self.wkv_b = Linear(args.kv_lora_rank, H * (self.dn + self.dv), bias=False)     # W_UKV
+        self.wo = Linear(H * self.dv, args.dim, bias=args.out_bias)
         self.scale = args.attn_scale or (self.dn + self.dr) ** -0.5
         scaling = spec.scaling
         if scaling and scaling["type"] == "yarn" and scaling.get("mscale_all_dim"):

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchllama.nn.linear import Linear
+
 #: ModelArgs.mlp → the activation applied to W1·x.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swiglu": F.silu,                                         # SiLU(x) = x·σ(x)
@@ -41,9 +43,9 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, activation: str = "swiglu", bias: bool = False):
         super().__init__()
         self.act = ACTIVATIONS[activation]
-        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)   # gate projection
-        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)   # down projection
-        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)   # up projection
+        self.w1 = Linear(dim, hidden_dim, bias=bias)      # gate projection
+        self.w2 = Linear(hidden_dim, dim, bias=bias)      # down projection
+        self.w3 = Linear(dim, hidden_dim, bias=bias)      # up projection
         #: w1 and w3 as one product, where `torchllama.quantize.fuse_projections` made one
         self.w13: Optional[nn.Module] = None
 
@@ -69,8 +71,8 @@ class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, activation: str = "gelu", bias: bool = False):
         super().__init__()
         self.act = ACTIVATIONS[activation]
-        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)   # up projection
-        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)   # down projection
+        self.w1 = Linear(dim, hidden_dim, bias=bias)      # up projection
+        self.w2 = Linear(hidden_dim, dim, bias=bias)      # down projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, D) → (B, T, F) → (B, T, D)

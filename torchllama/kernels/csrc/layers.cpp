@@ -1,9 +1,10 @@
-// torchllama's CPU kernels for the rest of a decoder layer, in float32: RMSNorm, RoPE and
-// attention. Each replaces several small torch ops of the eager model (a decode step of a small
-// model is dominated by their dispatch), and each is batch-invariant by construction: an output
-// row depends only on its own inputs, through the same float operations in the same order
-// whatever the batch, chunk, padding or thread (Thinking Machines 2025, "Defeating
-// nondeterminism in LLM inference"); the scalar, AVX2 and AVX-512 builds give the same bits.
+// torchllama's CPU kernels for the rest of a decoder layer, in float32: RMSNorm, RoPE,
+// attention, and the linear layers' matrix product. The first three each replace
+// several small torch ops of the eager model (a decode step of a small model is dominated by
+// their dispatch); all are batch-invariant by construction: an output row depends only on its
+// own inputs, through the same float operations in the same order whatever the batch, chunk,
+// padding or thread (Thinking Machines 2025, "Defeating nondeterminism in LLM inference"); the
+// scalar, AVX2 and AVX-512 builds give the same bits.
 //
 // Ops (torch.library `torchllama::…`, fake implementations in Python):
 //   rms_norm(x (..., D) f32, w (D,) f32, eps, unit_offset) → (..., D)
@@ -18,6 +19,19 @@
 //       on KV head h / (H/KV) (GQA, Ainslie et al. 2023). No mask: causal, query t of the last
 //       T slots sees slots ≤ S − T + t. The result is a (B, H, T, dv) view of a (B, T, H, dv)
 //       buffer, so the caller's transpose + reshape to (B, T, H·dv) copies nothing.
+//   f32_linear(x (M, K) f32, w (N, K) f32) → (M, N) = x · wᵀ (nn.Linear without its bias);
+//       w row-major, or column-major (the transpose of a contiguous (K, N): torchllama's
+//       loaders store float32 weights so), any other layout is copied row-major first.
+//
+// f32_linear's invariance: y[m, n] = dot(x_m, w_n, K) of layers_impl.h, whatever M, the tile,
+// the thread, the instruction set or w's layout: 16 lanes, lane l the fused multiply-add chain
+// over k ≡ l (mod 16) in increasing k from +0, then the lanes summed by one fixed tree. BLAS
+// libraries (MKL) instead pick a kernel and its blocking by shape (a matrix-vector product for
+// M = 1, a blocked GEMM otherwise), so a decode step and a prefill of the same token round
+// differently; here the shape only picks which outputs are computed side by side
+// (linear_impl.h: tiles of x rows × W rows, or × 16-column vectors of a column-major W, each
+// reaching the same chains and tree). Threads split N only, never K. (Measured on SmolLM2 in
+// float32 with MKL: 4 tokens' logits one at a time vs in one forward, 7.6e-5 apart.)
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -44,9 +58,17 @@ struct AttnArgs {
   int64_t start;                        // index of the first key visited (see attend_one)
 };
 
+// One f32_linear product: x (M, K) and y (M, N) contiguous; w (N, K) contiguous, or with col
+// w points at Wᵀ, (K, N) contiguous.
+struct LinearArgs {
+  const float* x; const float* w; float* y;
+  int64_t M, N, K;
+};
+
 #define ISA scalar
 #define ISA_LEVEL 0
 #include "layers_impl.h"
+#include "linear_impl.h"
 #undef ISA
 #undef ISA_LEVEL
 
@@ -55,6 +77,7 @@ struct AttnArgs {
 #define ISA avx2
 #define ISA_LEVEL 1
 #include "layers_impl.h"
+#include "linear_impl.h"
 #undef ISA
 #undef ISA_LEVEL
 #pragma GCC pop_options
@@ -64,6 +87,7 @@ struct AttnArgs {
 #define ISA avx512
 #define ISA_LEVEL 2
 #include "layers_impl.h"
+#include "linear_impl.h"
 #undef ISA
 #undef ISA_LEVEL
 #pragma GCC pop_options
@@ -200,6 +224,42 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out.permute({0, 2, 1, 3});
 }
 
+// ---- f32_linear --------------------------------------------------------------------------------
+
+// y (M, N) = x (M, K) · wᵀ, w (N, K): see the header. Threads take contiguous ranges of W's rows
+// (row-major) or of 16-column vectors (column-major), at least ~64k multiply-adds each.
+at::Tensor f32_linear(const at::Tensor& x_, const at::Tensor& w_) {
+  check_f32(x_, "f32_linear", "x");
+  check_f32(w_, "f32_linear", "w");
+  TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1),
+              "f32_linear: x must be (M, K) and w (N, K), got ", x_.sizes(), " and ",
+              w_.sizes());
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w_.size(0);
+  const bool col = !w_.is_contiguous() && w_.t().is_contiguous();
+  const at::Tensor w = col ? w_ : w_.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const LinearArgs a{x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
+  const Isa isa = isa_in_use();
+  const int64_t unit = col ? 16 : 4;             // columns per work unit (a thread's share)
+  const int64_t per_unit = std::max<int64_t>(1, M * K * unit);
+  at::parallel_for(0, (N + unit - 1) / unit, std::max<int64_t>(1, 65536 / per_unit),
+                   [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
+    if (col) {
+      if (isa == Isa::vnni) avx512::linear_cols(a, n0, n1);
+      else if (isa == Isa::avx2) avx2::linear_cols(a, n0, n1);
+      else scalar::linear_cols(a, n0, n1);
+    } else {
+      if (isa == Isa::vnni) avx512::linear_rows(a, n0, n1);
+      else if (isa == Isa::avx2) avx2::linear_rows(a, n0, n1);
+      else scalar::linear_rows(a, n0, n1);
+    }
+  });
+  return y;
+}
+
 }  // namespace torchllama
 
 TORCH_LIBRARY_FRAGMENT(torchllama, m) {
@@ -208,10 +268,12 @@ TORCH_LIBRARY_FRAGMENT(torchllama, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap, "
         "Tensor? key_start=None) "
         "-> Tensor");
+  m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
   m.impl("rms_norm", &torchllama::rms_norm);
   m.impl("rope", &torchllama::rope);
   m.impl("attention", &torchllama::attention);
+  m.impl("f32_linear", &torchllama::f32_linear);
 }

@@ -81,22 +81,13 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return tree_sum(acc);
 }
 
-// dot(a, b_r) for four vectors b_r = b + r·ld at once (a read once; each result's operations
-// are dot's, in dot's order). n a multiple of LANES.
-static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float out[4]) {
-  v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
-  for (int64_t i = 0; i < n; i += LANES) {
-    const v16 av = load16(a + i);
-    acc0 = fma16(av, load16(b + i), acc0);
-    acc1 = fma16(av, load16(b + ld + i), acc1);
-    acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
-    acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
-  }
+// tree_sum of four accumulators at once: out[r] = tree_sum(acc_r), the same pairs of lanes
+// added at each level, four sums side by side in one register on the 16-lane targets.
+static inline void tree_sum4(v16 acc0, v16 acc1, v16 acc2, v16 acc3, float out[4]) {
 #if ISA_LEVEL == 1
   out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
   out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
 #else
-  // tree_sum of the four, side by side: the same pairs of lanes added at each level
   const v16 a01 = __builtin_shufflevector(acc0, acc1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
                                           20, 21, 22, 23) +
                   __builtin_shufflevector(acc0, acc1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
@@ -115,6 +106,20 @@ static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, f
                __builtin_shufflevector(c, c, 1, 3, 5, 7);                     // 2 → 1 each
   std::memcpy(out, &r, sizeof r);
 #endif
+}
+
+// dot(a, b_r) for four vectors b_r = b + r·ld at once (a read once; each result's operations
+// are dot's, in dot's order). n a multiple of LANES.
+static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float out[4]) {
+  v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  for (int64_t i = 0; i < n; i += LANES) {
+    const v16 av = load16(a + i);
+    acc0 = fma16(av, load16(b + i), acc0);
+    acc1 = fma16(av, load16(b + ld + i), acc1);
+    acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
+    acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
+  }
+  tree_sum4(acc0, acc1, acc2, acc3, out);
 }
 
 // e^x for x ≤ 0 (−inf → 0), as Cephes' expf (Moshier 1992): x = n·ln2 + r with |r| ≤ ln2/2,

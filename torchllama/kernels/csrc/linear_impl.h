@@ -1,0 +1,275 @@
+// The float32 matrix product y = x · Wᵀ for one instruction set (see layers.cpp's header for the
+// contract). layers.cpp includes this file after layers_impl.h inside each instruction set's
+// namespace: it builds on that file's 16-lane vectors (v16, load16, fma16, splat16) and on its
+// reduction tree (tree_sum, tree_sum4), so every output is `dot(x_m, w_n, K)` of layers_impl.h:
+//   lane l (0..15) = the fused multiply-add chain over k ≡ l (mod 16), k increasing, from +0;
+//   y = tree_sum(lanes) = ((l0+l8)+(l4+l12)) + ((l2+l10)+(l6+l14))
+//                       + ((l1+l9)+(l5+l13)) + ((l3+l11)+(l7+l15)).
+// Two layouts of W reach that same sum by different routes:
+//   row-major W (N, K): `row_tile` keeps one 16-lane accumulator per output (lanes over k) and
+//       reduces it by the tree at the end, TM rows of x × TN rows of W per tile;
+//   column-major W (the transpose of a contiguous (K, N), the layout torchllama's loaders give
+//       float32 weights): `col_tile` puts 16 outputs (columns) in the lanes of a vector and runs
+//       the 16 chains of each output (k ≡ r) as 16 passes over the tile's rows of Wᵀ, adding
+//       the passes' results by the same tree (bit-reversed pass order: each finished pair, quad,
+//       octet is added as soon as it is complete, `merge`).
+// Tiles, threads and layouts only choose which outputs are computed together, never the order
+// of an output's own operations: the same bits for every M, tile and instruction set.
+
+namespace ISA {
+
+#if ISA_LEVEL == 1
+static inline v16 add16(v16 a, v16 b) { return v16{a.lo + b.lo, a.hi + b.hi}; }
+#else
+static inline v16 add16(v16 a, v16 b) { return a + b; }
+#endif
+
+// Tile shapes per instruction set (registers: 32 zmm on AVX-512, 16 ymm on AVX2, where a v16
+// is two ymm). Row-major: RM rows of x × RN rows of W (RM·RN accumulators), 1 × 4 for a lone
+// row. Column-major: CM rows × CV vectors of 16 columns, 1 × CV1 for a lone row (decode).
+#if ISA_LEVEL == 2
+constexpr int RM = 4, RN = 4, CM = 6, CV = 4, CV1 = 16;
+#elif ISA_LEVEL == 1
+constexpr int RM = 2, RN = 2, CM = 2, CV = 2, CV1 = 4;
+#else
+constexpr int RM = 1, RN = 1, CM = 1, CV = 1, CV1 = 1;
+#endif
+
+// dot's tail: lane l takes element k0 + l of the last K − k0 (< 16) elements.
+static inline v16 tail16(v16 acc, const float* a, const float* b, int64_t k0, int64_t K) {
+  float t[LANES];
+  store16(t, acc);
+  for (int l = 0; k0 < K; ++k0, ++l) t[l] = std::fma(a[k0], b[k0], t[l]);
+  return load16(t);
+}
+
+// ---- row-major W -------------------------------------------------------------------------------
+
+// y[i][j] = dot(x_i, w_j, K) for i < TM, j < TN: x TM rows and w TN rows at stride K, y rows at
+// stride ldy. Each 16 elements of a row of x or W are loaded once for the whole tile.
+template <int TM, int TN>
+static inline void row_tile(const float* x, const float* w, int64_t K, float* y, int64_t ldy) {
+  v16 acc[TM][TN];
+#pragma GCC unroll 16
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < TN; ++j) acc[i][j] = splat16(0.f);
+  const int64_t K16 = K / LANES * LANES;
+  for (int64_t k = 0; k < K16; k += LANES) {
+    v16 wv[TN];
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j) wv[j] = load16(w + j * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < TM; ++i) {
+      const v16 xv = load16(x + i * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < TN; ++j) acc[i][j] = fma16(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (K16 < K)
+#pragma GCC unroll 16
+    for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < TN; ++j) acc[i][j] = tail16(acc[i][j], x + i * K, w + j * K, K16, K);
+#pragma GCC unroll 16
+  for (int i = 0; i < TM; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j + 4 <= TN; j += 4)
+      tree_sum4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3], y + i * ldy + j);
+#pragma GCC unroll 4
+    for (int j = TN / 4 * 4; j < TN; ++j) y[i * ldy + j] = tree_sum(acc[i][j]);
+  }
+}
+
+// Rows m .. m + tm − 1 of x (tm ≤ RM) against W rows [n0, n1): tiles of tm × TN, then single rows.
+template <int TM>
+static void row_span(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+  constexpr int TN = TM == 1 ? 4 : RN;
+  const float* x = a.x + m * a.K;
+  float* y = a.y + m * a.N;
+  int64_t n = n0;
+  for (; n + TN <= n1; n += TN) row_tile<TM, TN>(x, a.w + n * a.K, a.K, y + n, a.N);
+  for (; n < n1; ++n) row_tile<TM, 1>(x, a.w + n * a.K, a.K, y + n, a.N);
+}
+
+static void row_span_any(int tm, const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+  switch (tm) {                                  // tm ≤ RM
+    case 1: row_span<1>(a, m, n0, n1); break;
+    case 2: row_span<2 <= RM ? 2 : 1>(a, m, n0, n1); break;
+    case 3: row_span<3 <= RM ? 3 : 1>(a, m, n0, n1); break;
+    default: row_span<RM>(a, m, n0, n1); break;
+  }
+}
+
+// y[:, n0:n1) for a row-major W (N, K): blocks of W rows that stay in L2 (~128 KiB) while
+// every tile of x rows passes over them.
+static void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+  const int64_t NB = std::max<int64_t>(4, (32768 / std::max<int64_t>(a.K, 1)) / 4 * 4);
+  for (int64_t nb = n0; nb < n1; nb += NB) {
+    const int64_t ne = std::min(n1, nb + NB);
+    for (int64_t m = 0; m < a.M; m += RM)
+      row_span_any(int(std::min<int64_t>(RM, a.M - m)), a, m, nb, ne);
+  }
+}
+
+// ---- column-major W ----------------------------------------------------------------------------
+
+// A vector of 16 copies of x (splat16 adds x to a zero vector, which would turn −0 into +0).
+static inline v16 bcast16(float x) {
+#if ISA_LEVEL == 2
+  return (v16)_mm512_set1_ps(x);
+#elif ISA_LEVEL == 1
+  const v8 h = (v8)_mm256_set1_ps(x);
+  return v16{h, h};
+#else
+  v16 v;
+  for (int l = 0; l < LANES; ++l) v[l] = x;
+  return v;
+#endif
+}
+
+// Pass order: pass p runs the chains k ≡ PASS_LANE[p] (mod 16), bitrev4(p), so passes 2q and
+// 2q + 1 are the lanes tree_sum adds first (l, l + 8), passes 4q..4q+3 its second level, …
+constexpr int PASS_LANE[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// The rows of Wᵀ a tile reads: straight from Wᵀ (row k at w + k·ld), or from a panel that
+// pack_panel laid out lane by lane (lane r's rows r, r + 16, … consecutive from lane_row(r)).
+struct ColSrc { const float* w; int64_t ld; bool packed; };
+
+static inline int64_t lane_row(int64_t r, int64_t K) {     // rows of lanes < r before lane r
+  return r * (K / LANES) + std::min<int64_t>(r, K % LANES);
+}
+
+// y[i][16v + c] = dot(x_i, column 16v + c of Wᵀ) for i < TM, v < TV, c < 16: x TM rows at
+// stride ldx, y rows at stride ldy. 16 passes (one per lane l of the contract: k = l, l + 16,
+// …), each a register tile of TM × TV chains; a pass's result joins the finished subtrees of
+// the reduction tree (`done`, at most one per level) as a binary counter does: after pass p
+// it is added to the subtree of each level below ctz(p + 1).
+template <int TM, int TV>
+static inline void col_tile(const float* x, int64_t ldx, int64_t K, const ColSrc& w, float* y,
+                            int64_t ldy) {
+  v16 done[4][TM][TV];
+  for (int p = 0; p < LANES; ++p) {
+    v16 acc[TM][TV];
+#pragma GCC unroll 16
+    for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 16
+      for (int v = 0; v < TV; ++v) acc[i][v] = splat16(0.f);
+    const int64_t r = PASS_LANE[p];
+    const float* wk = w.w + (w.packed ? lane_row(r, K) : r) * w.ld;
+    const int64_t step = w.packed ? w.ld : LANES * w.ld;
+    for (int64_t k = r; k < K; k += LANES, wk += step) {
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        const v16 xb = bcast16(x[i * ldx + k]);
+#pragma GCC unroll 16
+        for (int v = 0; v < TV; ++v) acc[i][v] = fma16(xb, load16(wk + LANES * v), acc[i][v]);
+      }
+    }
+    int level = 0;
+    for (int c = p + 1; (c & 1) == 0; c >>= 1, ++level)      // merge: done[level] + acc
+#pragma GCC unroll 16
+      for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 16
+        for (int v = 0; v < TV; ++v) acc[i][v] = add16(done[level][i][v], acc[i][v]);
+#pragma GCC unroll 16
+    for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 16
+      for (int v = 0; v < TV; ++v) {
+        if (p == LANES - 1) store16(y + i * ldy + LANES * v, acc[i][v]);
+        else done[level][i][v] = acc[i][v];
+      }
+  }
+}
+
+// dot(x, column of Wᵀ at w, stride ldw) one float at a time: the columns past the last full
+// vector (N mod 16 of them).
+static float dot_strided(const float* x, const float* w, int64_t ldw, int64_t K) {
+  float lane[LANES] = {};
+  for (int64_t k = 0; k < K; ++k) lane[k % LANES] = std::fma(x[k], w[k * ldw], lane[k % LANES]);
+  float a[8], b[4];
+  for (int l = 0; l < 8; ++l) a[l] = lane[l] + lane[l + 8];
+  for (int l = 0; l < 4; ++l) b[l] = a[l] + a[l + 4];
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Rows m .. m + TM − 1 of x against nv vectors of 16 columns from column n of y, read from w
+// (pointing at the first of them): tiles of TV vectors, then of 4, then single vectors.
+template <int TM, int TV>
+static void col_span(const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n, int64_t nv) {
+  const float* x = a.x + m * a.K;
+  float* y = a.y + m * a.N + n;
+  auto at = [&](int64_t v) { return ColSrc{w.w + LANES * v, w.ld, w.packed}; };
+  int64_t v = 0;
+  for (; v + TV <= nv; v += TV) col_tile<TM, TV>(x, a.K, a.K, at(v), y + LANES * v, a.N);
+  for (; TV > 4 && v + 4 <= nv; v += 4)
+    col_tile<TM, (TV > 4 ? 4 : 1)>(x, a.K, a.K, at(v), y + LANES * v, a.N);
+  for (; v < nv; ++v) col_tile<TM, 1>(x, a.K, a.K, at(v), y + LANES * v, a.N);
+}
+
+// The same for tm ≤ CM rows: CM × CV tiles on a packed panel, or read straight from Wᵀ
+// (`direct`, all the rows of a small batch in one tile) in tiles as wide as the registers
+// allow, so that each row of Wᵀ is read in runs of 16·TV floats: memory pages are read
+// efficiently in long runs (N = 49152, 2 rows: 6.7 ms packed, 5.6 with 8 vectors, 4.2 with 12).
+template <bool direct>
+static void col_span_any(int tm, const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n,
+                         int64_t nv) {
+  constexpr int W2 = direct && CV1 >= 4 ? CV1 * 3 / 4 : CV;      // AVX-512: 12, 8, 6 vectors
+  constexpr int W3 = direct && CV1 >= 4 ? CV1 / 2 : CV;
+  constexpr int W4 = direct && CV1 >= 8 ? CV1 * 3 / 8 : CV;
+  switch (tm) {
+    case 1: col_span<1, direct ? CV1 : CV>(a, m, w, n, nv); break;
+    case 2: col_span<2 <= CM ? 2 : 1, W2>(a, m, w, n, nv); break;
+    case 3: col_span<3 <= CM ? 3 : 1, W3>(a, m, w, n, nv); break;
+    case 4: col_span<4 <= CM ? 4 : 1, W4>(a, m, w, n, nv); break;
+    case 5: col_span<5 <= CM ? 5 : 1, CV>(a, m, w, n, nv); break;
+    default: col_span<CM, CV>(a, m, w, n, nv); break;
+  }
+}
+
+// Columns [n, n + 16·nv) of Wᵀ (K rows at stride ldw, nv ≤ PV vectors) into panel: each group
+// of CV vectors as K rows of 16·CV floats (group g from panel + g·K·16·CV), lane by lane: row k
+// of Wᵀ goes to row lane_row(k mod 16) + k / 16, so that every pass of a tile reads consecutive
+// rows. Wᵀ is read in order, 1 KiB of each row at a time (memory pages are read efficiently in
+// long runs: 256 B runs read the output matrix at a third of the bandwidth), PACK_AHEAD rows
+// prefetched ahead. (Read in place, rows of Wᵀ a multiple of 4 KiB apart would also all fall
+// in the same few cache sets: a group of columns would not stay in cache for the next rows.)
+constexpr int64_t PV = 16, PACK_AHEAD = 16;
+
+static void pack_panel(const float* wt, int64_t ldw, int64_t K, int64_t nv, float* panel) {
+  for (int64_t k = 0; k < K; ++k) {
+    if (k + PACK_AHEAD < K)
+      for (int64_t v = 0; v < nv; ++v) __builtin_prefetch(wt + (k + PACK_AHEAD) * ldw + LANES * v);
+    float* dst = panel + (lane_row(k % LANES, K) + k / LANES) * (LANES * CV);
+    for (int64_t v = 0; v < nv; ++v)
+      store16(dst + (v / CV) * K * LANES * CV + LANES * (v % CV), load16(wt + k * ldw + LANES * v));
+  }
+}
+
+// y[:, n0:n1) for a column-major W (a.w = Wᵀ, (K, N) contiguous), n0 a multiple of 16. Up to
+// CM rows of x (decode, small batches): one tile of rows reads Wᵀ in place. More rows: PV
+// vectors of columns at a time are packed (pack_panel), then every tile of CM rows of x passes
+// over each group of CV vectors.
+static void linear_cols(const LinearArgs& a, int64_t n0, int64_t n1) {
+  const int64_t nfull = n0 + (n1 - n0) / LANES * LANES;
+  if (a.M <= CM) {
+    col_span_any<true>(int(a.M), a, 0, ColSrc{a.w + n0, a.N, false}, n0, (nfull - n0) / LANES);
+  } else {
+    thread_local std::vector<float> panel;
+    panel.resize(size_t(a.K * LANES * PV));
+    for (int64_t n = n0; n < nfull; n += LANES * PV) {
+      const int64_t nv = std::min<int64_t>(PV, (nfull - n) / LANES);
+      pack_panel(a.w + n, a.N, a.K, nv, panel.data());
+      for (int64_t g = 0; g * CV < nv; ++g)
+        for (int64_t m = 0; m < a.M; m += CM)
+          col_span_any<false>(int(std::min<int64_t>(CM, a.M - m)), a, m,
+                              ColSrc{panel.data() + g * a.K * LANES * CV, LANES * CV, true},
+                              n + g * LANES * CV, std::min<int64_t>(CV, nv - g * CV));
+    }
+  }
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t n = nfull; n < n1; ++n)
+      a.y[m * a.N + n] = dot_strided(a.x + m * a.K, a.w + n, a.N, a.K);
+}
+
+}  // namespace ISA
