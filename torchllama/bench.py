@@ -2,6 +2,8 @@
 with a peer on the same weights in the same process: HF transformers (default) or llama.cpp
 (`--peer llama.cpp`, through llama-cpp-python: torchllama.peer). `torchllama bench --serve`:
 the OpenAI-compatible server's throughput at 1, 4 and 8 concurrent requests (`run_serve_bench`).
+`torchllama bench --speculative`: the exact float32 answer decoded plainly, drafted by the
+checkpoint's own int4 weights and by prompt lookup (`run_speculative_bench`).
 
 Every library runs the same loops on the same token ids (random ids, fixed seed):
 
@@ -543,3 +545,133 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         print_fn(f"{r.concurrency:11d}{r.tokens:8d}{r.seconds:9.2f}{r.tok_s:9.1f}"
                  f"{r.tok_s / base if base else 0.0:8.2f}x{r.ttft_median_s * 1000:10.0f} ms")
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# `torchllama bench --speculative`: exact float32 output, drafted
+# --------------------------------------------------------------------------------------------
+
+#: A paragraph to summarise with quotes: the answer repeats its context (prompt lookup's case).
+SPECULATIVE_PARAGRAPH = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
+    "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
+    "approximately 344,400 square kilometres. The reef is located in the Coral Sea, off the "
+    "coast of Queensland, Australia. It can be seen from outer space and is the world's "
+    "biggest single structure made by living organisms. This reef structure is composed of and "
+    "built by billions of tiny organisms, known as coral polyps.")
+#: (name, chat prompt) of the speculative bench: an open answer, and one that quotes its input.
+SPECULATIVE_PROMPTS = (
+    ("story", "Write a short story about a robot who learns to paint."),
+    ("summary", SPECULATIVE_PARAGRAPH + "\n\nSummarise the paragraph above, quoting its key "
+                                        "sentences word for word."),
+)
+
+
+@dataclass
+class SpeculativeResult:
+    """One (prompt, method) of `run_speculative_bench`: median decode tokens/s, the acceptance
+    rate and tokens per target forward of the last run, and whether its tokens were plain
+    decoding's."""
+
+    prompt: str
+    method: str
+    tok_s: float
+    acceptance: Optional[float]
+    tokens_per_pass: float
+    same_tokens: bool
+
+
+class SessionRun:
+    """`run()` → (decode tokens, decode seconds) of one greedy `Session.generate` from an empty
+    cache (the drafter's too): the decode figure includes the drafts and the draft model's
+    catching up on the prompt, not the target's prefill. `stats` and `tokens`: the last run's."""
+
+    def __init__(self, model, tokenizer, prompt_ids: list[int], new_tokens: int, drafter=None,
+                 draft_tokens: int = 16):
+        self.model, self.tokenizer, self.prompt_ids = model, tokenizer, prompt_ids
+        self.new_tokens, self.drafter, self.draft_tokens = new_tokens, drafter, draft_tokens
+        self.stats, self.tokens = None, []
+
+    def __call__(self) -> tuple[int, float]:
+        from torchllama.generation import Session
+        from torchllama.sampling import SamplingParams
+
+        if self.drafter is not None:
+            self.drafter.reset()
+        session = Session(self.model, self.tokenizer, draft=self.drafter,
+                          draft_tokens=self.draft_tokens)
+        self.tokens = list(session.generate(self.prompt_ids, self.new_tokens,
+                                            SamplingParams(temperature=0)))
+        self.stats = session.stats
+        return self.stats.decode_tokens, self.stats.decode_s
+
+
+def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 128,
+                          repeats: int = 3, draft: str = "int4", draft_tokens: int = 16,
+                          print_fn: Callable[[str], None] = print) -> list[SpeculativeResult]:
+    """Greedy decode tokens/s of the float32 model (the exact answer) plain, drafted by a
+    draft model (`draft`, default the checkpoint's own int4 weights) and by prompt lookup, on
+    an open chat answer and on a summary that quotes its paragraph; prints the table with
+    each method's speedup over plain float32, its acceptance rate and tokens per target pass,
+    and whether its tokens were plain decoding's (they must be).
+
+    Args:
+        model_path: the checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        new_tokens: the most tokens generated per answer (the chat's end token stops sooner).
+        repeats: measurements per figure after a warm-up, interleaved (the median is shown).
+        draft: the draft model: int4, int8, auto (the checkpoint's own weights in that
+            format) or a path (`torchllama.speculative.make_drafter`).
+        draft_tokens: the most tokens drafted per step.
+
+    Raises:
+        ArgumentError, ModelFileError: as `make_drafter` and `load`.
+    """
+    from torchllama.checkpoint import load, resolve_model_path
+    from torchllama.generation import encode_prompt
+    from torchllama.kernels import isa as kernels_isa
+    from torchllama.speculative import PromptLookupDrafter, make_drafter
+
+    path = str(resolve_model_path(model_path))
+    model, tokenizer = load(path, dtype="float32", progress=False)
+    drafter = make_drafter(draft, model_path)
+    lookup = PromptLookupDrafter()
+    print_fn(f"model {path}: target float32 (exact), draft {draft} (weights: "
+             f"{_weight_dtypes(drafter.model)}) or prompt lookup, at most {draft_tokens} "
+             f"drafted tokens per step")
+    print_fn(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torchllama kernels "
+             f"{kernels_isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+             f"greedy, at most {new_tokens} new tokens, median of {repeats} after a warm-up, "
+             "interleaved")
+    methods = (("plain float32", None), (f"draft {draft}", drafter), ("prompt lookup", lookup))
+    results = []
+    for name, text in SPECULATIVE_PROMPTS:
+        ids = encode_prompt(tokenizer, text, chat=True)
+        runs = {method: SessionRun(model, tokenizer, ids, new_tokens, d, draft_tokens)
+                for method, d in methods}
+        rates = _measure(runs, repeats)
+        plain = runs["plain float32"].tokens
+        for method, run in runs.items():
+            spec = run.drafter is not None
+            results.append(SpeculativeResult(
+                f"{name} ({len(ids)}+{len(plain)})", method, rates[method],
+                run.stats.acceptance_rate if spec else None,
+                run.stats.decode_tokens / max(run.stats.decode_steps, 1), run.tokens == plain))
+    for line in format_speculative_table(results):
+        print_fn(line)
+    return results
+
+
+def format_speculative_table(results: list[SpeculativeResult]) -> list[str]:
+    """One row per (prompt, method): tok/s, speedup over the prompt's plain row, acceptance,
+    tokens per target pass, same tokens as plain."""
+    width = max(len(r.prompt) for r in results) + 2
+    lines = [f"{'prompt (tokens in+out)':{width}}{'method':<16}{'tok/s':>8}{'speedup':>9}"
+             f"{'accepted':>10}{'tok/pass':>10}{'same tokens':>13}"]
+    base = {}
+    for r in results:
+        base.setdefault(r.prompt, r.tok_s)
+        accepted = f"{r.acceptance:.0%}" if r.acceptance is not None else "-"
+        lines.append(f"{r.prompt:{width}}{r.method:<16}{r.tok_s:8.1f}"
+                     f"{r.tok_s / base[r.prompt]:8.2f}x{accepted:>10}{r.tokens_per_pass:10.2f}"
+                     f"{'yes' if r.same_tokens else 'NO':>13}")
+    return lines

@@ -34,7 +34,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              system: Optional[str] = None, dtype: str = "auto",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
              repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
-             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 8,
+             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 16,
              adapter: Optional[str] = None) -> int:
     """Generate text from a prompt and stream it to stdout.
 
@@ -62,13 +62,12 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         stop: end the text before this string (it may span tokens; never printed).
         compile: compile the decode step with torch.compile first (faster per token; the
             first run compiles for about a minute, later runs reuse Inductor's cache).
-        draft: speculative decoding, keeping the model's exact output distribution (at
-            temperature 0 the same tokens): lookup (prompt lookup: n-grams copied from the
-            context), int4, int8 or auto (the model's own checkpoint in that format drafts,
-            e.g. --dtype float32 --draft int4: the float32 answer at near-int4 speed), or the
-            path of a smaller model with the same tokenizer. Not with --prompt-file.
-        draft_tokens: with --draft, the most tokens drafted per step (also the first step's;
-            then +2 after a step whose drafts were all accepted, −1 after a rejection).
+        draft: speculative decoding with the model's exact output distribution (temperature
+            0: the same tokens): lookup (n-grams copied from the context), int4, int8 or auto
+            (the model's own checkpoint in that format drafts: --dtype float32 --draft int4 is
+            the float32 answer at near-int4 speed), or a smaller model with the same tokenizer.
+        draft_tokens: with --draft, the most tokens drafted per step (the first step's; then
+            +2 after a step whose drafts were all accepted, −1 after a rejection).
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
             to the model without merging.
     """
@@ -86,10 +85,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError(f"--batch-size must be ≥ 1, got {batch_size}")
     if system is not None and not chat:
         raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
-    if draft is not None and prompt_file is not None:
-        raise ArgumentError("--draft speculates for one prompt; --prompt-file batches prompts "
-                            "(batching already shares the weights' memory traffic)")
-    _check_draft_tokens(draft_tokens)
+    _check_draft(draft, draft_tokens, prompt_file)
     parse_dtype(dtype)
     stops = StopStrings(stop or [])                                  # validates the strings
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
@@ -118,11 +114,15 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     return 0
 
 
-def _check_draft_tokens(draft_tokens: int) -> None:
+def _check_draft(draft: Optional[str], draft_tokens: int,
+                 prompt_file: Optional[str] = None) -> None:
     from torchllama.errors import ArgumentError
 
     if draft_tokens < 1:
         raise ArgumentError(f"--draft-tokens must be ≥ 1, got {draft_tokens}")
+    if draft is not None and prompt_file is not None:
+        raise ArgumentError("--draft speculates for one prompt; --prompt-file batches prompts "
+                            "(batching already shares the weights' memory traffic)")
 
 
 def _load_draft(draft: Optional[str], model: Optional[str]):
@@ -206,7 +206,7 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
 def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
          seed: Optional[int] = None, dtype: str = "auto", compile: bool = False,
-         draft: Optional[str] = None, draft_tokens: int = 8,
+         draft: Optional[str] = None, draft_tokens: int = 16,
          adapter: Optional[str] = None) -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
@@ -226,12 +226,9 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
             other group sizes).
         compile: compile the decode step with torch.compile first.
-        draft: speculative decoding, keeping the model's exact output distribution (at
-            temperature 0 the same tokens): lookup (prompt lookup), int4, int8 or auto (the
-            model's own checkpoint in that format drafts, e.g. --dtype float32 --draft int4),
-            or the path of a smaller model with the same tokenizer.
-        draft_tokens: with --draft, the most tokens drafted per step (adapted to the
-            acceptance: +2 after a step whose drafts were all accepted, −1 after a rejection).
+        draft: speculative decoding (the same answers): lookup, int4, int8, auto or a smaller
+            model's path, as for `torchllama generate --draft`.
+        draft_tokens: with --draft, the most tokens drafted per step (adapted to acceptance).
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
             to the model without merging.
     """
@@ -242,7 +239,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
-    _check_draft_tokens(draft_tokens)
+    _check_draft(draft, draft_tokens)
     parse_dtype(dtype)
     llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
     drafter = _load_draft(draft, model)
@@ -306,7 +303,8 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
           url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
           preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
           steps: int = 5, device: str = "cpu", compile: bool = False, load: bool = False,
-          clients: int = 64, requests: int = 10, drop: float = 0.1) -> int:
+          clients: int = 64, requests: int = 10, drop: float = 0.1, speculative: bool = False,
+          draft: str = "int4", draft_tokens: int = 16) -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
     llama.cpp, through llama-cpp-python: `make bench-peer` builds it). With --serve: the HTTP
@@ -349,6 +347,10 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
         clients: with --load, concurrent clients.
         requests: with --load, requests per client.
         drop: with --load, the fraction of requests whose client goes away mid-stream.
+        speculative: greedy decode tok/s of the float32 model plain, drafted by --draft and
+            by prompt lookup, on an open answer and on a summary quoting its input.
+        draft: with --speculative, the draft model: int4, int8, auto or a path.
+        draft_tokens: with --speculative, the most tokens drafted per step.
     """
     import http.client
 
@@ -356,6 +358,9 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
 
     if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
         raise ArgumentError("--prompt-tokens, --new-tokens and --repeats must be ≥ 1")
+    if speculative:
+        return _bench_speculative(model, new_tokens, repeats, draft, draft_tokens,
+                                  serve or train or load)
     if train:
         from torchllama.train.bench import run_train_bench
 
@@ -395,6 +400,17 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
     return 0
 
 
+def _bench_speculative(model, new_tokens, repeats, draft, draft_tokens, other_mode) -> int:
+    from torchllama.bench import run_speculative_bench
+    from torchllama.errors import ArgumentError
+
+    if other_mode:
+        raise ArgumentError("--speculative does not go with --serve, --train or --load")
+    _check_draft(draft, draft_tokens)
+    run_speculative_bench(model, new_tokens, repeats, draft, draft_tokens)
+    return 0
+
+
 def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
             force: bool = False) -> int:
     """Convert a checkpoint between formats: GGUF, Meta (params.json + consolidated.*.pth) and
@@ -418,7 +434,7 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
-          draft: Optional[str] = None, draft_tokens: int = 8) -> int:
+          draft: Optional[str] = None, draft_tokens: int = 16) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
 
@@ -437,12 +453,10 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             prefilled in chunks between decode steps, so running streams keep flowing.
         prefix_cache_mb: memory (MiB) for the prefix cache: prompts that start like an earlier
             one (a system prompt, a chat resent in full) reuse its keys and values (0: off).
-        draft: speculative decoding while a single request is decoding: lookup, int4, int8,
-            auto (the served checkpoint in that format drafts, e.g. --dtype float32 --draft
-            int4) or the path of a smaller model with the same tokenizer. With several
-            requests decoding, steps are plain batched ones (batching already shares the
-            weights' memory traffic). Answers keep the model's exact distribution (temperature
-            0: the same tokens either way); requests with a grammar decode plainly.
+        draft: speculative decoding while a single request is decoding (as `generate
+            --draft`: lookup, int4, int8, auto or a smaller model's path); with several
+            decoding, plain batched steps (batching already shares the weights' memory
+            traffic). Same answers either way (temperature 0: the same tokens).
         draft_tokens: with --draft, the most tokens drafted per round.
     """
     from torchllama.checkpoint import parse_dtype
@@ -455,7 +469,7 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         raise ArgumentError("--max-batch-size, --max-queue and --prefill-chunk must be ≥ 1")
     if prefix_cache_mb < 0:
         raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
-    _check_draft_tokens(draft_tokens)
+    _check_draft(draft, draft_tokens)
     from torchllama.serve import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,

@@ -23,6 +23,15 @@ else runs: with torchllama's kernels (batch-invariant products, attention summed
 chunked prefill giving the same bits as whole) the very same bits, for every kind of cache
 (full, sliding-window rings with a per-row furthest slot, MLA's latents).
 
+Speculative decoding (`Engine(draft=...)`, `torchllama serve --draft`): while exactly one request
+is decoding, each step is a speculative round for it (`torchllama.speculative`): the drafter
+proposes up to k tokens and the model checks them in one forward pass over its cache row, the
+row's position moving past the accepted ones only (the rejected drafts' slots are written over
+later). With two or more requests decoding, steps are plain batched decode steps: batching
+already shares each step's weight traffic between the requests, which is what speculation buys
+a lone request. Either way a request gets its exact output distribution (the same tokens at
+temperature 0). Requests with a grammar decode plainly.
+
 Prefix cache (`torchllama.prefix_cache`): when a prompt's prefill completes, a copy of its
 row's keys and values is kept (within a memory budget, least recently used first out); a later
 prompt that starts with the same tokens gets that copy put in its row and is prefilled from
@@ -42,6 +51,7 @@ import torch
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
 from torchllama.prefix_cache import PrefixCache
 from torchllama.sampling import SamplingParams, sample, token_logprobs
+from torchllama.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
 
 log = logging.getLogger("torchllama.engine")
 
@@ -118,16 +128,24 @@ class Engine:
             prefilled in chunks with decode steps in between, and waiting requests are admitted
             while the iteration has prompt tokens left (the first one always is).
         prefix_cache_bytes: memory for the prefix cache (0: none); see `PrefixCache`.
+        draft: a `torchllama.speculative.Drafter`: when one request is decoding alone (and
+            has no grammar), its steps are speculative rounds; with several decoding, plain
+            batched steps (see the module docstring). None: never speculative.
+        draft_tokens: the most tokens drafted per round (adapted to the acceptance).
 
     Raises:
-        ArgumentError: a size below 1 (below 0 for the prefix cache).
+        ArgumentError: a size below 1 (below 0 for the prefix cache); a draft model whose
+            vocabulary size differs from the model's.
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, pad_id: int = 0,
-                 prefill_chunk: int = 512, prefix_cache_bytes: int = 0):
+                 prefill_chunk: int = 512, prefix_cache_bytes: int = 0, draft=None,
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1 or prefix_cache_bytes < 0:
             raise ArgumentError("max_batch_size, max_queue and prefill_chunk must be ≥ 1 and "
                                 "prefix_cache_bytes ≥ 0")
+        self.speculator = SpeculativeDecoder(model, draft, draft_tokens) \
+            if draft is not None else None
         self.model = model
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
@@ -207,12 +225,16 @@ class Engine:
             while not self._stop.is_set():
                 try:
                     self._prefill_step()
-                    if not self._decoding():
+                    decoding = self._decoding()
+                    if not decoding:
                         if not self.active:
                             self._wake.wait(timeout=0.1)
                             self._wake.clear()
                         continue
-                    self._decode_step()
+                    if self._speculates(decoding):
+                        self._speculative_step(decoding[0])
+                    else:
+                        self._decode_step()
                 except Exception:                             # never let the thread die: fail
                     log.exception("engine step failed")       # what was running, go on
                     for b, row in enumerate(self._rows):
@@ -322,38 +344,54 @@ class Engine:
         if request.cancelled.is_set():
             self._finish(b, "cancelled")
             return
-        params, constraint = request.sampling, request.constraint
         try:            # a request's own settings can fail (e.g. a tiny temperature: inf/NaN)
-            if constraint is not None:                   # −inf where the grammar says no
-                logits = constraint.mask_logits(logits)
-            token = sample(logits, params, row.generator, [request.prompt_ids + row.generated],
-                           [row.generated])                                      # (1,)
-            if int(token) in request.stop_ids:
+            if request.constraint is not None:           # −inf where the grammar says no
+                logits = request.constraint.mask_logits(logits)
+            token = sample(logits, request.sampling, row.generator,
+                           [request.prompt_ids + row.generated], [row.generated])   # (1,)
+        except Exception:
+            log.exception("sampling failed")
+            self._finish(b, "error")
+            return
+        self._emit(b, int(token), logits)
+
+    def _emit(self, b: int, token: int, logits: torch.Tensor) -> bool:
+        """Report row b's next token, chosen from `logits` (1, V) (its log-probs come from
+        them), or finish the row: a stop token, the grammar complete, the length reached.
+        Returns whether the row goes on."""
+        row = self._rows[b]
+        request = row.request
+        constraint = request.constraint
+        try:
+            if token in request.stop_ids:
                 self._finish(b, "stop")
-                return
+                return False
             if constraint is not None:
-                constraint.accept(int(token))
-            event = TokenEvent(int(token))
+                constraint.accept(token)
+            event = TokenEvent(token)
             if request.logprobs is not None:
-                chosen, top_ids, top_lp = token_logprobs(logits, token, request.logprobs)
+                chosen, top_ids, top_lp = token_logprobs(logits, torch.tensor([token]),
+                                                         request.logprobs)
                 event.logprob = float(chosen[0])
                 event.top_logprobs = list(zip(top_ids[0].tolist(), top_lp[0].tolist()))
         except Exception:
             log.exception("sampling failed")
             self._finish(b, "error")
-            return
+            return False
         row.generated.append(event.token_id)
         row.pending = event.token_id
         if not _notify(request.on_token, event):   # its consumer broke: end it, not the batch
             self._finish(b, "error")
-            return
+            return False
         if constraint is not None and constraint.finished:        # nothing more may follow
             self._finish(b, "stop" if constraint.error is None else "error")
-            return
+            return False
         # Like Session: prompt + output never exceed the context.
         if len(row.generated) >= request.max_tokens or \
                 len(request.prompt_ids) + len(row.generated) >= self.context:
             self._finish(b, "length")
+            return False
+        return True
 
     def _finish(self, b: int, reason: str) -> None:
         row, self._rows[b] = self._rows[b], None
@@ -378,6 +416,37 @@ class Engine:
             row.pos += 1
             self._finite[b] = max(self._finite[b], row.pos)
             self._take(b, logits[b:b + 1])
+
+    def _speculates(self, decoding: list[int]) -> bool:
+        """Whether this step is a speculative round: a draft is set, one request is decoding
+        and it has no grammar (batched steps already share the weights' memory traffic)."""
+        return self.speculator is not None and len(decoding) == 1 and \
+            self._rows[decoding[0]].request.constraint is None
+
+    def _speculative_step(self, b: int) -> None:
+        """One speculative round for row b, the only one decoding (`SpeculativeDecoder.step`
+        on its cache row): the drafts the model accepts and one token of its own, each
+        reported as a decode step's token would be (the same tokens at temperature 0)."""
+        row = self._rows[b]
+        request = row.request
+        if request.cancelled.is_set():
+            self._finish(b, "cancelled")
+            return
+        context = request.prompt_ids + row.generated       # the last one is fed at row.pos
+        left = min(request.max_tokens - len(row.generated), self.context - len(context))
+        try:
+            step = self.speculator.step(context, request.sampling, row.generator,
+                                        row.generated, left, cache_rows=slice(b, b + 1))
+        except Exception:
+            log.exception("speculative step failed")
+            self._finish(b, "error")
+            return
+        self.steps += 1
+        self._finite[b] = max(self._finite[b], row.pos + step.drafted + 1)
+        row.pos += step.accepted + 1           # its token and the accepted drafts are cached
+        for i, token in enumerate(step.tokens):
+            if not self._emit(b, token, step.logits[i:i + 1]):
+                break
 
     def _make_finite(self, rows: list[int], end: int) -> None:
         """Make slots [0, end) of these cache rows finite: a row attends over the first `end`

@@ -128,14 +128,22 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
 
 @dataclass
 class GenerationStats:
-    """Counts and timings of one `Session.generate` call (seconds, tokens)."""
+    """Counts and timings of one `Session.generate` call (seconds, tokens).
+
+    With a draft (speculative decoding) one decode step is one target forward over the last
+    token and the drafts, and may yield several tokens: `decode_tokens` counts them, `drafted`
+    and `accepted` the drafted tokens and those the target kept.
+    """
 
     prompt_tokens: int = 0
     prefilled_tokens: int = 0      # prompt tokens actually run (the rest came from the cache)
     new_tokens: int = 0            # tokens yielded (stop token excluded)
-    decode_steps: int = 0          # forward passes of one token
+    decode_steps: int = 0          # target forward passes after the prefill
+    decode_tokens: int = 0         # tokens those passes produced (a stop token included)
+    drafted: int = 0               # speculative decoding: tokens drafted
+    accepted: int = 0              # ... and accepted by the target
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0          # decode steps, drafting included
     finish_reason: str = ""        # "stop" (stop token) or "length" (max_new_tokens/context)
 
     @property
@@ -144,13 +152,22 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Decode rate: one-token forward passes (+ sampling) per second."""
-        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+        """Decode rate: tokens produced by decode steps (+ drafting and sampling) per second."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted ÷ drafted tokens (0 without drafts)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
+        draft = (f"; draft acceptance {self.acceptance_rate:.0%} ({self.accepted} of "
+                 f"{self.drafted} drafted tokens), {self.decode_tokens / self.decode_steps:.2f} "
+                 f"tokens per target pass" if self.drafted else "")
         return (f"[{self.prompt_tokens} prompt tokens ({self.prefilled_tokens} prefilled) at "
                 f"{self.prefill_tokens_per_s:.1f} tok/s; {self.new_tokens} new tokens at "
-                f"{self.decode_tokens_per_s:.1f} tok/s decode; finish: {self.finish_reason}]")
+                f"{self.decode_tokens_per_s:.1f} tok/s decode{draft}; "
+                f"finish: {self.finish_reason}]")
 
 
 class Session:
@@ -162,6 +179,11 @@ class Session:
     prompt that diverges from the cached one more than that margin before the cache's end is
     prefilled from the start.
 
+    With a `draft` (a `torchllama.speculative.Drafter`: a draft model, the model's own weights
+    quantized, or prompt lookup), decoding is speculative: each step drafts up to
+    `draft_tokens` tokens and the model checks them in one forward pass, keeping exactly its
+    own output distribution (greedy: the same tokens; see `torchllama.speculative`).
+
     The cache lives in the model (`Transformer.setup_caches`), as in gpt-fast: use one Session
     per model at a time, and don't run the model elsewhere between its calls.
 
@@ -169,9 +191,18 @@ class Session:
         model: a `Transformer` (eval mode).
         tokenizer: its `Tokenizer`.
         max_seq_len: length of the KV cache (default: the model's context).
+        draft: a `Drafter` for speculative decoding (default: none).
+        draft_tokens: the most tokens drafted per step (the initial number too; adapted to
+            the acceptance, see `torchllama.speculative.DraftLength`; default
+            `torchllama.speculative.DEFAULT_DRAFT_TOKENS`).
+
+    Raises:
+        ArgumentError: a draft model whose vocabulary size differs from the model's (both
+            named), or draft_tokens < 1.
     """
 
-    def __init__(self, model, tokenizer, max_seq_len: Optional[int] = None):
+    def __init__(self, model, tokenizer, max_seq_len: Optional[int] = None, *,
+                 draft=None, draft_tokens: Optional[int] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len or model.args.max_seq_len
@@ -179,6 +210,11 @@ class Session:
         self.stats = GenerationStats()
         self._device = model.device
         self._caches = None                   # the model's caches this session filled
+        self.speculator = None
+        if draft is not None:                 # speculative.py builds on prefill/decode above
+            from torchllama.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
+            self.speculator = SpeculativeDecoder(model, draft, draft_tokens or
+                                                 DEFAULT_DRAFT_TOKENS)
 
     def reset(self) -> None:
         """Forget the cached conversation."""
@@ -238,17 +274,23 @@ class Session:
         tokens = torch.tensor([prompt_ids[n:]], dtype=torch.long, device=self._device)
         logits = prefill(self.model, tokens, start_pos=n)                # (1, V)
         self.cached_ids = list(prompt_ids)
-        generated: list[int] = []
-        next_id = int(sample(logits, sampling, generator, [list(prompt_ids)], [generated])[0])
+        next_id = int(sample(logits, sampling, generator, [list(prompt_ids)], [[]])[0])
         stats.prefill_s = time.perf_counter() - t0
 
         budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
         stats.finish_reason = "length"
+        decode = self._decode if self.speculator is None else self._speculate
+        yield from decode(next_id, budget, sampling, generator, stop_ids)
+
+    def _decode(self, next_id: int, budget: int, sampling: SamplingParams,
+                generator: torch.Generator, stop_ids: frozenset[int]) -> Iterator[int]:
+        """Plain decoding: one forward pass per token, from the prefill's token `next_id`."""
+        stats, generated = self.stats, []
         while next_id not in stop_ids:
             stats.new_tokens += 1
             yield next_id
             if stats.new_tokens >= budget:
-                break
+                return
             t1 = time.perf_counter()
             token = torch.tensor([[next_id]], dtype=torch.long, device=self._device)
             logits = decode_one_token(self.model, token, len(self.cached_ids))  # (1, V)
@@ -256,9 +298,37 @@ class Session:
             generated.append(next_id)
             next_id = int(sample(logits, sampling, generator, [self.cached_ids], [generated])[0])
             stats.decode_steps += 1
+            stats.decode_tokens += 1
             stats.decode_s += time.perf_counter() - t1
-        else:
-            stats.finish_reason = "stop"
+        stats.finish_reason = "stop"
+
+    def _speculate(self, next_id: int, budget: int, sampling: SamplingParams,
+                   generator: torch.Generator, stop_ids: frozenset[int]) -> Iterator[int]:
+        """Speculative decoding (`torchllama.speculative.SpeculativeDecoder.step`): each step
+        yields the drafts the model accepted and one token of its own. The cache then holds
+        the context and the accepted drafts; rejected drafts' slots are simply forgotten."""
+        stats, generated, pending = self.stats, [], [next_id]
+        while True:
+            for token in pending:
+                if token in stop_ids:
+                    stats.finish_reason = "stop"
+                    return
+                stats.new_tokens += 1
+                generated.append(token)
+                yield token
+                if stats.new_tokens >= budget:
+                    return
+            t1 = time.perf_counter()
+            context = self.cached_ids + [generated[-1]]
+            step = self.speculator.step(context, sampling, generator, generated,
+                                        max_tokens=budget - stats.new_tokens)
+            self.cached_ids = context + step.tokens[:-1]     # the last one is not fed yet
+            pending = step.tokens
+            stats.decode_steps += 1
+            stats.decode_tokens += len(step.tokens)
+            stats.drafted += step.drafted
+            stats.accepted += step.accepted
+            stats.decode_s += time.perf_counter() - t1
 
 
 @dataclass
@@ -515,12 +585,27 @@ def _with_bos(tokenizer, ids: list[int]) -> list[int]:
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int = 256, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: Optional[int] = None, chat: bool = False) -> str:
+             seed: Optional[int] = None, chat: bool = False, draft=None,
+             draft_tokens: Optional[int] = None) -> str:
     """Generate a continuation of `prompt` (or, with chat=True, the assistant's answer to it).
 
-    Returns the new text only (no prompt). See `Session.generate` for the errors raised.
+    Args:
+        draft: speculative decoding (the same output distribution, faster where drafts are
+            accepted): a `torchllama.speculative.Drafter`, "lookup" (prompt lookup) or the
+            path of a draft model with the same tokenizer. ("int4"/"int8"/"auto" need the
+            target's checkpoint: `torchllama.speculative.make_drafter(spec, path)`.)
+        draft_tokens: the most tokens drafted per step.
+
+    Returns the new text only (no prompt). See `Session.generate` for the errors raised; a
+    draft model of another vocabulary size raises ArgumentError.
     """
-    session = Session(model, tokenizer)
+    if isinstance(draft, str):
+        from torchllama.speculative import SELF_DRAFT_DTYPES, make_drafter
+        if draft in SELF_DRAFT_DTYPES:
+            raise ArgumentError(f"draft={draft!r} loads the target's own checkpoint: build it "
+                                "with torchllama.speculative.make_drafter(spec, target_path)")
+        draft = make_drafter(draft)
+    session = Session(model, tokenizer, draft=draft, draft_tokens=draft_tokens)
     ids = encode_prompt(tokenizer, prompt, chat=chat)
     new_ids = list(session.generate(ids, max_new_tokens,
                                     SamplingParams(temperature=temperature, top_k=top_k,

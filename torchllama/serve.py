@@ -7,7 +7,8 @@
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not
 
 Every request is tokenized here and handed to `torchllama.engine.Engine`, which decodes all
-running requests together; tokens come back to the request's handler through an asyncio queue.
+running requests together (with `--draft`, a request decoding alone runs speculative rounds);
+tokens come back to the request's handler through an asyncio queue.
 Streaming responses are server-sent events ending with `data: [DONE]`. Errors use OpenAI's body,
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid fields (naming them) and prompts
 that do not fit, 401 without the API key, 429 when the waiting queue is full, 500 when generation
@@ -24,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from torchllama.engine import Engine, QueueFull, Request, TokenEvent
 from torchllama.errors import ArgumentError, TorchLlamaError
@@ -32,6 +33,7 @@ from torchllama.generation import StreamDecoder, encode_chat, encode_prompt
 from torchllama.grammar import Grammars, GrammarError
 from torchllama.metrics import ServerMetrics
 from torchllama.sampling import SamplingParams
+from torchllama.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.stopping import StopStrings
 
 log = logging.getLogger("torchllama.serve")
@@ -507,7 +509,8 @@ DEFAULT_PREFIX_CACHE_MB = 512
 
 def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
                max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
-               prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> FastAPI:
+               prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft=None,
+               draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -519,11 +522,14 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
             prefilled in chunks while the running requests keep decoding (`Engine`).
         prefix_cache_mb: memory for the prefix cache, MiB (0: no prefix cache).
+        draft, draft_tokens: a `torchllama.speculative.Drafter` and the most tokens it
+            drafts: speculative rounds for a lone decoding request (`Engine`).
     """
     from contextlib import asynccontextmanager
 
     engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20)
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20,
+                    draft=draft, draft_tokens=draft_tokens)
     metrics = ServerMetrics(engine)
     service = _Completions(engine, tokenizer, metrics, model_name)
 
@@ -612,15 +618,19 @@ def _chat_logprobs(choice: _Choice) -> dict:
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512,
-          prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB) -> None:
-    """Load a checkpoint and serve it with uvicorn until interrupted (arguments: `create_app`)."""
+          prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
+          draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> None:
+    """Load a checkpoint (and a draft: `torchllama.speculative.make_drafter`) and serve it with
+    uvicorn until interrupted (arguments: `create_app`)."""
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype)
+    drafter = _in_thread(lambda: make_drafter(draft, model_path, progress=True)) \
+        if draft is not None else None
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk,
-                     prefix_cache_mb)
+                     prefix_cache_mb, draft=drafter, draft_tokens=draft_tokens)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
@@ -636,15 +646,20 @@ def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
     were ~20% slower (measured at batch 8 on 2 cores: 76 instead of 63 ms per step). A finished
     thread's pool goes away with it.
     """
-    import threading
-
     from torchllama.checkpoint import load
+
+    return _in_thread(lambda: load(model_path, dtype=dtype, progress=progress))
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    """fn() run in a short-lived thread (see `load_for_engine`); its exception is re-raised."""
+    import threading
 
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            result["value"] = load(model_path, dtype=dtype, progress=progress)
+            result["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             result["error"] = e
 
