@@ -434,7 +434,8 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
-          draft: Optional[str] = None, draft_tokens: int = 16) -> int:
+          draft: Optional[str] = None, draft_tokens: int = 16,
+          adapter: Optional[str] = None) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
 
@@ -458,6 +459,8 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             decoding, plain batched steps (batching already shares the weights' memory
             traffic). Same answers either way (temperature 0: the same tokens).
         draft_tokens: with --draft, the most tokens drafted per round.
+        adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
+            to the model without merging.
     """
     from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
@@ -473,7 +476,7 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     from torchllama.serve import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb, draft, draft_tokens)
+               prefix_cache_mb, draft, draft_tokens, adapter)
     return 0
 
 

@@ -619,12 +619,13 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512,
           prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
-          draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> None:
-    """Load a checkpoint (and a draft: `torchllama.speculative.make_drafter`) and serve it with
-    uvicorn until interrupted (arguments: `create_app`)."""
+          draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None) -> None:
+    """Load a checkpoint (with a LoRA adapter applied unmerged, and a draft:
+    `torchllama.speculative.make_drafter`) and serve it with uvicorn until interrupted
+    (arguments: `create_app`)."""
     import uvicorn
 
-    model, tokenizer = load_for_engine(model_path, dtype)
+    model, tokenizer = load_for_engine(model_path, dtype, adapter=adapter)
     drafter = _in_thread(lambda: make_drafter(draft, model_path, progress=True)) \
         if draft is not None else None
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
@@ -635,7 +636,7 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
 
 
 def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
-                    progress: bool = True):
+                    progress: bool = True, adapter: Optional[str] = None):
     """`torchllama.load` run in a short-lived thread, for a process whose model then runs in the
     engine's thread.
 
@@ -648,7 +649,7 @@ def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
     """
     from torchllama.checkpoint import load
 
-    return _in_thread(lambda: load(model_path, dtype=dtype, progress=progress))
+    return _in_thread(lambda: load(model_path, dtype=dtype, progress=progress, adapter=adapter))
 
 
 def _in_thread(fn: Callable[[], Any]) -> Any:
