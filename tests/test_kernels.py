@@ -193,9 +193,9 @@ xa[4, :32] = torch.arange(-15.5, 16.5)                                  # ties (
 xa[4, 0] = 127.0                                                        # amax is 127)
 layers += [t.float() for t in ops.quantize_act(xa)]                     # quantized per ISA
 wl = torch.randn(37, 100, generator=g)                  # f32_linear: K and N off the vectors,
-xl = torch.randn(9, 100, generator=g)                   # both layouts, alone and in tiles
-wc = wl.t().contiguous().t()
-layers += [ops.f32_linear(xl[:m], w_) for m in (1, 2, 3, 7, 9) for w_ in (wl, wc)]
+xl = torch.randn(65, 100, generator=g)                  # both layouts, alone and in tiles
+wc = wl.t().contiguous().t()                            # (65 rows: a packed column-major W)
+layers += [ops.f32_linear(xl[:m], w_) for m in (1, 2, 3, 7, 9, 65) for w_ in (wl, wc)]
 np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
                                     [t.numpy().ravel() for t in layers]))
 print(kernels.isa())
@@ -489,11 +489,12 @@ def test_f32_linear_equals_float64_reference(N, K):
         assert ((y.double() - ref).abs() <= 1e-5 * scale + 1e-30).all()
 
 
-@pytest.mark.parametrize("N, K", [(40, 64), (37, 100), (130, 576)])
+@pytest.mark.parametrize("N, K", [(40, 64), (37, 100), (130, 576), (2048, 24)])
 def test_f32_linear_rows_are_batch_invariant(N, K):
     """Each output row is the same bits computed alone, among M = 1..70 rows (every tile shape
-    and remainder, the in-place and the packed paths of a column-major weight), shuffled, in
-    slices and in a strided view, and for either layout of the weight."""
+    and remainder, the in-place and the packed paths of a column-major weight: packed from 64
+    rows on, or when N is a multiple of 2048), shuffled, in slices and in a strided view, and
+    for either layout of the weight."""
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(70, K, generator=g), torch.randn(N, K, generator=g)
     op = torch.ops.torchllama.f32_linear

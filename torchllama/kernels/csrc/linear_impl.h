@@ -28,7 +28,7 @@ static inline v16 add16(v16 a, v16 b) { return a + b; }
 // is two ymm). Row-major: RM rows of x × RN rows of W (RM·RN accumulators), 1 × 4 for a lone
 // row. Column-major: CM rows × CV vectors of 16 columns, 1 × CV1 for a lone row (decode).
 #if ISA_LEVEL == 2
-constexpr int RM = 4, RN = 4, CM = 6, CV = 4, CV1 = 16;
+constexpr int RM = 6, RN = 4, CM = 6, CV = 4, CV1 = 16;
 #elif ISA_LEVEL == 1
 constexpr int RM = 2, RN = 2, CM = 2, CV = 2, CV1 = 4;
 #else
@@ -45,10 +45,22 @@ static inline v16 tail16(v16 acc, const float* a, const float* b, int64_t k0, in
 
 // ---- row-major W -------------------------------------------------------------------------------
 
+// Software prefetch of a byte range, `lines` cache lines per step of a tile's k loop: the next
+// block of W rows while a block is computed. (The hardware prefetchers stay just ahead of the
+// loads, so each block's first tiles waited on memory: 9 rows × a 576 × 576 W read from
+// memory, 80 → 68 µs on one thread.)
+struct Ahead {
+  const char* p = nullptr; const char* end = nullptr; int64_t lines = 0;
+  inline void step() {
+    for (int64_t q = 0; q < lines && p < end; ++q, p += 64) __builtin_prefetch(p);
+  }
+};
+
 // y[i][j] = dot(x_i, w_j, K) for i < TM, j < TN: x TM rows and w TN rows at stride K, y rows at
 // stride ldy. Each 16 elements of a row of x or W are loaded once for the whole tile.
 template <int TM, int TN>
-static inline void row_tile(const float* x, const float* w, int64_t K, float* y, int64_t ldy) {
+static inline void row_tile(const float* x, const float* w, int64_t K, float* y, int64_t ldy,
+                            Ahead& ahead) {
   v16 acc[TM][TN];
 #pragma GCC unroll 16
   for (int i = 0; i < TM; ++i)
@@ -56,6 +68,7 @@ static inline void row_tile(const float* x, const float* w, int64_t K, float* y,
     for (int j = 0; j < TN; ++j) acc[i][j] = splat16(0.f);
   const int64_t K16 = K / LANES * LANES;
   for (int64_t k = 0; k < K16; k += LANES) {
+    ahead.step();
     v16 wv[TN];
 #pragma GCC unroll 8
     for (int j = 0; j < TN; ++j) wv[j] = load16(w + j * K + k);
@@ -83,32 +96,43 @@ static inline void row_tile(const float* x, const float* w, int64_t K, float* y,
 
 // Rows m .. m + tm − 1 of x (tm ≤ RM) against W rows [n0, n1): tiles of tm × TN, then single rows.
 template <int TM>
-static void row_span(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+static void row_span(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1, Ahead& ahead) {
   constexpr int TN = TM == 1 ? 4 : RN;
   const float* x = a.x + m * a.K;
   float* y = a.y + m * a.N;
   int64_t n = n0;
-  for (; n + TN <= n1; n += TN) row_tile<TM, TN>(x, a.w + n * a.K, a.K, y + n, a.N);
-  for (; n < n1; ++n) row_tile<TM, 1>(x, a.w + n * a.K, a.K, y + n, a.N);
+  for (; n + TN <= n1; n += TN) row_tile<TM, TN>(x, a.w + n * a.K, a.K, y + n, a.N, ahead);
+  for (; n < n1; ++n) row_tile<TM, 1>(x, a.w + n * a.K, a.K, y + n, a.N, ahead);
 }
 
-static void row_span_any(int tm, const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+static void row_span_any(int tm, const LinearArgs& a, int64_t m, int64_t n0, int64_t n1,
+                         Ahead& ahead) {
   switch (tm) {                                  // tm ≤ RM
-    case 1: row_span<1>(a, m, n0, n1); break;
-    case 2: row_span<2 <= RM ? 2 : 1>(a, m, n0, n1); break;
-    case 3: row_span<3 <= RM ? 3 : 1>(a, m, n0, n1); break;
-    default: row_span<RM>(a, m, n0, n1); break;
+    case 1: row_span<1>(a, m, n0, n1, ahead); break;
+    case 2: row_span<2 <= RM ? 2 : 1>(a, m, n0, n1, ahead); break;
+    case 3: row_span<3 <= RM ? 3 : 1>(a, m, n0, n1, ahead); break;
+    case 4: row_span<4 <= RM ? 4 : 1>(a, m, n0, n1, ahead); break;
+    case 5: row_span<5 <= RM ? 5 : 1>(a, m, n0, n1, ahead); break;
+    default: row_span<RM>(a, m, n0, n1, ahead); break;
   }
 }
 
 // y[:, n0:n1) for a row-major W (N, K): blocks of W rows that stay in L2 (~128 KiB) while
-// every tile of x rows passes over them.
+// every tile of x rows passes over them, the next block prefetched meanwhile (several rows of
+// x; a lone row streams W, which the hardware prefetchers follow).
 static void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
   const int64_t NB = std::max<int64_t>(4, (32768 / std::max<int64_t>(a.K, 1)) / 4 * 4);
   for (int64_t nb = n0; nb < n1; nb += NB) {
-    const int64_t ne = std::min(n1, nb + NB);
+    const int64_t ne = std::min(n1, nb + NB), next = std::min(n1, ne + NB);
+    Ahead ahead;                                 // spread over the block's k-steps
+    if (a.M > 1 && next > ne) {
+      const int64_t steps = (a.M + RM - 1) / RM * ((ne - nb + RN - 1) / RN) * (a.K / LANES);
+      ahead = Ahead{reinterpret_cast<const char*>(a.w + ne * a.K),
+                    reinterpret_cast<const char*>(a.w + next * a.K),
+                    ((next - ne) * a.K / 16 + steps - 1) / std::max<int64_t>(steps, 1)};
+    }
     for (int64_t m = 0; m < a.M; m += RM)
-      row_span_any(int(std::min<int64_t>(RM, a.M - m)), a, m, nb, ne);
+      row_span_any(int(std::min<int64_t>(RM, a.M - m)), a, m, nb, ne, ahead);
   }
 }
 
@@ -194,23 +218,23 @@ static float dot_strided(const float* x, const float* w, int64_t ldw, int64_t K)
 }
 
 // Rows m .. m + TM − 1 of x against nv vectors of 16 columns from column n of y, read from w
-// (pointing at the first of them): tiles of TV vectors, then of 4, then single vectors.
+// (pointing at the first of them): tiles of TV vectors, the rest in tiles of TV/2, TV/4, … 1.
 template <int TM, int TV>
 static void col_span(const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n, int64_t nv) {
-  const float* x = a.x + m * a.K;
-  float* y = a.y + m * a.N + n;
-  auto at = [&](int64_t v) { return ColSrc{w.w + LANES * v, w.ld, w.packed}; };
   int64_t v = 0;
-  for (; v + TV <= nv; v += TV) col_tile<TM, TV>(x, a.K, a.K, at(v), y + LANES * v, a.N);
-  for (; TV > 4 && v + 4 <= nv; v += 4)
-    col_tile<TM, (TV > 4 ? 4 : 1)>(x, a.K, a.K, at(v), y + LANES * v, a.N);
-  for (; v < nv; ++v) col_tile<TM, 1>(x, a.K, a.K, at(v), y + LANES * v, a.N);
+  for (; v + TV <= nv; v += TV)
+    col_tile<TM, TV>(a.x + m * a.K, a.K, a.K, ColSrc{w.w + LANES * v, w.ld, w.packed},
+                     a.y + m * a.N + n + LANES * v, a.N);
+  if constexpr (TV > 1)
+    if (v < nv) col_span<TM, TV / 2>(a, m, ColSrc{w.w + LANES * v, w.ld, w.packed}, n + LANES * v,
+                                     nv - v);
 }
 
 // The same for tm ≤ CM rows: CM × CV tiles on a packed panel, or read straight from Wᵀ
 // (`direct`, all the rows of a small batch in one tile) in tiles as wide as the registers
 // allow, so that each row of Wᵀ is read in runs of 16·TV floats: memory pages are read
-// efficiently in long runs (N = 49152, 2 rows: 6.7 ms packed, 5.6 with 8 vectors, 4.2 with 12).
+// efficiently in long runs (N = 49152, K = 576, 2 rows on one thread: 6.7 ms packed, 5.6 with
+// 8 vectors, 4.2 with 12).
 template <bool direct>
 static void col_span_any(int tm, const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n,
                          int64_t nv) {
@@ -246,21 +270,32 @@ static void pack_panel(const float* wt, int64_t ldw, int64_t K, int64_t nv, floa
   }
 }
 
-// y[:, n0:n1) for a column-major W (a.w = Wᵀ, (K, N) contiguous), n0 a multiple of 16. Up to
-// CM rows of x (decode, small batches): one tile of rows reads Wᵀ in place. More rows: PV
-// vectors of columns at a time are packed (pack_panel), then every tile of CM rows of x passes
-// over each group of CV vectors.
+// y[:, n0:n1) for a column-major W (a.w = Wᵀ, (K, N) contiguous), n0 a multiple of 16, PV
+// vectors of columns at a time. Tiles of up to CM rows of x read Wᵀ in place (the group's rows
+// stay in cache for the next tile of rows), except for many rows (M ≥ PACK_M) or rows of Wᵀ a
+// multiple of 8 KiB apart (N = 49152: 9 rows in 7.8 ms instead of 10.3), where the group is
+// packed first (pack_panel). Measured on one thread of an AVX-512 Zen 5, where in-place tiles
+// were faster for SmolLM2's layers (576 × 576: 9 rows in 33 µs instead of 54).
+constexpr int64_t PACK_M = 64;
+
 static void linear_cols(const LinearArgs& a, int64_t n0, int64_t n1) {
   const int64_t nfull = n0 + (n1 - n0) / LANES * LANES;
-  if (a.M <= CM) {
+  if (a.M <= CM) {                               // one tile of rows reads each column once
     col_span_any<true>(int(a.M), a, 0, ColSrc{a.w + n0, a.N, false}, n0, (nfull - n0) / LANES);
   } else {
+    const bool pack = a.M >= PACK_M || a.N % 2048 == 0;
     thread_local std::vector<float> panel;
-    panel.resize(size_t(a.K * LANES * PV));
+    if (pack) panel.resize(size_t(a.K * LANES * PV));
     for (int64_t n = n0; n < nfull; n += LANES * PV) {
       const int64_t nv = std::min<int64_t>(PV, (nfull - n) / LANES);
+      if (!pack) {                               // in place: the group's rows stay cached
+        for (int64_t m = 0; m < a.M; m += CM)
+          col_span_any<true>(int(std::min<int64_t>(CM, a.M - m)), a, m,
+                             ColSrc{a.w + n, a.N, false}, n, nv);
+        continue;
+      }
       pack_panel(a.w + n, a.N, a.K, nv, panel.data());
-      for (int64_t g = 0; g * CV < nv; ++g)
+      for (int64_t g = 0; g * CV < nv; ++g)     // each packed group of CV vectors
         for (int64_t m = 0; m < a.M; m += CM)
           col_span_any<false>(int(std::min<int64_t>(CM, a.M - m)), a, m,
                               ColSrc{panel.data() + g * a.K * LANES * CV, LANES * CV, true},
