@@ -58,8 +58,8 @@ struct AttnArgs {
   int64_t start;                        // index of the first key visited (see attend_one)
 };
 
-// One f32_linear product: x (M, K) and y (M, N) contiguous; w (N, K) contiguous, or with col
-// w points at Wᵀ, (K, N) contiguous.
+// One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major
+// (for linear_rows) or Wᵀ as a contiguous (K, N) (a column-major weight, for linear_cols).
 struct LinearArgs {
   const float* x; const float* w; float* y;
   int64_t M, N, K;
