@@ -152,13 +152,15 @@ class LoRALinear(nn.Module):
         return y + (factor - 1) * y_nobias + factor * update
 
     def merged(self) -> nn.Linear:
-        """An nn.Linear with W' = W + (α/r)·B·A (or DoRA's m·(W + ΔW)/‖W + ΔW‖_c), float32."""
+        """A `torchllama.nn.linear.Linear` with W' = W + (α/r)·B·A (or DoRA's m·(W + ΔW)/‖W + ΔW‖_c), float32."""
         w = base_weight(self.base) + self.delta_weight().detach()                # (N, K)
         if self.magnitude is not None:
             w = w * (self.magnitude.detach() / w.norm(dim=1))[:, None]
+        from torchllama.nn.linear import Linear      # our batch-invariant float32 product
+
         bias = getattr(self.base, "bias", None)
-        out = nn.Linear(self.in_features, self.out_features, bias=bias is not None,
-                        device=w.device)
+        out = Linear(self.in_features, self.out_features, bias=bias is not None,
+                     device=w.device)
         with torch.no_grad():
             out.weight.copy_(w)
             if bias is not None:
@@ -238,27 +240,27 @@ def merge_lora(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 def _hf_names(model: nn.Module, names: list[str]) -> dict[str, tuple[str, object]]:
-    """Our module name → (HF module name, the family's row layout) for each adapted linear.
-
-    Raises:
-        ArgumentError: the family stores one of them fused with others or transposed in HF's
-            layout (GPT-2's c_attn), where a per-module adapter has no PEFT equivalent.
-    """
+    """Our module name → (the module's name in PEFT's file, the row layout of B) for each
+    adapted linear: transformers' module name and HF's row order where the model's family has
+    a Hugging Face layout that stores each adapted weight on its own; otherwise (a config no HF
+    architecture holds, or GPT-2's fused and transposed c_attn) our own names and rows, which
+    our loader reads back but `peft` cannot put on a transformers model."""
     from torchllama.families import family_for_args
     from torchllama.families.base import Layout, RopePermuted
 
     args = model.args
-    family = family_for_args(args, "hf")
+    ours = {name: ("model." + name, Layout()) for name in names}
+    try:
+        family = family_for_args(args, "hf")
+    except ArgumentError:
+        return ours
     table = {m.ours: m for m in family.mappings("hf", args.n_layers)}
     out = {}
     for name in names:
         m = table.get((name + ".weight",))
         if m is None or not m.theirs.endswith(".weight") or \
                 type(m.layout) not in (Layout, RopePermuted):
-            raise ArgumentError(
-                f"{name}: {family.name}'s Hugging Face layout stores this weight fused with "
-                "others or transposed, so a PEFT adapter cannot name it; adapt other linears "
-                "(--lora-targets) or use --merge")
+            return ours
         out[name] = (m.theirs[:-len(".weight")], m.layout)
     return out
 
@@ -337,7 +339,9 @@ def read_adapter_config(folder: Path | str) -> LoRAConfig:
 
 #: HF module short names → ours (for adapters written by PEFT itself)
 _OUR_SHORT = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-              "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+              "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3",
+              "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
+              "kv_b_proj": "wkv_b"}                             # DeepSeek's MLA
 
 
 def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:
