@@ -167,6 +167,7 @@ def _write_json(path: Path, obj) -> None:
 def _setup(config: FinetuneConfig):
     """(model with adapters, tokenizer, data, optimizer, step, saved state or None)."""
     from torchllama.checkpoint import load
+    from torchllama.cpu import set_weight_layout
     from torchllama.train.finetune_data import finetune_data
 
     run_dir = Path(config.out)
@@ -182,6 +183,9 @@ def _setup(config: FinetuneConfig):
     model, tokenizer = load(config.model, dtype=config.dtype, progress=config.progress)
     data = finetune_data(tokenizer, config.data, config.seq_len, config.batch_size, config.seed,
                          config.val_fraction)
+    # Training runs the frozen float32 products through autograd (F.linear, MKL), which is
+    # faster on column-major weights (torchllama.cpu.set_weight_layout); same values.
+    set_weight_layout(model, "column")
     torch.manual_seed(config.seed)                       # A's initialisation, dropout
     apply_lora(model, config.lora())
     params = lora_parameters(model)
