@@ -146,7 +146,7 @@ def test_vocabulary_mismatch_is_refused_naming_both_sizes(target):
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_match():
-    lookup = PromptLookupDrafter(max_ngram=3)
+    lookup = PromptLookupDrafter(max_ngram=3, min_ngram=1)
     #          0  1  2  3  4  5  6  7  8  9 10 11
     context = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
     assert lookup.propose(context, 2).tokens == [5, 6]          # latest "2 3" is at 5-6
@@ -154,6 +154,8 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
     assert lookup.propose([1, 2, 3, 8], 4).tokens == []          # no earlier 8
     assert lookup.propose([7, 7], 4).tokens == [7]               # overlapping its own suffix
     assert lookup.propose(context, 0).tokens == []
+    assert PromptLookupDrafter().propose([7, 7], 4).tokens == []    # pairs at least
+    assert PromptLookupDrafter().propose(context, 3).tokens == [5, 6, 7]
     with pytest.raises(ArgumentError):
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
 

@@ -569,30 +569,33 @@ SPECULATIVE_PROMPTS = (
 
 @dataclass
 class SpeculativeResult:
-    """One (prompt, method) of `run_speculative_bench`: median decode tokens/s, the acceptance
-    rate and tokens per target forward of the last run, and whether its tokens were plain
+    """One (prompt, method) of `run_speculative_bench`: median decode tokens/s and median
+    seconds from the prompt to the last token (prefill, a draft model's included), the last
+    run's acceptance rate and tokens per target forward, and whether its tokens were plain
     decoding's."""
 
     prompt: str
     method: str
-    tok_s: float
+    decode_tok_s: float
+    total_s: float
     acceptance: Optional[float]
     tokens_per_pass: float
     same_tokens: bool
 
 
 class SessionRun:
-    """`run()` → (decode tokens, decode seconds) of one greedy `Session.generate` from an empty
-    cache (the drafter's too): the decode figure includes the drafts and the draft model's
-    catching up on the prompt, not the target's prefill. `stats` and `tokens`: the last run's."""
+    """`run()` → (decode tokens/s, prefill + decode seconds) of one greedy `Session.generate`
+    from empty caches (the drafter's too). A draft model's prefill of the prompt counts as
+    prefill (`Session.generate` runs it there), the drafting as decoding. `stats` and
+    `tokens`: the last run's."""
 
     def __init__(self, model, tokenizer, prompt_ids: list[int], new_tokens: int, drafter=None,
-                 draft_tokens: int = 16):
+                 draft_tokens: int = 12):
         self.model, self.tokenizer, self.prompt_ids = model, tokenizer, prompt_ids
         self.new_tokens, self.drafter, self.draft_tokens = new_tokens, drafter, draft_tokens
         self.stats, self.tokens = None, []
 
-    def __call__(self) -> tuple[int, float]:
+    def __call__(self) -> tuple[float, float]:
         from torchllama.generation import Session
         from torchllama.sampling import SamplingParams
 
@@ -603,17 +606,31 @@ class SessionRun:
         self.tokens = list(session.generate(self.prompt_ids, self.new_tokens,
                                             SamplingParams(temperature=0)))
         self.stats = session.stats
-        return self.stats.decode_tokens, self.stats.decode_s
+        return self.stats.decode_tokens_per_s, self.stats.prefill_s + self.stats.decode_s
+
+
+def _measure_sessions(runs: dict[str, SessionRun], repeats: int) -> dict[str, tuple]:
+    """Median (decode tok/s, total seconds) of each run: one warm-up each, then `repeats`
+    rounds interleaved, with `_measure`'s pause before each run."""
+    for run in runs.values():
+        run()
+    figures: dict[str, list] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            time.sleep(PAUSE_S)
+            figures[name].append(run())
+    return {name: (statistics.median(f[0] for f in fs), statistics.median(f[1] for f in fs))
+            for name, fs in figures.items()}
 
 
 def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 128,
-                          repeats: int = 3, draft: str = "int4", draft_tokens: int = 16,
+                          repeats: int = 3, draft: str = "int4", draft_tokens: int = 12,
                           print_fn: Callable[[str], None] = print) -> list[SpeculativeResult]:
-    """Greedy decode tokens/s of the float32 model (the exact answer) plain, drafted by a
-    draft model (`draft`, default the checkpoint's own int4 weights) and by prompt lookup, on
-    an open chat answer and on a summary that quotes its paragraph; prints the table with
-    each method's speedup over plain float32, its acceptance rate and tokens per target pass,
-    and whether its tokens were plain decoding's (they must be).
+    """Greedy decoding of the float32 model (the exact answer) plain, drafted by a draft
+    model (`draft`, default the checkpoint's own int4 weights) and by prompt lookup, on an open
+    chat answer and on a summary that quotes its paragraph; prints decode tokens/s and the
+    time from prompt to last token, each with its speedup over plain float32, the acceptance
+    rate, tokens per target pass, and whether the tokens were plain decoding's (they must be).
 
     Args:
         model_path: the checkpoint (default: the embedded SmolLM2-135M-Instruct).
@@ -634,7 +651,6 @@ def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 12
     path = str(resolve_model_path(model_path))
     model, tokenizer = load(path, dtype="float32", progress=False)
     drafter = make_drafter(draft, model_path)
-    lookup = PromptLookupDrafter()
     print_fn(f"model {path}: target float32 (exact), draft {draft} (weights: "
              f"{_weight_dtypes(drafter.model)}) or prompt lookup, at most {draft_tokens} "
              f"drafted tokens per step")
@@ -642,19 +658,19 @@ def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 12
              f"{kernels_isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
              f"greedy, at most {new_tokens} new tokens, median of {repeats} after a warm-up, "
              "interleaved")
-    methods = (("plain float32", None), (f"draft {draft}", drafter), ("prompt lookup", lookup))
+    methods = (("plain float32", None), (f"draft {draft}", drafter),
+               ("prompt lookup", PromptLookupDrafter()))
     results = []
     for name, text in SPECULATIVE_PROMPTS:
         ids = encode_prompt(tokenizer, text, chat=True)
         runs = {method: SessionRun(model, tokenizer, ids, new_tokens, d, draft_tokens)
                 for method, d in methods}
-        rates = _measure(runs, repeats)
+        figures = _measure_sessions(runs, repeats)
         plain = runs["plain float32"].tokens
         for method, run in runs.items():
-            spec = run.drafter is not None
             results.append(SpeculativeResult(
-                f"{name} ({len(ids)}+{len(plain)})", method, rates[method],
-                run.stats.acceptance_rate if spec else None,
+                f"{name} ({len(ids)}+{len(plain)})", method, *figures[method],
+                run.stats.acceptance_rate if run.drafter is not None else None,
                 run.stats.decode_tokens / max(run.stats.decode_steps, 1), run.tokens == plain))
     for line in format_speculative_table(results):
         print_fn(line)
@@ -662,16 +678,18 @@ def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 12
 
 
 def format_speculative_table(results: list[SpeculativeResult]) -> list[str]:
-    """One row per (prompt, method): tok/s, speedup over the prompt's plain row, acceptance,
-    tokens per target pass, same tokens as plain."""
+    """One row per (prompt, method): decode tok/s and its speedup over the prompt's plain row,
+    seconds from prompt to last token and that speedup, acceptance, tokens per target pass,
+    same tokens as plain."""
     width = max(len(r.prompt) for r in results) + 2
-    lines = [f"{'prompt (tokens in+out)':{width}}{'method':<16}{'tok/s':>8}{'speedup':>9}"
-             f"{'accepted':>10}{'tok/pass':>10}{'same tokens':>13}"]
-    base = {}
+    lines = [f"{'prompt (in+out)':{width}}{'method':<16}{'decode tok/s':>13}{'speedup':>9}"
+             f"{'total s':>9}{'speedup':>9}{'accepted':>10}{'tok/pass':>10}{'same tokens':>13}"]
+    base: dict[str, SpeculativeResult] = {}
     for r in results:
-        base.setdefault(r.prompt, r.tok_s)
+        b = base.setdefault(r.prompt, r)
         accepted = f"{r.acceptance:.0%}" if r.acceptance is not None else "-"
-        lines.append(f"{r.prompt:{width}}{r.method:<16}{r.tok_s:8.1f}"
-                     f"{r.tok_s / base[r.prompt]:8.2f}x{accepted:>10}{r.tokens_per_pass:10.2f}"
+        lines.append(f"{r.prompt:{width}}{r.method:<16}{r.decode_tok_s:13.1f}"
+                     f"{r.decode_tok_s / b.decode_tok_s:8.2f}x{r.total_s:9.2f}"
+                     f"{b.total_s / r.total_s:8.2f}x{accepted:>10}{r.tokens_per_pass:10.2f}"
                      f"{'yes' if r.same_tokens else 'NO':>13}")
     return lines

@@ -34,7 +34,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              system: Optional[str] = None, dtype: str = "auto",
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
              repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
-             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 16,
+             compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 12,
              adapter: Optional[str] = None) -> int:
     """Generate text from a prompt and stream it to stdout.
 
@@ -206,7 +206,7 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
 def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_tokens: int = 512,
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
          seed: Optional[int] = None, dtype: str = "auto", compile: bool = False,
-         draft: Optional[str] = None, draft_tokens: int = 16,
+         draft: Optional[str] = None, draft_tokens: int = 12,
          adapter: Optional[str] = None) -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
@@ -304,7 +304,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
           preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
           steps: int = 5, device: str = "cpu", compile: bool = False, load: bool = False,
           clients: int = 64, requests: int = 10, drop: float = 0.1, speculative: bool = False,
-          draft: str = "int4", draft_tokens: int = 16) -> int:
+          draft: str = "int4", draft_tokens: int = 12) -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
     llama.cpp, through llama-cpp-python: `make bench-peer` builds it). With --serve: the HTTP
@@ -434,7 +434,7 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
 def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
-          draft: Optional[str] = None, draft_tokens: int = 16,
+          draft: Optional[str] = None, draft_tokens: int = 12,
           adapter: Optional[str] = None) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.

@@ -142,7 +142,7 @@ class GenerationStats:
     decode_tokens: int = 0         # tokens those passes produced (a stop token included)
     drafted: int = 0               # speculative decoding: tokens drafted
     accepted: int = 0              # ... and accepted by the target
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0         # a draft model's prefill of the prompt included
     decode_s: float = 0.0          # decode steps, drafting included
     finish_reason: str = ""        # "stop" (stop token) or "length" (max_new_tokens/context)
 
@@ -275,6 +275,8 @@ class Session:
         logits = prefill(self.model, tokens, start_pos=n)                # (1, V)
         self.cached_ids = list(prompt_ids)
         next_id = int(sample(logits, sampling, generator, [list(prompt_ids)], [[]])[0])
+        if self.speculator is not None:         # a draft model reads the prompt too
+            self.speculator.drafter.prefill(prompt_ids)
         stats.prefill_s = time.perf_counter() - t0
 
         budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
