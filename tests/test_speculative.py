@@ -376,3 +376,22 @@ def test_cli_generate_with_a_draft_prints_the_same_text_and_the_acceptance(smoll
     assert "--draft-tokens must be ≥ 1" in capsys.readouterr().err
     assert main(args + ["--draft", "lookup", "--prompt-file", "prompts.txt"]) == 1
     assert "--draft speculates for one prompt" in capsys.readouterr().err
+
+
+def test_bench_session_runs_and_table(target):
+    """`bench --speculative`'s pieces on the tiny model: runs report decode tok/s and seconds
+    and the drafted run's tokens equal the plain run's; the table shows speedups over plain."""
+    from torchllama.bench import SessionRun, SpeculativeResult, format_speculative_table
+
+    prompt = PROMPTS[2]
+    plain_run = SessionRun(target, StubTokenizer(), prompt, 30)
+    drafted = SessionRun(target, StubTokenizer(), prompt, 30, PromptLookupDrafter(), 4)
+    for run in (plain_run, drafted):
+        tok_s, seconds = run()
+        assert tok_s > 0 and seconds > 0
+    assert drafted.tokens == plain_run.tokens and drafted.stats.drafted > 0
+    lines = format_speculative_table([
+        SpeculativeResult("p (6+30)", "plain float32", 50.0, 2.0, None, 1.0, True),
+        SpeculativeResult("p (6+30)", "prompt lookup", 100.0, 1.0, 0.5, 2.5, True)])
+    assert "2.00x" in lines[2] and "50%" in lines[2] and lines[2].endswith("yes")
+    assert "-" in lines[1] and "1.00x" in lines[1]
