@@ -3,7 +3,8 @@
 Plain text (.txt, .md or any non-.jsonl file, or a folder of them): each document is tokenized
 with BOS (where the model uses one) and EOS after it, the documents are concatenated, the last
 `val_fraction` of the tokens held out, and training windows of T + 1 tokens are drawn as in
-`torchllama train` (`TokenBatches`): every target is scored.
+`torchllama train` (`TokenBatches`), the first input replaced by BOS (where the model uses one,
+as llama.cpp's perplexity does): every target is scored.
 
 Chat (.jsonl): one conversation per line, `{"messages": [{"role": ..., "content": ...}, ...]}`
 (OpenAI's and TRL's conversational format), rendered with the model's own chat template. Only
@@ -64,18 +65,27 @@ class TextData:
         self.batches = TokenBatches(self.train, seq_len, batch_size, seed)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.n_train_tokens = len(self.train)
+        self.bos_id = tokenizer.bos_id if tokenizer.add_bos else None
+
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows (B, T + 1) → (inputs, targets), each input starting with BOS where the model
+        uses one (as llama.cpp's perplexity windows: a model trained with BOS first, Gemma
+        above all, is far off without it, and an adapter would learn to fix that instead)."""
+        inputs = rows[:, :-1].clone()                                      # (B, T)
+        if self.bos_id is not None:
+            inputs[:, 0] = self.bos_id
+        return inputs, rows[:, 1:]
 
     def batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs (B, T), targets (B, T)) int64 of micro-step `micro_step`."""
-        rows = self.batches.batch(micro_step)                              # (B, T + 1)
-        return rows[:, :-1], rows[:, 1:]
+        return self._split(self.batches.batch(micro_step))                 # rows (B, T + 1)
 
     def epoch_of(self, micro_step: int) -> float:
         return self.batches.epoch_of(micro_step)
 
     def val_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         windows = eval_windows(self.val, self.seq_len, n_batches * self.batch_size)  # (n, T+1)
-        return [(w[:, :-1], w[:, 1:]) for w in windows.split(self.batch_size)]
+        return [self._split(w) for w in windows.split(self.batch_size)]
 
 
 # --------------------------------------------------------------------------------------------
