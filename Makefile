@@ -110,6 +110,7 @@ train-demo: setup $(RUN)/tokenizer/tokenizer.model
 
 # LoRA and QLoRA adapters for the embedded model on six plays, Romeo and Juliet held out and
 # scored before and after (≈ 8 min on 2 CPU cores); FINETUNE_MODEL=gemma3-270m for Gemma 3.
+FINETUNE_ARGS ?= $(if $(FINETUNE_MODEL),--steps 30 --batch-size 2 --chunks 8 --lr 5e-4)
 finetune-demo: setup $(if $(FINETUNE_MODEL),$(VENV)/.gemma) $(CORPUS)/.done
 	$(PY) benchmarks/finetune_table.py $(if $(FINETUNE_MODEL),--model $(FINETUNE_MODEL)) $(FINETUNE_ARGS)
 
