@@ -19,37 +19,12 @@ import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.sampling import SamplingParams, sample, token_logprobs
+from torchllama.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
 
 
 # --------------------------------------------------------------------------------------------
 # Prefill and decode
 # --------------------------------------------------------------------------------------------
-
-def prefill(model, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-    """Run the prompt through the model once, filling the KV cache from start_pos.
-
-    Shapes: tokens (B, T) int64 → logits of the token after the last one, (B, V) float32.
-    """
-    return model(tokens, start_pos, last_only=True)[:, -1]             # (B, V)
-
-
-def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
-    """One decode step: feed the last sampled token at position pos.
-
-    Shapes: token (B, 1) int64 → next-token logits (B, V) float32.
-    Runs the step `compile_decode` compiled for this model, if any.
-    """
-    step = getattr(model, "compiled_decode", None)
-    if step is not None:
-        try:
-            return step(token, pos)[:, -1]                              # (B, V)
-        except Exception as e:                 # a compiler failure must not stop generation
-            warnings.warn(f"the compiled decode step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); decoding eagerly",
-                          stacklevel=2)
-            model.compiled_decode = None
-    return model(token, pos)[:, -1]                                     # (B, V)
-
 
 def runs_one_op_layers(model) -> bool:
     """Whether every layer of `model` decodes as one `torchllama::decoder_layer` call (block

@@ -19,8 +19,7 @@ with ‖·‖_c the norm of each output row (PEFT's `weight_norm`), treated as a
 backward pass (the paper's §4.3, as PEFT does).
 
 Adapters are saved in PEFT's format (adapter_config.json + adapter_model.safetensors, tensors
-named after the Hugging Face model's modules: `base_model.model.model.layers.0.self_attn.q_proj
-.lora_A.weight`), so `peft.PeftModel.from_pretrained(transformers_model, folder)` loads them; the
+named "base_model.model." + the Hugging Face model's module name + ".lora_A.weight"), so `peft.PeftModel.from_pretrained(transformers_model, folder)` loads them; the
 family's name table (`torchllama.families`) gives the names and row orders (HF stores Llama's q/k
 rows permuted for its rotate_half RoPE: B's rows are permuted the same way, A is unchanged).
 """
@@ -328,7 +327,8 @@ def read_adapter_config(folder: Path | str) -> LoRAConfig:
                              "is not supported (expected LORA)")
     try:
         targets = raw["target_modules"]
-        targets = [_OUR_SHORT.get(t, t) for t in
+        short = _our_short_names()
+        targets = [short.get(t, t) for t in
                    ([targets] if isinstance(targets, str) else targets)]
         return LoRAConfig(r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                           dropout=float(raw.get("lora_dropout") or 0.0),
@@ -337,11 +337,19 @@ def read_adapter_config(folder: Path | str) -> LoRAConfig:
         raise ModelFileError(f"{path}: not a LoRA configuration we can use ({e})") from None
 
 
-#: HF module short names → ours (for adapters written by PEFT itself)
-_OUR_SHORT = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-              "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3",
-              "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
-              "kv_b_proj": "wkv_b"}                             # DeepSeek's MLA
+def _our_short_names() -> dict[str, str]:
+    """HF module short names → ours ("q_proj" → "wq", "kv_b_proj" → "wkv_b"), from the
+    families' name tables, for the target_modules of adapters written by PEFT itself."""
+    from torchllama.families import FAMILIES
+
+    out = {}
+    for family in FAMILIES.values():
+        for row in family.tensors:
+            ours = row.our_names[0].split(".")
+            if len(row.our_names) == 1 and row.hf and row.hf.endswith(".weight") and \
+                    len(ours) == 5 and ours[2] in ("attention", "feed_forward"):
+                out.setdefault(row.hf.split(".")[-2], ours[3])
+    return out
 
 
 def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:

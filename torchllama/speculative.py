@@ -58,7 +58,7 @@ from typing import Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError
-from torchllama.generation import decode_one_token
+from torchllama.steps import decode_one_token
 from torchllama.sampling import GREEDY_BELOW, SamplingParams, process_logits, sample
 
 #: Default maximum (and initial) number of drafted tokens per round (`--draft-tokens`).

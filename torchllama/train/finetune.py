@@ -224,6 +224,20 @@ def _train_step(model, data, optimizer, params, config: FinetuneConfig, step: in
     return loss_value, norm_value
 
 
+def _announce(config: FinetuneConfig, data, trainable: int, total: int,
+              resumed_at: Optional[int], before: Optional[float]) -> None:
+    """Write OUT/run.json and print the run's one-line summary."""
+    _write_json(Path(config.out) / "run.json", {
+        "config": dataclasses.asdict(config), "trainable_parameters": trainable,
+        "parameters": total, "train_tokens": data.n_train_tokens, "val_loss_before": before})
+    print(f"finetuning {trainable:,} adapter parameters ({trainable / total:.2%} of {total:,} in "
+          f"all; {config.lora_targets}, r={config.lora_r}, α={config.lora_alpha:g}"
+          f"{', DoRA' if config.dora else ''}) on a {config.dtype} base; "
+          f"{data.n_train_tokens:,} training tokens; {type(data).__name__}"
+          + (f"; resuming at step {resumed_at}" if resumed_at is not None else "")
+          + (f"; val_loss before {before:.4f}" if before is not None else ""), flush=True)
+
+
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """Train adapters as `config` says (see the module docstring).
 
@@ -260,15 +274,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         tmp.write_text("".join(json.dumps(e) + "\n" for e in log))
     model.eval()
     before = saved["val_loss_before"] if saved else (evaluate(model, val) if val else None)
-    _write_json(run_dir / "run.json", {
-        "config": dataclasses.asdict(config), "trainable_parameters": trainable,
-        "parameters": total, "train_tokens": data.n_train_tokens, "val_loss_before": before})
-    print(f"finetuning {trainable:,} adapter parameters ({trainable / total:.2%} of {total:,} in all; "
-          f"{config.lora_targets}, r={config.lora_r}, α={config.lora_alpha:g}"
-          f"{', DoRA' if config.dora else ''}) on a {config.dtype} base; "
-          f"{data.n_train_tokens:,} training tokens; {type(data).__name__}"
-          + (f"; resuming at step {step}" if saved else "")
-          + (f"; val_loss before {before:.4f}" if before is not None else ""), flush=True)
+    _announce(config, data, trainable, total, step if saved else None, before)
     model.train()
     t_start, last = time.perf_counter(), {"loss": None, "val_loss": None}
     bar = tqdm(total=config.max_steps, initial=step, desc="finetuning", unit="step",
