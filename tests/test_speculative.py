@@ -15,6 +15,8 @@ import threading
 import pytest
 import torch
 
+from torchllama import kernels
+
 from torchllama.config import ModelArgs, get_preset
 from torchllama.engine import Engine, Request
 from torchllama.errors import ArgumentError
@@ -305,6 +307,9 @@ def smollm2_auto(smollm2_gguf):
     return torchllama.load(smollm2_gguf, progress=False)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="exact only on batch-invariant products: "
+                    "torch's int4 fallback rounds a k+1-position pass differently from one-token "
+                    "steps")
 def test_server_with_a_draft_answers_as_without(smollm2_auto):
     """The real SmolLM2 served with --draft lookup answers what plain decoding gives, alone
     and with concurrent requests."""
