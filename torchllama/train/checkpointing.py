@@ -89,6 +89,23 @@ def _gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
+def publish_checkpoint(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Make the fully written folder `tmp` the checkpoint `final`: fsync it, rename it into
+    place (replacing a checkpoint of this step from an earlier try), switch `latest` to it with
+    an atomic rename, and delete all but the newest `keep` checkpoints."""
+    fsync_path(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    link_tmp = run_dir / ".latest.tmp"
+    if link_tmp.is_symlink() or link_tmp.exists():
+        link_tmp.unlink()
+    os.symlink(final.name, link_tmp)
+    os.replace(link_tmp, run_dir / "latest")
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], tokenizer, ctx: DistContext, *, fsdp: bool,
                     keep: int) -> Path:
@@ -139,17 +156,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tokenizer.save_hf(tmp)
         torch.save({**state, "rng": rngs, "optimizer": optim_state, "fsdp": fsdp,
                     "world_size": ctx.world_size}, tmp / STATE_FILE)
-        fsync_path(tmp)
-        if final.exists():                         # a checkpoint of this step from an earlier try
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        link_tmp = run_dir / ".latest.tmp"
-        if link_tmp.is_symlink() or link_tmp.exists():
-            link_tmp.unlink()
-        os.symlink(final.name, link_tmp)
-        os.replace(link_tmp, run_dir / "latest")
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint(run_dir, tmp, final, keep)
     barrier()
     return final
 

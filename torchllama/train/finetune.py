@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import resource
 import shutil
 import time
@@ -33,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from torchllama.checkpoint import atomic_output, fsync_path
+from torchllama.checkpoint import atomic_output
 from torchllama.errors import ArgumentError, TrainingError
 from torchllama.lora import (LoRAConfig, apply_lora, copy_adapter_weights, lora_parameters,
                              parse_targets, save_adapter)
@@ -131,17 +130,7 @@ def _save(run_dir: Path, step: int, model, config: FinetuneConfig, optimizer,
     save_adapter(model, config.lora(), tmp, base_model=str(config.model or "SmolLM2-135M-Instruct"))
     torch.save({**state, "optimizer": optimizer.state_dict(),
                 "rng": ckpt_io.rng_state(torch.device("cpu"))}, tmp / ckpt_io.STATE_FILE)
-    fsync_path(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    link_tmp = run_dir / ".latest.tmp"
-    if link_tmp.is_symlink() or link_tmp.exists():
-        link_tmp.unlink()
-    os.symlink(final.name, link_tmp)
-    os.replace(link_tmp, run_dir / "latest")
-    for old in ckpt_io.list_checkpoints(run_dir)[:-config.keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    ckpt_io.publish_checkpoint(run_dir, tmp, final, config.keep)
     return final
 
 
