@@ -15,7 +15,7 @@ from torch.profiler import profile
 
 from torchllama import kernels
 from torchllama.checkpoint import load
-from torchllama.generation import decode_one_token, prefill
+from torchllama.generation.session import decode_one_token, prefill
 
 PROMPT_TOKENS = 512
 

@@ -5,7 +5,7 @@ temperature 0.6 and top-p 0.9 (Meta's defaults), so sampling is part of every to
 script decodes the same prompt, interleaved, medians of --repeats:
 
 - torchllama, default sampling (Session.generate, seeds 0..R-1) and greedy;
-- llama.cpp through its C API, greedy (torchllama.peer.DecodeRun, as the bench);
+- llama.cpp through its C API, greedy (torchllama.bench.peer.DecodeRun, as the bench);
 - llama-cpp-python's own `Llama.generate` with the same sampling (top-k off, top-p 0.9,
   temperature 0.6, min-p off, no repetition penalty).
 
@@ -22,10 +22,11 @@ import time
 
 import torch
 
-from torchllama import kernels, peer
+from torchllama import kernels
+from torchllama.bench import peer
 from torchllama.checkpoint import load
 from torchllama.checkpoint.common import resolve_model_path
-from torchllama.generation import SamplingParams, Session, encode_prompt
+from torchllama.generation.session import SamplingParams, Session, encode_prompt
 
 PROMPT = "Once upon a time, a little robot"
 

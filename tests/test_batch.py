@@ -11,7 +11,7 @@ import torch
 from torchllama.cli import main
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation import (SamplingParams, Session, encode_prompt, generate_batch)
+from torchllama.generation.session import (SamplingParams, Session, encode_prompt, generate_batch)
 from torchllama.model import Transformer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30], [40, 41, 42, 43, 44]]

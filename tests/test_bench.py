@@ -1,4 +1,4 @@
-"""`torchllama bench` (torchllama.bench, torchllama.peer) on a tiny random GGUF written here:
+"""`torchllama bench` (torchllama.bench.runs, torchllama.bench.peer) on a tiny random GGUF written here:
 the batched decode of ours yields, row by row, the greedy tokens of the same prompt alone (and of
 a cache-free oracle); the table has its three figures and ratios; `--peer llama.cpp` without
 llama-cpp-python exits 1 naming `make bench-peer`; with it, llama.cpp runs on the same file and
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchllama
-from torchllama.bench import OursDecodeRun, Throughput, _prompt_ids, format_table, run_bench
+from torchllama.bench.runs import OursDecodeRun, Throughput, _prompt_ids, format_table, run_bench
 from torchllama.checkpoint import save
 from torchllama.cli import main
 from torchllama.config import ModelArgs
@@ -140,7 +140,7 @@ def test_peer_llama_cpp_without_llama_cpp_python_names_make_bench_peer(tiny_gguf
 
 def test_llama_cpp_peer_runs_on_the_same_file(tiny_gguf, tiny):
     pytest.importorskip("llama_cpp")
-    from torchllama import peer
+    from torchllama.bench import peer
 
     prompts = _prompt_ids(tiny.args.vocab_size, 16, rows=3).tolist()
     with peer.LlamaCpp(str(tiny_gguf), torch.get_num_threads()) as llm:

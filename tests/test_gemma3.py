@@ -16,7 +16,7 @@ import torch
 import torchllama
 from torchllama.checkpoint.gguf import save_gguf
 from torchllama.model import Transformer
-from torchllama.tokenizer import tokenizer_from_gguf_metadata
+from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 transformers = pytest.importorskip("transformers")
 
@@ -176,7 +176,7 @@ def test_real_gemma3_facts(gemma):
 
 def test_real_gemma3_logits_and_greedy_match_transformers(gemma, hf_gemma):
     from tests.test_parity_real import hf_greedy
-    from torchllama.generation import Session, encode_prompt
+    from torchllama.generation.session import Session, encode_prompt
 
     model, tokenizer = gemma
     hf_model, _ = hf_gemma
@@ -203,7 +203,7 @@ def test_real_gemma3_token_ids_equal_transformers(gemma, hf_gemma):
     for text in texts:
         assert tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), text
         assert tokenizer.decode(tokenizer.encode(text)) == text
-    chat = torchllama.generation.encode_chat(tokenizer, [{"role": "user", "content": "Hi"}])
+    chat = torchllama.generation.session.encode_chat(tokenizer, [{"role": "user", "content": "Hi"}])
     assert chat == [2, 105, *tokenizer.encode("user\nHi"), 106, *tokenizer.encode("\n"), 105,
                     *tokenizer.encode("model\n")]
 

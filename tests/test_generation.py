@@ -9,8 +9,8 @@ import torch
 import torchllama
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation import Session, StreamDecoder, encode_chat, encode_prompt
-from torchllama.sampling import SamplingParams, sample, sample_top_p, top_k_filter
+from torchllama.generation.session import Session, StreamDecoder, encode_chat, encode_prompt
+from torchllama.generation.sampling import SamplingParams, sample, sample_top_p, top_k_filter
 from torchllama.model import Transformer
 
 from conftest import LLAMA_SPM_VOCAB
@@ -208,7 +208,7 @@ def test_generate_api_on_the_real_model(smollm2):
 
 
 def test_session_notices_when_its_cache_was_replaced(tiny_model):
-    from torchllama.generation import generate_batch
+    from torchllama.generation.session import generate_batch
 
     model = copy.deepcopy(tiny_model)
     session = Session(model, StubTokenizer())

@@ -1,5 +1,5 @@
 """Tests of the Hugging Face checkpoint reader (torchllama.checkpoint.hf.read_hf, reached through
-torchllama.load) and of the HF tokenizer files (torchllama.tokenizer.load_hf_tokenizer).
+torchllama.load) and of the HF tokenizer files (torchllama.tokenizers.load_hf_tokenizer).
 
 Oracle: HF transformers. Random tiny `LlamaForCausalLM`s are written with `save_pretrained`
 (one safetensors file, or shards + index) and must give transformers' logits; tokenizers written
@@ -25,7 +25,7 @@ from conftest import LLAMA_SPM_VOCAB, smollm2_path
 from torchllama.checkpoint.hf import read_hf
 from torchllama.families import LLAMA
 from torchllama.errors import ModelFileError
-from torchllama.tokenizer import HFTokenizer, SentencePieceTokenizer, load_hf_tokenizer
+from torchllama.tokenizers import HFTokenizer, SentencePieceTokenizer, load_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -16,7 +16,7 @@ import torch
 from torchllama import kernels
 from torchllama.checkpoint.gguf import BLOCK_TYPES, _quantized, read_blocks
 from torchllama.errors import ModelFileError
-from torchllama.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear, quantized_linear
+from torchllama.transforms.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear, quantized_linear
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(),
@@ -163,7 +163,7 @@ def test_an_odd_number_of_blocks_is_batch_invariant(kind):
 ISA_SCRIPT = """
 import sys, torch, numpy as np
 from torchllama import kernels
-from torchllama.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear
+from torchllama.transforms.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear
 assert kernels.available()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(7, 256, generator=g)
@@ -374,7 +374,7 @@ def test_a_sliding_window_prompt_has_the_same_bits_whole_chunked_or_token_by_tok
     `generate` does). float32 modules on the attention kernel, and the one-op layers."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer
-    from torchllama.quantize import quantize_model
+    from torchllama.transforms.quantize import quantize_model
 
     torch.manual_seed(1)
     model = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
@@ -399,7 +399,7 @@ def test_a_sliding_window_prompt_has_the_same_bits_whole_chunked_or_token_by_tok
 
 
 def test_fused_projections_equal_the_separate_ones_bit_for_bit():
-    from torchllama.quantize import fuse_rows
+    from torchllama.transforms.quantize import fuse_rows
 
     g = torch.Generator().manual_seed(5)
     parts = [Q4Linear(Q4Blocks.from_float(torch.randn(n, 128, generator=g)), torch.randn(n))
@@ -429,7 +429,7 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
     ring cache that decode steps wrap around)."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer, TransformerBlock
-    from torchllama.quantize import quantize_model
+    from torchllama.transforms.quantize import quantize_model
 
     torch.manual_seed(0)
     extra = GEMMA_LIKE if family == "gemma" else {}
@@ -556,7 +556,7 @@ def test_float32_model_gives_the_same_logits_one_token_at_a_time(layout):
     cache (decode), all at once (prefill, a speculative verification), in chunks, and for a
     row alone or batched with another (the serving engine's batches)."""
     from torchllama.config import ModelArgs
-    from torchllama.cpu import set_weight_layout
+    from torchllama.transforms.layout import set_weight_layout
     from torchllama.model import Transformer
 
     torch.manual_seed(13)

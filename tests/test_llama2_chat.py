@@ -4,7 +4,7 @@ import pytest
 
 import torchllama
 from torchllama.errors import ArgumentError
-from torchllama.generation import encode_chat, llama2_chat_ids
+from torchllama.generation.session import encode_chat, llama2_chat_ids
 
 from conftest import LLAMA_SPM_VOCAB
 

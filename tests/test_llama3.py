@@ -23,9 +23,9 @@ from torchllama.checkpoint import meta
 from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
 from torchllama.families import permute_meta_to_hf
-from torchllama.generation import Session, encode_chat
+from torchllama.generation.session import Session, encode_chat
 from torchllama.model import Transformer
-from torchllama.tokenizer import TiktokenTokenizer
+from torchllama.tokenizers import TiktokenTokenizer
 
 tiktoken = pytest.importorskip("tiktoken")
 

@@ -4,7 +4,7 @@ and the prefix cache's time to first token — small sizes, the real SmolLM2."""
 
 import pytest
 
-from torchllama.load_bench import (HEADER, grammar_mask_cost, load_plan, prefix_cache_ttft,
+from torchllama.bench.load import (HEADER, grammar_mask_cost, load_plan, prefix_cache_ttft,
                                    run_load_bench)
 
 
@@ -22,7 +22,7 @@ def test_load_plan_mixes_prompts_streams_and_drops():
 
 
 def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
-    import torchllama.load_bench as lb
+    import torchllama.bench.load as lb
 
     monkeypatch.setattr(lb, "prefix_cache_ttft", lambda path, dtype: (0.01, 0.1, 447))
     monkeypatch.setattr(lb, "grammar_mask_cost", lambda tokenizer: (4e-5, 1e-4, 1e-3))

@@ -1,4 +1,4 @@
-"""LoRA / QLoRA / DoRA adapters (torchllama.lora) against independent oracles: the base model
+"""LoRA / QLoRA / DoRA adapters (torchllama.transforms.lora) against independent oracles: the base model
 (B = 0), the merged weights, and PEFT loading our adapter onto transformers' model of the same
 checkpoint (the test-only `peft` package); QLoRA's frozen quantized base and its input gradient
 against autograd through the dequantized weight."""
@@ -15,7 +15,7 @@ import torch
 
 import torchllama
 from torchllama.errors import ModelFileError
-from torchllama.lora import (LoRAConfig, LoRALinear, apply_lora, load_adapter, lora_modules,
+from torchllama.transforms.lora import (LoRAConfig, LoRALinear, apply_lora, load_adapter, lora_modules,
                              lora_parameters, merge_lora, save_adapter)
 
 transformers = pytest.importorskip("transformers")

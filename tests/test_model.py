@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torchllama.checkpoint.hf import from_hf_state_dict
-from torchllama.cpu import set_weight_layout
+from torchllama.transforms.layout import set_weight_layout
 from torchllama.families import LLAMA, permute_hf_to_meta, permute_meta_to_hf
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError

@@ -4,7 +4,7 @@ transformers' own GGUF loader (the oracle, dequantizing the same file) must agre
 import pytest
 import torch
 
-from torchllama.generation import Session, encode_prompt
+from torchllama.generation.session import Session, encode_prompt
 
 pytest.importorskip("transformers")
 

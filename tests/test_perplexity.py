@@ -14,7 +14,7 @@ import torch
 import torchllama
 from torchllama import cli
 from torchllama.errors import ArgumentError
-from torchllama.perplexity import (llama_cpp_available, llama_cpp_perplexity, make_windows,
+from torchllama.bench.perplexity import (llama_cpp_available, llama_cpp_perplexity, make_windows,
                                    perplexity, ppl_and_stderr, tokenize_text)
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Weight-only quantization (torchllama.quantize) and quantized GGUF loading: the int8/int4
+"""Weight-only quantization (torchllama.transforms.quantize) and quantized GGUF loading: the int8/int4
 kernels against a float matmul of the dequantized weights, GGUF's Q4_0/Q4_1 blocks repacked
 code for code (the `gguf` library's dequantization is the oracle), quantized loading of real
 and tiny files, and the compiled decode step's fallback."""
@@ -14,14 +14,14 @@ import torchllama
 from torchllama.checkpoint import parse_dtype, save
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
-from torchllama.generation import (Session, compile_decode, decode_one_token,
+from torchllama.generation.session import (Session, compile_decode, decode_one_token,
                                    runs_one_op_layers)
 from torchllama.model import Transformer
 from torchllama import kernels
-from torchllama.quantize import (BlockEmbedding, Int4Linear, Int4Weight, Int8Linear, Int8Weight,
+from torchllama.transforms.quantize import (BlockEmbedding, Int4Linear, Int4Weight, Int8Linear, Int8Weight,
                                  Q4Linear, Q8Linear, QuantizedEmbedding, Scheme, quantize_model,
                                  weight_bytes)
-from torchllama.sampling import SamplingParams
+from torchllama.generation.sampling import SamplingParams
 
 from conftest import LLAMA_SPM_VOCAB
 
@@ -224,7 +224,7 @@ def test_quantized_smollm2_greedy_output_starts_as_float32s(smollm2, smollm2_aut
 FALLBACK_SCRIPT = """
 import torch
 from torchllama import kernels
-from torchllama.quantize import Int4Linear, Int8Linear, Q4Blocks, Q8Blocks, quantized_linear
+from torchllama.transforms.quantize import Int4Linear, Int8Linear, Q4Blocks, Q8Blocks, quantized_linear
 w = torch.randn(32, 64)
 assert not kernels.available() and kernels.isa() == "none"
 assert isinstance(quantized_linear(Q4Blocks.from_float(w)), Int4Linear)

@@ -1,4 +1,4 @@
-"""torchllama.sampling: each logits processor against an independent oracle (HF's logits
+"""torchllama.generation.sampling: each logits processor against an independent oracle (HF's logits
 processors, OpenAI's formulas by hand, Meta's reference code), the documented order, validation,
 logprobs, seeded reproducibility and equivalence with Meta's sampler."""
 
@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from torchllama.errors import ArgumentError
-from torchllama.sampling import (SamplingParams, apply_frequency_presence_penalties,
+from torchllama.generation.sampling import (SamplingParams, apply_frequency_presence_penalties,
                                  apply_logit_bias, apply_repetition_penalty, apply_temperature,
                                  min_p_filter, process_logits, sample, sample_top_p,
                                  token_counts, token_logprobs, top_k_filter, top_p_filter)
@@ -448,7 +448,7 @@ def test_a_real_vocabulary_samples_metas_tokens_without_sorting_it(ties, monkeyp
     # V = 49,152 (SmolLM2's): the nucleus is drawn from a top-k prefix instead of a full sort;
     # the tokens and the generator's state must stay Meta's. With ties inside the nucleus the
     # order among them is torch.sort's own, so the prefix path must step aside.
-    import torchllama.sampling as sampling
+    import torchllama.generation.sampling as sampling
     taken = []
     prefix = sampling._sample_nucleus_prefix
     monkeypatch.setattr(sampling, "_sample_nucleus_prefix",
@@ -468,7 +468,7 @@ def test_a_real_vocabulary_samples_metas_tokens_without_sorting_it(ties, monkeyp
 
 
 def test_min_p_on_the_prefix_path_equals_the_sorted_path(monkeypatch):
-    import torchllama.sampling as sampling
+    import torchllama.generation.sampling as sampling
     logits = random_logits(b=3, v=49152, seed=5, scale=4.0)
     params = SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05)
     fast = sample(logits, params, torch.Generator().manual_seed(0))
@@ -512,7 +512,7 @@ def test_low_precision_logits_keep_their_dtype():
 
 
 def test_tiny_temperatures_are_greedy():
-    from torchllama.sampling import GREEDY_BELOW
+    from torchllama.generation.sampling import GREEDY_BELOW
     logits = torch.randn(4, 50)
     for t in (1e-40, GREEDY_BELOW / 2):
         params = SamplingParams(temperature=t, seed=0)

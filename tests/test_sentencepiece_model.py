@@ -7,7 +7,7 @@ import io
 import pytest
 import sentencepiece as spm
 
-from torchllama.tokenizer import SentencePieceTokenizer, tokenizer_from_gguf_metadata
+from torchllama.tokenizers import SentencePieceTokenizer, tokenizer_from_gguf_metadata
 
 CORPUS = """The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
 How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.

@@ -25,7 +25,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from torchllama.generation import (SamplingParams, Session, StreamDecoder,  # noqa: E402
+from torchllama.generation.session import (SamplingParams, Session, StreamDecoder,  # noqa: E402
                                    encode_chat, encode_prompt)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,8 +335,8 @@ def test_max_tokens_beyond_the_context_is_not_an_error(client):
 def test_max_tokens_is_capped_by_the_context(smollm2):
     """The cap itself, on an in-process server whose model claims a 64-token context (a prompt
     near SmolLM2's real 8192 would take a minute to prefill on this machine)."""
-    from torchllama.bench import serve_in_thread
-    from torchllama.serve import create_app
+    from torchllama.bench.runs import serve_in_thread
+    from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2
 
@@ -398,8 +398,8 @@ def test_chunked_and_batched_prefill_equal_single_answers(smollm2):
     """An in-process server prefilling at most 16 prompt tokens per engine iteration: a long
     prompt goes in chunks while short ones are admitted and decode; every answer is still the
     one `Session` gives alone. Also the non-streaming `bench --serve` figures."""
-    from torchllama.bench import run_serve_bench, serve_in_thread
-    from torchllama.serve import create_app
+    from torchllama.bench.runs import run_serve_bench, serve_in_thread
+    from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2
     prompts = ["The history of the printing press begins with " * 8] + CONCURRENT_PROMPTS[:3]

@@ -18,13 +18,13 @@ import torch
 from torchllama import kernels
 
 from torchllama.config import ModelArgs, get_preset
-from torchllama.engine import Engine, Request
+from torchllama.serving.engine import Engine, Request
 from torchllama.errors import ArgumentError
-from torchllama.generation import Session, StreamDecoder, encode_prompt
+from torchllama.generation.session import Session, StreamDecoder, encode_prompt
 from torchllama.model import Transformer
-from torchllama.quantize import quantize_model
-from torchllama.sampling import SamplingParams, process_logits
-from torchllama.speculative import (DraftLength, ModelDrafter, PromptLookupDrafter,
+from torchllama.transforms.quantize import quantize_model
+from torchllama.generation.sampling import SamplingParams, process_logits
+from torchllama.generation.speculative import (DraftLength, ModelDrafter, PromptLookupDrafter,
                                     SpeculativeDecoder, accept_or_resample, make_drafter,
                                     rewind_limit)
 
@@ -313,8 +313,8 @@ def smollm2_auto(smollm2_gguf):
 def test_server_with_a_draft_answers_as_without(smollm2_auto):
     """The real SmolLM2 served with --draft lookup answers what plain decoding gives, alone
     and with concurrent requests."""
-    from torchllama.bench import serve_in_thread
-    from torchllama.serve import create_app
+    from torchllama.bench.runs import serve_in_thread
+    from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2_auto
     para = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while "
@@ -386,7 +386,7 @@ def test_cli_generate_with_a_draft_prints_the_same_text_and_the_acceptance(smoll
 def test_bench_session_runs_and_table(target):
     """`bench --speculative`'s pieces on the tiny model: runs report decode tok/s and seconds
     and the drafted run's tokens equal the plain run's; the table shows speedups over plain."""
-    from torchllama.bench import SessionRun, SpeculativeResult, format_speculative_table
+    from torchllama.bench.runs import SessionRun, SpeculativeResult, format_speculative_table
 
     prompt = PROMPTS[2]
     plain_run = SessionRun(target, StubTokenizer(), prompt, 30)

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from torchllama.errors import ArgumentError
-from torchllama.stopping import StopStrings
+from torchllama.generation.stopping import StopStrings
 
 
 def run(stops, pieces, flush=True):

@@ -1,4 +1,4 @@
-"""Tests of torchllama.tokenizer: SentencePiece (Llama 2 vocabulary) and byte-level BPE (SmolLM2).
+"""Tests of torchllama.tokenizers: SentencePiece (Llama 2 vocabulary) and byte-level BPE (SmolLM2).
 
 Oracles: token ids published for Llama 2's vocabulary (and llama.cpp's tokenizer tests), and HF
 transformers' GGUF tokenizer loader where it agrees with the reference tokenizers (see the notes at
@@ -19,7 +19,7 @@ import pytest
 from torchllama.errors import ArgumentError, ModelFileError, TorchLlamaError
 from conftest import LLAMA_SPM_VOCAB, byte_level_alphabet
 from torchllama.checkpoint import load_tokenizer
-from torchllama.tokenizer import (
+from torchllama.tokenizers import (
     BPETokenizer,
     SentencePieceTokenizer,
     Tokenizer,

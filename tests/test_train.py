@@ -614,7 +614,7 @@ def test_kv_cache_command_reproduces_the_lecture_example(capsys):
     MHA ≈ 4 MiB/token (≈131 GB), GQA with 8 query heads per KV head ≈ 500 KB, MQA ≈ 32 KB,
     MLA (512 + 64 per layer) ≈ 70 KB."""
     from torchllama.cli import main
-    from torchllama.kv_cache_size import attention_variants, kv_bytes_per_token, kv_cache_bytes
+    from torchllama.bench.kv_cache_size import attention_variants, kv_bytes_per_token, kv_cache_bytes
 
     args = __import__("torchllama").get_preset("deepseek-v3")
     per_token = {k.split()[0]: kv_bytes_per_token(v) for k, v in attention_variants(args).items()}
@@ -630,7 +630,7 @@ def test_kv_cache_command_reproduces_the_lecture_example(capsys):
     for line in ("MHA  ", "4.0 MB (3.8 MiB)", "131.0 GB", "499.7 KB", "31.2 KB", "70.3 KB"):
         assert line in out, line
     # sliding-window layers keep only their window; bad input is one line
-    from torchllama.kv_cache_size import layer_caches
+    from torchllama.bench.kv_cache_size import layer_caches
     gemma = layer_caches(__import__("torchllama").get_preset("gemma3-270m"), 32768)
     assert [(len(g.layers), g.tokens) for g in gemma] == [(15, 512), (3, 32768)]
     assert main(["kv-cache", "--preset", "deepseek-v3", "--dtype", "int3"]) == 1

@@ -7,7 +7,7 @@ import torch
 
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError
-from torchllama.train.bench import _loss, _train_step, build_pair, run_train_bench
+from torchllama.bench.train import _loss, _train_step, build_pair, run_train_bench
 from torchllama.train.optim import make_optimizer
 
 pytest.importorskip("transformers")

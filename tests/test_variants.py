@@ -10,7 +10,7 @@ import torch
 
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
-from torchllama.generation import SamplingParams, Session, generate_batch
+from torchllama.generation.session import SamplingParams, Session, generate_batch
 from torchllama.model import Transformer
 from torchllama.nn import SlidingWindowKVCache
 from torchllama.train.optim import init_weights, make_optimizer
@@ -140,7 +140,7 @@ def test_session_rewinds_within_the_window_margin_and_restarts_beyond_it():
 
 @pytest.mark.parametrize("name", ["local-global", "alibi", "mla", "learned"])
 def test_engine_batches_equal_single_requests(name):
-    from torchllama.engine import Engine, Request
+    from torchllama.serving.engine import Engine, Request
 
     model = make(name)
     prompts = [list(range(3, 3 + n)) for n in (5, 80, 12, 33)]

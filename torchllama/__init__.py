@@ -12,13 +12,13 @@ from torchllama.checkpoint import (convert, default_model_path, load, load_token
 from torchllama.config import PRESETS, LayerSpec, ModelArgs, get_preset, read_model_config
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError, TrainingError)
-from torchllama.generation import (Completion, Session, StreamDecoder, encode_chat,
+from torchllama.generation.session import (Completion, Session, StreamDecoder, encode_chat,
                                    encode_prompt, generate, generate_batch, llama2_chat_ids)
-from torchllama.sampling import SamplingParams, sample, token_logprobs
-from torchllama.stopping import StopStrings
-from torchllama.kv_cache_size import kv_bytes_per_token, kv_cache_bytes
+from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
+from torchllama.generation.stopping import StopStrings
+from torchllama.bench.kv_cache_size import kv_bytes_per_token, kv_cache_bytes
 from torchllama.model import Transformer
-from torchllama.tokenizer import Tokenizer
+from torchllama.tokenizers import Tokenizer
 
 __all__ = [
     "load", "save", "convert", "load_tokenizer", "default_model_path", "generate",

@@ -73,8 +73,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
-    from torchllama.generation import SamplingParams, Session, StreamDecoder, encode_prompt
-    from torchllama.stopping import StopStrings
+    from torchllama.generation.session import SamplingParams, Session, StreamDecoder, encode_prompt
+    from torchllama.generation.stopping import StopStrings
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty,
@@ -126,17 +126,17 @@ def _check_draft(draft: Optional[str], draft_tokens: int,
 
 
 def _load_draft(draft: Optional[str], model: Optional[str]):
-    """The drafter of a --draft value (`torchllama.speculative.make_drafter`), or None."""
+    """The drafter of a --draft value (`torchllama.generation.speculative.make_drafter`), or None."""
     if draft is None:
         return None
-    from torchllama.speculative import make_drafter
+    from torchllama.generation.speculative import make_drafter
 
     print(f"[loading the draft: {draft}]", file=sys.stderr, flush=True)
     return make_drafter(draft, model, progress=True)
 
 
 def _compile_decode(model) -> None:
-    from torchllama.generation import compile_decode
+    from torchllama.generation.session import compile_decode
 
     print("[compiling the decode step ...]", file=sys.stderr, flush=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -170,8 +170,8 @@ def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, syst
     import json
     import time
 
-    from torchllama.generation import StreamDecoder, encode_prompt, generate_batch
-    from torchllama.stopping import StopStrings
+    from torchllama.generation.session import StreamDecoder, encode_prompt, generate_batch
+    from torchllama.generation.stopping import StopStrings
 
     t0, new_tokens = time.perf_counter(), 0
     for start in range(0, len(prompts), batch_size):
@@ -234,7 +234,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError, ContextLengthError
-    from torchllama.generation import SamplingParams, Session, chat_format, encode_chat
+    from torchllama.generation.session import SamplingParams, Session, chat_format, encode_chat
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
@@ -288,7 +288,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
 
 
 def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
-    from torchllama.generation import StreamDecoder
+    from torchllama.generation.session import StreamDecoder
 
     stream = StreamDecoder(tokenizer, prompt_ids)
     for token_id in session.generate(prompt_ids, max_new_tokens, sampling):
@@ -362,7 +362,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
         return _bench_speculative(model, new_tokens, repeats, draft, draft_tokens,
                                   serve or train or load)
     if train:
-        from torchllama.train.bench import run_train_bench
+        from torchllama.bench.train import run_train_bench
 
         if serve or model is not None:
             raise ArgumentError("--train benchmarks a --preset; it does not take --serve or "
@@ -371,7 +371,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
                         device=device, compile=compile)
         return 0
     if load:
-        from torchllama.load_bench import run_load_bench
+        from torchllama.bench.load import run_load_bench
 
         if not serve or url is not None:
             raise ArgumentError("--load goes with --serve and serves the model in this process "
@@ -380,7 +380,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
                        peer="none" if no_hf or peer == "none" else "llama.cpp")
         return 0
     if serve:
-        from torchllama.bench import run_serve_bench
+        from torchllama.bench.runs import run_serve_bench
 
         if url is not None and not url.startswith(("http://", "https://")):
             raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
@@ -391,7 +391,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
         return 0
     if url is not None or api_key is not None:
         raise ArgumentError("--url and --api-key go with --serve")
-    from torchllama.bench import run_bench
+    from torchllama.bench.runs import run_bench
 
     if no_hf and peer != "transformers" and peer != "none":
         raise ArgumentError(f"--no-hf means --peer none; it does not go with --peer {peer}")
@@ -401,7 +401,7 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
 
 
 def _bench_speculative(model, new_tokens, repeats, draft, draft_tokens, other_mode) -> int:
-    from torchllama.bench import run_speculative_bench
+    from torchllama.bench.runs import run_speculative_bench
     from torchllama.errors import ArgumentError
 
     if other_mode:
@@ -473,7 +473,7 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     if prefix_cache_mb < 0:
         raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
     _check_draft(draft, draft_tokens)
-    from torchllama.serve import serve as run_server
+    from torchllama.serving.app import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
                prefix_cache_mb, draft, draft_tokens, adapter)
@@ -501,7 +501,7 @@ def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,
     from torchllama.checkpoint import read_model_args
     from torchllama.config import ModelArgs, get_preset, read_model_config
     from torchllama.errors import ArgumentError
-    from torchllama.kv_cache_size import DTYPE_BYTES, report
+    from torchllama.bench.kv_cache_size import DTYPE_BYTES, report
 
     if sum(x is not None for x in (model, preset, config)) > 1:
         raise ArgumentError("give one of --model, --preset and --config")
@@ -735,7 +735,7 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run applied to
             the model without merging.
     """
-    from torchllama.perplexity import run_perplexity
+    from torchllama.bench.perplexity import run_perplexity
 
     run_perplexity(model, text_file, ctx=ctx, batch_size=batch_size, dtype=dtype,
                    chunks=chunks, peer=peer, progress=progress, adapter=adapter)

@@ -208,7 +208,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Make `output` share `tok_embeddings`' weight when args.tie_embeddings (Press & Wolf
         2017); call again after assigning loaded tensors. (A quantized model's tied table is
-        shared by `torchllama.quantize` instead.)"""
+        shared by `torchllama.transforms.quantize` instead.)"""
         if self.args.tie_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 

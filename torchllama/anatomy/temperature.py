@@ -1,12 +1,12 @@
 """Section 5 of the report: how temperature, top-p and min-p reshape the real next-token
-distribution, using the sampler's own filters (`torchllama.sampling`)."""
+distribution, using the sampler's own filters (`torchllama.generation.sampling`)."""
 
 from __future__ import annotations
 
 import torch
 
 from torchllama.anatomy.report import AnatomyContext, Figure, Section, Table, token_labels
-from torchllama.sampling import apply_temperature, min_p_filter, top_p_filter
+from torchllama.generation.sampling import apply_temperature, min_p_filter, top_p_filter
 
 #: the prompt whose next token is shown (an open continuation with many plausible tokens)
 DEFAULT_PROMPT = "Once upon a time, there was a little"

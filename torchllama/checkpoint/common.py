@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from torchllama.cpu import column_major
+from torchllama.transforms.layout import column_major
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.model import Transformer
 
@@ -114,20 +114,20 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 #: Weight formats `load` takes besides the float DTYPES: "auto" (a GGUF keeps its
 #: quantization, anything else loads in float32) and weight-only quantization
-#: (`torchllama.quantize`): int8, int4 (G = 32), int4-g64, int4-g128, int4-g256.
+#: (`torchllama.transforms.quantize`): int8, int4 (G = 32), int4-g64, int4-g128, int4-g256.
 WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "int4", "int4-g64", "int4-g128", "int4-g256")
 
 
 def parse_dtype(dtype: str | torch.dtype):
     """(float dtype, quantization) of a `--dtype` value: a float dtype → (it, None); "auto" →
-    (float32, "auto"); int8 / int4[-gG] → (float32, its `torchllama.quantize.Scheme`). The
+    (float32, "auto"); int8 / int4[-gG] → (float32, its `torchllama.transforms.quantize.Scheme`). The
     float dtype is that of everything not quantized (norms, embeddings of untied models,
     activations, the KV cache).
 
     Raises:
         ArgumentError: an unknown name.
     """
-    from torchllama.quantize import parse_scheme
+    from torchllama.transforms.quantize import parse_scheme
 
     if isinstance(dtype, torch.dtype) or dtype in DTYPES:
         return resolve_dtype(dtype), None
@@ -164,10 +164,10 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     kernels run float32 inference (`torch.ops.torchllama.f32_linear`, batch-invariant: SmolLM2
     decode 20.0 ms/token row-major vs 22.5 column-major, a 9-token forward 33 vs 49 ms, one
     thread); without them they get the column-major layout that is faster with MKL (see
-    `torchllama.cpu.set_weight_layout`), converted tensor by tensor.
+    `torchllama.transforms.layout.set_weight_layout`), converted tensor by tensor.
 
-    Weights given quantized (`torchllama.quantize.Q4Blocks` / `Q8Blocks` / ...) replace their
-    modules by quantized ones (`torchllama.quantize.install_quantized`).
+    Weights given quantized (`torchllama.transforms.quantize.Q4Blocks` / `Q8Blocks` / ...) replace their
+    modules by quantized ones (`torchllama.transforms.quantize.install_quantized`).
 
     Args:
         args: the model's hyperparameters.
@@ -200,7 +200,7 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
                                  f"expected {tuple(shape)}")
     quantized = {n: w for n, w in state.items() if not isinstance(w, torch.Tensor)}
     if quantized:
-        from torchllama.quantize import install_quantized
+        from torchllama.transforms.quantize import install_quantized
 
         biases = {n[:-len("weight")] + "bias": state.pop(n[:-len("weight")] + "bias")
                   for n in quantized if n[:-len("weight")] + "bias" in state}

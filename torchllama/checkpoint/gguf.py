@@ -39,9 +39,9 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Part, RopePermuted
-from torchllama.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, quantize_weight,
+from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, quantize_weight,
                                  scheme_for)
-from torchllama.tokenizer import tokenizer_from_gguf_metadata
+from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
@@ -137,13 +137,13 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None)
     """(args, state dict in our names and `dtype`, tokenizer) of a GGUF file; the family adapter
     of its `general.architecture` gives the hyperparameters and tensor names.
 
-    With `quant` ("auto" or a `torchllama.quantize.Scheme`), the matrices of linear layers and
+    With `quant` ("auto" or a `torchllama.transforms.quantize.Scheme`), the matrices of linear layers and
     the token embeddings come as `Q4Blocks` / `Q8Blocks` instead of float tensors (see
     `load_gguf_state_dict`).
 
     Raises:
         ModelFileError: see `open_gguf`, the family's `args_from_gguf`, `load_gguf_state_dict`
-            and `torchllama.tokenizer.tokenizer_from_gguf_metadata`.
+            and `torchllama.tokenizers.tokenizer_from_gguf_metadata`.
     """
     source = str(path)
     reader = open_gguf(path)
@@ -211,7 +211,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         quant: None (dequantize everything), "auto" (the file's own blocks for the types the
             kernels take, `BLOCK_TYPES`: Q4_0/Q4_1/Q4_K → `Q4Blocks`, Q8_0/Q5_0/Q6_K →
             `Q8Blocks`, exactly; other quantized types dequantized, reported in one line;
-            float matrices stay float) or a `torchllama.quantize.Scheme` (every matrix in that
+            float matrices stay float) or a `torchllama.transforms.quantize.Scheme` (every matrix in that
             scheme). See `_quantized`.
 
     Returns:
@@ -291,11 +291,11 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized tensors kept quantized (torchllama.quantize)
+# Quantized tensors kept quantized (torchllama.transforms.quantize)
 # ---------------------------------------------------------------------------------------------
 
 _Q = gguf.GGMLQuantizationType
-#: Types our kernels take as stored (torchllama.quantize: the block forms and their formulas).
+#: Types our kernels take as stored (torchllama.transforms.quantize: the block forms and their formulas).
 BLOCK_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q8_0, _Q.Q5_0, _Q.Q6_K})
 _Q4_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})
 # Q4_0 / Q4_1 / Q8_0 blocks (ggml-common.h): f16 scale d (and f16 min m), then the codes.
@@ -395,7 +395,7 @@ def _quantized(t: Any, quant, source: str, no_kernel: set):
     matrices and other types (Q5_1, Q5_K, Q2_K, IQ…) load as float (their type is added to
     `no_kernel`, which the caller reports in one line). A `Scheme`: the file's blocks when they
     are already that scheme (Q4_0/Q4_1/Q4_K for int4 with G = 32, Q8_0 for int8), otherwise
-    dequantized by the `gguf` library and quantized (`torchllama.quantize.quantize_weight`).
+    dequantized by the `gguf` library and quantized (`torchllama.transforms.quantize.quantize_weight`).
     """
     typ = t.tensor_type
     if quant == "auto":

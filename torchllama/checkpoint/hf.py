@@ -5,7 +5,7 @@ into `ModelArgs`), the weights — model.safetensors, or the shards listed in
 model.safetensors.index.json — tensor by tensor with the `safetensors` library, under the names
 and layouts of the family's table (Llama: q/k rows un-permuted from HF's rotate_half layout, see
 `torchllama.families.base.permute_hf_to_meta`), and the tokenizer (tokenizer.json or
-tokenizer.model, see `torchllama.tokenizer.load_hf_tokenizer`). `save_hf` writes the reverse.
+tokenizer.model, see `torchllama.tokenizers.load_hf_tokenizer`). `save_hf` writes the reverse.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torchllama.checkpoint.common import expected_shapes, names_list
 from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
 from torchllama.families import Family, family_for_args, family_for_hf
-from torchllama.tokenizer import load_hf_tokenizer
+from torchllama.tokenizers import load_hf_tokenizer
 
 #: Keys some checkpoints carry that hold no weights (RoPE frequencies, recomputed by us).
 _IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -230,7 +230,7 @@ def read_hf(path: Path, dtype: torch.dtype, progress: bool = True):
     Raises:
         ModelFileError: see `torchllama.families.family_for_hf` and the family's
             `args_from_hf`, `weight_files`, `load_hf_state_dict` and
-            `torchllama.tokenizer.load_hf_tokenizer`; also a tokenizer with more tokens than the
+            `torchllama.tokenizers.load_hf_tokenizer`; also a tokenizer with more tokens than the
             model's vocab_size.
     """
     path = Path(path)

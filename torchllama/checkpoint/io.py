@@ -20,9 +20,9 @@ from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, de
                                           parse_dtype, resolve_dtype, resolve_model_path)
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
-from torchllama.quantize import quantize_model
+from torchllama.transforms.quantize import quantize_model
 from torchllama.families import family_for_gguf, family_for_hf
-from torchllama.tokenizer import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
+from torchllama.tokenizers import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
                                   tokenizer_from_gguf_metadata)
 
 #: Format name (`detect_format`) → reader: (path, dtype, progress) → (args, state dict, tokenizer).
@@ -71,16 +71,16 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
             'float32', 'bfloat16', 'float16': every weight in that dtype (a GGUF's quantized
             tensors dequantized to it). 'int8', 'int4', 'int4-g64', 'int4-g128',
             'int4-g256': weight-only quantization of every linear layer (and a tied
-            embedding), activations float32 around bfloat16 matmuls (`torchllama.quantize`).
+            embedding), activations float32 around bfloat16 matmuls (`torchllama.transforms.quantize`).
         max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
         progress: show a progress bar while loading weights.
         adapter: a LoRA adapter folder in PEFT's format (or a `torchllama finetune` run
             folder: its latest checkpoint) applied on top of the weights without merging
-            (`torchllama.lora.load_adapter`; on a quantized base as in QLoRA).
+            (`torchllama.transforms.lora.load_adapter`; on a quantized base as in QLoRA).
 
     Returns:
         (model, tokenizer): a `torchllama.model.Transformer` in eval mode on the CPU, and a
-        `torchllama.tokenizer.Tokenizer`.
+        `torchllama.tokenizers.Tokenizer`.
 
     Raises:
         ModelFileError: missing, unreadable, truncated or unsupported file.
@@ -102,7 +102,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     if quant not in (None, "auto") and fmt != "gguf":
         quantize_model(model, quant)
     if adapter is not None:
-        from torchllama.lora import load_adapter, resolve_adapter
+        from torchllama.transforms.lora import load_adapter, resolve_adapter
 
         load_adapter(model, resolve_adapter(adapter))
         model.eval().requires_grad_(False)                # inference: nothing to train
@@ -196,7 +196,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer from a GGUF file (model or vocab-only), a SentencePiece ``.model`` file
     (as Meta's checkpoints hold it), a ``tokenizer.json`` file (with the other tokenizer files of
     its folder), or a model folder holding Hugging Face tokenizer files or a SentencePiece
-    ``tokenizer.model`` (see `torchllama.tokenizer.load_hf_tokenizer`).
+    ``tokenizer.model`` (see `torchllama.tokenizers.load_hf_tokenizer`).
 
     Raises:
         ModelFileError: the file is missing, of none of these kinds, or lacks/malforms

@@ -10,7 +10,7 @@ A Meta download is a folder per model::
     tokenizer.model            SentencePiece model, in the folder or (as Meta ships it) its parent
 
 Llama 3 folders look the same, with a tiktoken ``tokenizer.model`` in the folder (text lines
-``base64(token) rank``; `torchllama.tokenizer.TiktokenTokenizer` adds Meta's special tokens and
+``base64(token) rank``; `torchllama.tokenizers.TiktokenTokenizer` adds Meta's special tokens and
 chat format) and params.json fields such as ``"rope_theta": 500000.0, "vocab_size": 128256,
 "ffn_dim_multiplier": 1.3, "multiple_of": 1024`` (8B) and, from Llama 3.1 on,
 ``"use_scaled_rope": true``.
@@ -81,7 +81,7 @@ from torchllama.config import ZOO_FIELDS as _ZOO_FIELDS
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
 from torchllama.families import LLAMA
-from torchllama.tokenizer import load_tokenizer_file
+from torchllama.tokenizers import load_tokenizer_file
 
 #: Context length used when params.json has no ``max_seq_len`` (Llama 2's; Meta's params.json
 #: leaves it to the caller).
@@ -460,7 +460,7 @@ def read_meta(path: Path | str, dtype: torch.dtype, progress: bool = True
             ``layers.N.attention.wq.weight`` (n_heads·head_dim, dim); ``rope.freqs`` dropped.
             A single shard already in `dtype` yields the memory-mapped tensors themselves.
         tokenizer: a `SentencePieceTokenizer` (add_bos True), or for Llama 3's tiktoken
-            tokenizer.model a `TiktokenTokenizer` (see `torchllama.tokenizer.load_tokenizer_file`).
+            tokenizer.model a `TiktokenTokenizer` (see `torchllama.tokenizers.load_tokenizer_file`).
 
     Raises:
         ModelFileError: naming the file and the problem: params.json unreadable, invalid, missing

@@ -8,7 +8,7 @@ The C++ source is built once by `torch.utils.cpp_extension` (the system C++ comp
 chosen at run time (AVX-512 VNNI, AVX2 + FMA, or a scalar path that gives the same bits).
 
 Where the build is impossible (no compiler, no ninja) or `TORCHLLAMA_KERNELS=0` is set, one
-warning is printed and the callers (`torchllama.quantize`) use torch's own int4/int8 kernels.
+warning is printed and the callers (`torchllama.transforms.quantize`) use torch's own int4/int8 kernels.
 
 Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float32):
     torch.ops.torchllama.q4_linear(x, codes (N, K/2) uint8, d (N, K/32) f32, m (N, K/32) f32)

@@ -203,7 +203,7 @@ class Attention(nn.Module):
         self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
-        #: wq, wk and wv as one product, where `torchllama.quantize.fuse_projections` made one
+        #: wq, wk and wv as one product, where `torchllama.transforms.quantize.fuse_projections` made one
         self.wqkv: Optional[nn.Module] = None
         if args.qk_norm:                                   # over each head's hd dims
             self.q_norm, self.k_norm = make_norm(args, hd), make_norm(args, hd)

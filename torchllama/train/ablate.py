@@ -175,7 +175,7 @@ def run_ablation(data: str, out: str, steps: int = 100, variants: Optional[list[
         ModelFileError: a missing or damaged dataset.
     """
     from torchllama.checkpoint import atomic_output, load
-    from torchllama.kv_cache_size import kv_bytes_per_token
+    from torchllama.bench.kv_cache_size import kv_bytes_per_token
     from torchllama.train.data import load_tokens, read_meta
     from torchllama.train.loop import TrainConfig, train
 

@@ -34,7 +34,7 @@ import torch
 
 from torchllama.checkpoint import atomic_output
 from torchllama.errors import ArgumentError, TrainingError
-from torchllama.lora import (LoRAConfig, apply_lora, copy_adapter_weights, lora_parameters,
+from torchllama.transforms.lora import (LoRAConfig, apply_lora, copy_adapter_weights, lora_parameters,
                              parse_targets, save_adapter)
 from torchllama.train import checkpointing as ckpt_io
 from torchllama.train.optim import count_params, lr_at
@@ -156,7 +156,7 @@ def _write_json(path: Path, obj) -> None:
 def _setup(config: FinetuneConfig):
     """(model with adapters, tokenizer, data, optimizer, step, saved state or None)."""
     from torchllama.checkpoint import load
-    from torchllama.cpu import set_weight_layout
+    from torchllama.transforms.layout import set_weight_layout
     from torchllama.train.finetune_data import finetune_data
 
     run_dir = Path(config.out)
@@ -173,7 +173,7 @@ def _setup(config: FinetuneConfig):
     data = finetune_data(tokenizer, config.data, config.seq_len, config.batch_size, config.seed,
                          config.val_fraction)
     # Training runs the frozen float32 products through autograd (F.linear, MKL), which is
-    # faster on column-major weights (torchllama.cpu.set_weight_layout); same values.
+    # faster on column-major weights (torchllama.transforms.layout.set_weight_layout); same values.
     set_weight_layout(model, "column")
     torch.manual_seed(config.seed)                       # A's initialisation, dropout
     apply_lora(model, config.lora())
@@ -309,7 +309,7 @@ def merge(base: Optional[str], adapter: str, dst: str, to: str, dtype: Optional[
     (W + (α/r)·B·A) and write a full checkpoint (`torchllama.checkpoint.save`: meta, hf or
     gguf; GGUF quantized with dtype q8_0/q4_0/q4_1)."""
     from torchllama.checkpoint import load, save
-    from torchllama.lora import load_adapter, merge_lora, resolve_adapter
+    from torchllama.transforms.lora import load_adapter, merge_lora, resolve_adapter
 
     if Path(dst).exists() and not force:
         raise ArgumentError(f"{dst}: already exists; pass --force to overwrite it")

@@ -33,7 +33,7 @@ from torchllama.train.data import TokenBatches, eval_windows, expand_inputs, rea
 
 
 def _text_tokens(tokenizer, files: list[Path]) -> np.ndarray:
-    from torchllama.generation import _with_bos
+    from torchllama.generation.session import _with_bos
 
     ids: list[int] = []
     for path in files:
@@ -133,7 +133,7 @@ def chat_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]
         ArgumentError: the tokenizer has no chat template, or the template does not render a
             conversation as its prefixes followed by each assistant turn.
     """
-    from torchllama.generation import _with_bos
+    from torchllama.generation.session import _with_bos
 
     if tokenizer.chat_template is None:
         raise ArgumentError("chat data needs a model with a chat template (this tokenizer has "

@@ -290,7 +290,7 @@ def sample_text(model, tokenizer, prompt: Optional[str], max_new_tokens: int, se
     """A continuation of `prompt` (BOS + prompt; BOS alone when None) sampled with temperature and
     top-k, recomputing the whole window each step (no KV cache, so it works on any wrapper,
     FSDP included: every rank runs the same forwards with the same generator)."""
-    from torchllama.sampling import SamplingParams, sample
+    from torchllama.generation.sampling import SamplingParams, sample
 
     params = SamplingParams(temperature=temperature, top_k=top_k)
     generator = torch.Generator(device="cpu").manual_seed(seed)

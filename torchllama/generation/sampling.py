@@ -33,7 +33,7 @@ share settings). The functions return new tensors; none edits its input.
 
 `sample` draws the top-p/min-p-truncated distribution in probability space, in the descending
 order of Meta's `sample_top_p`, so that with temperature/top-k/top-p alone it picks exactly the
-tokens `torchllama.generation.sample` (Meta's reference code) picks for the same generator state.
+tokens `torchllama.generation.session.sample` (Meta's reference code) picks for the same generator state.
 Its distribution is softmax(process_logits(...)) up to rounding.
 """
 

@@ -1,6 +1,6 @@
 """`torchllama bench`: prefill, decode and batched-decode throughput of our model, side by side
 with a peer on the same weights in the same process: HF transformers (default) or llama.cpp
-(`--peer llama.cpp`, through llama-cpp-python: torchllama.peer). `torchllama bench --serve`:
+(`--peer llama.cpp`, through llama-cpp-python: torchllama.bench.peer). `torchllama bench --serve`:
 the OpenAI-compatible server's throughput at 1, 4 and 8 concurrent requests (`run_serve_bench`).
 `torchllama bench --speculative`: the exact float32 answer decoded plainly, drafted by the
 checkpoint's own int4 weights and by prompt lookup (`run_speculative_bench`).
@@ -95,7 +95,7 @@ class OursDecodeRun:
 
     @torch.inference_mode()
     def __call__(self) -> tuple[int, float]:
-        from torchllama.generation import decode_one_token, prefill
+        from torchllama.generation.session import decode_one_token, prefill
 
         model, (B, T) = self.model, self.prompts.shape
         if self._caches is None or model.caches is not self._caches:
@@ -118,7 +118,7 @@ class OursDecodeRun:
 def ours_runs(model, prompt: torch.Tensor, new_tokens: int):
     """(prefill, decode) closures for our Transformer with its preallocated KV cache; prompt
     (1, T). The decode closure is an `OursDecodeRun` of one row."""
-    from torchllama.generation import prefill
+    from torchllama.generation.session import prefill
 
     T = prompt.shape[1]
 
@@ -222,7 +222,7 @@ def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_toke
 
     prompt, T = prompts[:1], prompts.shape[1]
     if peer == "llama.cpp":
-        from torchllama import peer as llama_cpp_peer
+        from torchllama.bench import peer as llama_cpp_peer
 
         peer_model = llama_cpp_peer.LlamaCpp(path, torch.get_num_threads())
         ids = prompts.tolist()
@@ -252,8 +252,8 @@ def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_toke
 
 
 def _compile(model, print_fn: Callable[[str], None]) -> None:
-    """`torchllama.generation.compile_decode(model)` when it exists; prints its seconds."""
-    from torchllama import generation
+    """`torchllama.generation.session.compile_decode(model)` when it exists; prints its seconds."""
+    from torchllama.generation import session as generation
 
     if not hasattr(generation, "compile_decode"):
         print_fn("--compile: (compile_decode not available yet)")
@@ -299,7 +299,7 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
         raise ArgumentError(f"--batch must be ≥ 1, got {batch}")
     path = str(resolve_model_path(model_path))
     if peer == "llama.cpp":
-        from torchllama.peer import import_llama_cpp
+        from torchllama.bench.peer import import_llama_cpp
 
         import_llama_cpp()                      # fail before loading anything
         if detect_format(Path(path)) != "gguf":
@@ -525,7 +525,7 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         results = measure(url.rstrip("/"))
     else:
         from torchllama.checkpoint import parse_dtype, resolve_model_path
-        from torchllama.serve import create_app, load_for_engine
+        from torchllama.serving.app import create_app, load_for_engine
 
         path = str(resolve_model_path(model_path))
         parse_dtype(dtype)
@@ -596,8 +596,8 @@ class SessionRun:
         self.stats, self.tokens = None, []
 
     def __call__(self) -> tuple[float, float]:
-        from torchllama.generation import Session
-        from torchllama.sampling import SamplingParams
+        from torchllama.generation.session import Session
+        from torchllama.generation.sampling import SamplingParams
 
         if self.drafter is not None:
             self.drafter.reset()
@@ -637,16 +637,16 @@ def run_speculative_bench(model_path: Optional[str] = None, new_tokens: int = 12
         new_tokens: the most tokens generated per answer (the chat's end token stops sooner).
         repeats: measurements per figure after a warm-up, interleaved (the median is shown).
         draft: the draft model: int4, int8, auto (the checkpoint's own weights in that
-            format) or a path (`torchllama.speculative.make_drafter`).
+            format) or a path (`torchllama.generation.speculative.make_drafter`).
         draft_tokens: the most tokens drafted per step.
 
     Raises:
         ArgumentError, ModelFileError: as `make_drafter` and `load`.
     """
     from torchllama.checkpoint import load, resolve_model_path
-    from torchllama.generation import encode_prompt
+    from torchllama.generation.session import encode_prompt
     from torchllama.kernels import isa as kernels_isa
-    from torchllama.speculative import PromptLookupDrafter, make_drafter
+    from torchllama.generation.speculative import PromptLookupDrafter, make_drafter
 
     path = str(resolve_model_path(model_path))
     model, tokenizer = load(path, dtype="float32", progress=False)

@@ -115,7 +115,7 @@ def tokenize_text(tokenizer, text: str, ctx: int, source: str = "the text") -> l
     adds one (`tokenizer.add_bos`), special-token strings read as plain text.
 
     Args:
-        tokenizer: a `torchllama.tokenizer.Tokenizer`.
+        tokenizer: a `torchllama.tokenizers.Tokenizer`.
         text: the whole text.
         ctx: window length, to check that the text holds at least 2·ctx tokens (llama.cpp's rule).
         source: how the error names the text (e.g. "--text-file FILE").
@@ -226,7 +226,7 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
     Args:
         model: a `torchllama.model.Transformer` on the CPU (or any device: windows follow the
             model's embedding device), any weight dtype.
-        tokenizer: its `torchllama.tokenizer.Tokenizer`.
+        tokenizer: its `torchllama.tokenizers.Tokenizer`.
         text: the whole text.
         ctx: window length in tokens (≥ 4, ≤ the model's max_seq_len).
         batch_size: windows per forward pass (≥ 1); does not change the result beyond float

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from torchllama.bench import _measure
+from torchllama.bench.runs import _measure
 from torchllama.checkpoint.hf import hf_config, to_hf_state_dict
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ArgumentError

@@ -261,8 +261,8 @@ def _metric(url: str, name: str, api_key: Optional[str]) -> float:
 def run_ours(path: str, dtype: str, plan: list[list[Job]], batch: int, check: bool,
              system_repeat: int) -> LoadResult:
     """The load against torchllama's server, in this process."""
-    from torchllama.bench import serve_in_thread
-    from torchllama.serve import create_app, load_for_engine
+    from torchllama.bench.runs import serve_in_thread
+    from torchllama.serving.app import create_app, load_for_engine
 
     model, tokenizer = load_for_engine(path, dtype, progress=False)
     app = create_app(model, tokenizer, "torchllama", max_batch_size=batch,
@@ -331,9 +331,9 @@ def prefix_cache_ttft(path: str, dtype: str, questions: int = 10, system_repeat:
     with another question, one at a time, after one warm-up request with the same system
     prompt), on our server with its prefix cache and without (prefix_cache_mb=0): (with,
     without, prompt tokens) in seconds."""
-    from torchllama.bench import serve_in_thread
-    from torchllama.generation import encode_chat
-    from torchllama.serve import create_app, load_for_engine
+    from torchllama.bench.runs import serve_in_thread
+    from torchllama.generation.session import encode_chat
+    from torchllama.serving.app import create_app, load_for_engine
 
     model, tokenizer = load_for_engine(path, dtype, progress=False)
     system = SYSTEMS[0] * system_repeat
@@ -367,7 +367,7 @@ def grammar_mask_cost(tokenizer, steps: int = 300, seed: int = 0
     first step, which includes compiling the schema)."""
     import torch
 
-    from torchllama.grammar import Grammars
+    from torchllama.generation.grammar import Grammars
 
     grammars, rng = Grammars(tokenizer), random.Random(seed)
     grammars.compile("json_schema", PERSON_SCHEMA)           # the vocabulary's table, once

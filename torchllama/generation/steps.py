@@ -1,5 +1,5 @@
-"""The two forward passes generation is made of, shared by `torchllama.generation` and
-`torchllama.speculative` (a module of its own so that neither imports the other for them):
+"""The two forward passes generation is made of, shared by `torchllama.generation.session` and
+`torchllama.generation.speculative` (a module of its own so that neither imports the other for them):
 
     prefill           the prompt (or a speculative round's k + 1 positions) in one forward
     decode_one_token  one token at its cache position, through the compiled step if any

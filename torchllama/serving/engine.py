@@ -24,7 +24,7 @@ chunked prefill giving the same bits as whole) the very same bits, for every kin
 (full, sliding-window rings with a per-row furthest slot, MLA's latents).
 
 Speculative decoding (`Engine(draft=...)`, `torchllama serve --draft`): while exactly one request
-is decoding, each step is a speculative round for it (`torchllama.speculative`): the drafter
+is decoding, each step is a speculative round for it (`torchllama.generation.speculative`): the drafter
 proposes up to k tokens and the model checks them in one forward pass over its cache row, the
 row's position moving past the accepted ones only (the rejected drafts' slots are written over
 later). With two or more requests decoding, steps are plain batched decode steps: batching
@@ -32,7 +32,7 @@ already shares each step's weight traffic between the requests, which is what sp
 a lone request. Either way a request gets its exact output distribution (the same tokens at
 temperature 0). Requests with a grammar decode plainly.
 
-Prefix cache (`torchllama.prefix_cache`): when a prompt's prefill completes, a copy of its
+Prefix cache (`torchllama.serving.prefix_cache`): when a prompt's prefill completes, a copy of its
 row's keys and values is kept (within a memory budget, least recently used first out); a later
 prompt that starts with the same tokens gets that copy put in its row and is prefilled from
 where they differ — the same bits as prefilling it whole, since chunked prefill is exact.
@@ -49,11 +49,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
-from torchllama.prefix_cache import PrefixCache
-from torchllama.sampling import SamplingParams, sample, token_logprobs
-from torchllama.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
+from torchllama.serving.prefix_cache import PrefixCache
+from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
+from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
 
-log = logging.getLogger("torchllama.engine")
+log = logging.getLogger("torchllama.serving.engine")
 
 
 class QueueFull(TorchLlamaError):
@@ -83,7 +83,7 @@ class Request:
         on_token: called from the engine thread with each `TokenEvent`.
         on_finish: called from the engine thread once, with "stop", "length", "cancelled" or
             "error" (sampling or the model failed for this request; the engine goes on).
-        constraint: a `torchllama.grammar.Constraint`: only tokens its grammar allows are
+        constraint: a `torchllama.generation.grammar.Constraint`: only tokens its grammar allows are
             sampled, and the request stops ("stop") when the grammar is complete.
     """
 
@@ -128,7 +128,7 @@ class Engine:
             prefilled in chunks with decode steps in between, and waiting requests are admitted
             while the iteration has prompt tokens left (the first one always is).
         prefix_cache_bytes: memory for the prefix cache (0: none); see `PrefixCache`.
-        draft: a `torchllama.speculative.Drafter`: when one request is decoding alone (and
+        draft: a `torchllama.generation.speculative.Drafter`: when one request is decoding alone (and
             has no grammar), its steps are speculative rounds; with several decoding, plain
             batched steps (see the module docstring). None: never speculative.
         draft_tokens: the most tokens drafted per round (adapted to the acceptance).

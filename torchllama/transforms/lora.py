@@ -6,9 +6,9 @@ weight W (N, K) gets a trainable low-rank update
     h = W·x + (α/r)·B·A·x          A (r, K) Kaiming-uniform, B (N, r) zero, so h = W·x at step 0
 
 QLoRA (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", eq. 5): W stays in
-its quantized form (our int4/int8 modules or a GGUF file's blocks: `torchllama.quantize`); only
+its quantized form (our int4/int8 modules or a GGUF file's blocks: `torchllama.transforms.quantize`); only
 A and B are float32. The gradient reaches earlier layers through W, dequantized on the fly in
-the backward pass (`torchllama.quantize.weight_only_linear`), never stored.
+the backward pass (`torchllama.transforms.quantize.weight_only_linear`), never stored.
 
 DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", eq. 5): the adapted weight
 is split into a trainable magnitude m (N,) and a direction,
@@ -111,7 +111,7 @@ class LoRALinear(nn.Module):
     with DoRA magnitude (N,); the base's own parameters are frozen (requires_grad False).
 
     Args:
-        base: nn.Linear or a quantized linear of `torchllama.quantize` (QLoRA).
+        base: nn.Linear or a quantized linear of `torchllama.transforms.quantize` (QLoRA).
         config: rank, alpha, dropout, DoRA.
     """
 

@@ -3,7 +3,7 @@
     prompt ids ──prefill (one forward over the prompt, start_pos = cached prefix)──▶ logits
     loop: sample(logits) ──▶ token ──stop id?──▶ decode_one_token(token, start_pos) ──▶ logits
 
-Sampling (torchllama.sampling) is pure functions: (logits, settings, torch.Generator, the ids so
+Sampling (torchllama.generation.sampling) is pure functions: (logits, settings, torch.Generator, the ids so
 far) → token ids. `Session` keeps a conversation's KV cache between calls and re-uses the longest cached
 prefix of the next prompt, so a chat turn only prefills the new tokens.
 """
@@ -18,8 +18,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.sampling import SamplingParams, sample, token_logprobs
-from torchllama.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
+from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
+from torchllama.generation.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
         return 0.0
     device = model.device
     if freezing is None:
-        from torchllama.quantize import Q4Linear, Q8Linear
+        from torchllama.transforms.quantize import Q4Linear, Q8Linear
         freezing = not any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
     if freezing and device.type == "cpu":
         inductor_config.freezing = True
@@ -154,10 +154,10 @@ class Session:
     prompt that diverges from the cached one more than that margin before the cache's end is
     prefilled from the start.
 
-    With a `draft` (a `torchllama.speculative.Drafter`: a draft model, the model's own weights
+    With a `draft` (a `torchllama.generation.speculative.Drafter`: a draft model, the model's own weights
     quantized, or prompt lookup), decoding is speculative: each step drafts up to
     `draft_tokens` tokens and the model checks them in one forward pass, keeping exactly its
-    own output distribution (greedy: the same tokens; see `torchllama.speculative`).
+    own output distribution (greedy: the same tokens; see `torchllama.generation.speculative`).
 
     The cache lives in the model (`Transformer.setup_caches`), as in gpt-fast: use one Session
     per model at a time, and don't run the model elsewhere between its calls.
@@ -168,8 +168,8 @@ class Session:
         max_seq_len: length of the KV cache (default: the model's context).
         draft: a `Drafter` for speculative decoding (default: none).
         draft_tokens: the most tokens drafted per step (the initial number too; adapted to
-            the acceptance, see `torchllama.speculative.DraftLength`; default
-            `torchllama.speculative.DEFAULT_DRAFT_TOKENS`).
+            the acceptance, see `torchllama.generation.speculative.DraftLength`; default
+            `torchllama.generation.speculative.DEFAULT_DRAFT_TOKENS`).
 
     Raises:
         ArgumentError: a draft model whose vocabulary size differs from the model's (both
@@ -187,7 +187,7 @@ class Session:
         self._caches = None                   # the model's caches this session filled
         self.speculator = None
         if draft is not None:                 # speculative.py builds on prefill/decode above
-            from torchllama.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
+            from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
             self.speculator = SpeculativeDecoder(model, draft, draft_tokens or
                                                  DEFAULT_DRAFT_TOKENS)
 
@@ -281,7 +281,7 @@ class Session:
 
     def _speculate(self, next_id: int, budget: int, sampling: SamplingParams,
                    generator: torch.Generator, stop_ids: frozenset[int]) -> Iterator[int]:
-        """Speculative decoding (`torchllama.speculative.SpeculativeDecoder.step`): each step
+        """Speculative decoding (`torchllama.generation.speculative.SpeculativeDecoder.step`): each step
         yields the drafts the model accepted and one token of its own. The cache then holds
         the context and the accepted drafts; rejected drafts' slots are simply forgotten."""
         stats, generated, pending = self.stats, [], [next_id]
@@ -313,7 +313,7 @@ class Completion:
     """One sequence of a batch: its new token ids (stop token excluded) and why it ended.
 
     logprobs: with SamplingParams.logprobs = n > 0, one (log p(token), [(id, log p)] × n most
-    likely) per new token, from the model's raw logits (`torchllama.sampling.token_logprobs`).
+    likely) per new token, from the model's raw logits (`torchllama.generation.sampling.token_logprobs`).
     """
 
     token_ids: list[int]
@@ -491,7 +491,7 @@ def chat_format(tokenizer) -> Optional[str]:
     """How `encode_chat` formats conversations for this tokenizer: "template" (the checkpoint's
     jinja chat template), "llama2" (no template, a SentencePiece vocabulary with BOS and EOS:
     Meta's Llama 2 chat format) or None (no chat format known)."""
-    from torchllama.tokenizer import SentencePieceTokenizer
+    from torchllama.tokenizers import SentencePieceTokenizer
 
     if tokenizer.chat_template is not None:
         return "template"
@@ -568,19 +568,19 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 256, *,
 
     Args:
         draft: speculative decoding (the same output distribution, faster where drafts are
-            accepted): a `torchllama.speculative.Drafter`, "lookup" (prompt lookup) or the
+            accepted): a `torchllama.generation.speculative.Drafter`, "lookup" (prompt lookup) or the
             path of a draft model with the same tokenizer. ("int4"/"int8"/"auto" need the
-            target's checkpoint: `torchllama.speculative.make_drafter(spec, path)`.)
+            target's checkpoint: `torchllama.generation.speculative.make_drafter(spec, path)`.)
         draft_tokens: the most tokens drafted per step.
 
     Returns the new text only (no prompt). See `Session.generate` for the errors raised; a
     draft model of another vocabulary size raises ArgumentError.
     """
     if isinstance(draft, str):
-        from torchllama.speculative import SELF_DRAFT_DTYPES, make_drafter
+        from torchllama.generation.speculative import SELF_DRAFT_DTYPES, make_drafter
         if draft in SELF_DRAFT_DTYPES:
             raise ArgumentError(f"draft={draft!r} loads the target's own checkpoint: build it "
-                                "with torchllama.speculative.make_drafter(spec, target_path)")
+                                "with torchllama.generation.speculative.make_drafter(spec, target_path)")
         draft = make_drafter(draft)
     session = Session(model, tokenizer, draft=draft, draft_tokens=draft_tokens)
     ids = encode_prompt(tokenizer, prompt, chat=chat)

@@ -39,7 +39,7 @@ becomes: accept while d_i equals the target's argmax at i, then emit the target'
 greedy speculative output is greedy plain output token for token (given a target whose k+1-token
 forward gives the same logits as one-token steps: batch-invariant kernels).
 
-p and q are the processed distributions: softmax of `torchllama.sampling.process_logits` with the
+p and q are the processed distributions: softmax of `torchllama.generation.sampling.process_logits` with the
 request's SamplingParams (temperature, top-k, top-p, min-p, logit bias, penalties), the context of
 position i including the drafts before it.
 
@@ -58,8 +58,8 @@ from typing import Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError
-from torchllama.steps import decode_one_token
-from torchllama.sampling import GREEDY_BELOW, SamplingParams, process_logits, sample
+from torchllama.generation.steps import decode_one_token
+from torchllama.generation.sampling import GREEDY_BELOW, SamplingParams, process_logits, sample
 
 #: Default maximum (and initial) number of drafted tokens per round (`--draft-tokens`).
 DEFAULT_DRAFT_TOKENS = 12

@@ -1,12 +1,12 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching engine.
 
     GET  /health                 liveness
-    GET  /metrics                Prometheus metrics (`torchllama.metrics`)
+    GET  /metrics                Prometheus metrics (`torchllama.serving.metrics`)
     GET  /v1/models              the one model served
     POST /v1/completions         text completion (OpenAI's legacy API), stream or not
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not
 
-Every request is tokenized here and handed to `torchllama.engine.Engine`, which decodes all
+Every request is tokenized here and handed to `torchllama.serving.engine.Engine`, which decodes all
 running requests together (with `--draft`, a request decoding alone runs speculative rounds);
 tokens come back to the request's handler through an asyncio queue.
 Streaming responses are server-sent events ending with `data: [DONE]`. Errors use OpenAI's body,
@@ -27,16 +27,16 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
-from torchllama.engine import Engine, QueueFull, Request, TokenEvent
+from torchllama.serving.engine import Engine, QueueFull, Request, TokenEvent
 from torchllama.errors import ArgumentError, TorchLlamaError
-from torchllama.generation import StreamDecoder, encode_chat, encode_prompt
-from torchllama.grammar import Grammars, GrammarError
-from torchllama.metrics import ServerMetrics
-from torchllama.sampling import SamplingParams
-from torchllama.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
-from torchllama.stopping import StopStrings
+from torchllama.generation.session import StreamDecoder, encode_chat, encode_prompt
+from torchllama.generation.grammar import Grammars, GrammarError
+from torchllama.serving.metrics import ServerMetrics
+from torchllama.generation.sampling import SamplingParams
+from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
+from torchllama.generation.stopping import StopStrings
 
-log = logging.getLogger("torchllama.serve")
+log = logging.getLogger("torchllama.serving.app")
 
 try:  # the server's own dependencies; the rest of torchllama works without them
     from fastapi import FastAPI, Request as HTTPRequest
@@ -130,7 +130,7 @@ class _APIKey:
 
 
 def constraint_of(body: _Sampling) -> Optional[tuple[str, Any]]:
-    """(kind, spec) of the request's output constraint for `torchllama.grammar`, or None.
+    """(kind, spec) of the request's output constraint for `torchllama.generation.grammar`, or None.
 
     Raises:
         APIError: 400 for a malformed response_format or more than one constraint.
@@ -522,7 +522,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
             prefilled in chunks while the running requests keep decoding (`Engine`).
         prefix_cache_mb: memory for the prefix cache, MiB (0: no prefix cache).
-        draft, draft_tokens: a `torchllama.speculative.Drafter` and the most tokens it
+        draft, draft_tokens: a `torchllama.generation.speculative.Drafter` and the most tokens it
             drafts: speculative rounds for a lone decoding request (`Engine`).
     """
     from contextlib import asynccontextmanager
@@ -621,7 +621,7 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
           draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None) -> None:
     """Load a checkpoint (with a LoRA adapter applied unmerged, and a draft:
-    `torchllama.speculative.make_drafter`) and serve it with uvicorn until interrupted
+    `torchllama.generation.speculative.make_drafter`) and serve it with uvicorn until interrupted
     (arguments: `create_app`)."""
     import uvicorn
 
