@@ -5,7 +5,9 @@ of 32, computed by integer dot products (csrc/blocks.cpp explains the method and
 The C++ source is built once by `torch.utils.cpp_extension` (the system C++ compiler and the
 `ninja` package) into a cache folder keyed by the sources, the torch version and the flags:
 `$TORCHLLAMA_CACHE/kernels/<key>` (default `~/.cache/torchllama`). The instruction set is
-chosen at run time (AVX-512 VNNI, AVX2 + FMA, or a scalar path that gives the same bits).
+chosen at run time, kernel by kernel (csrc/kernels.h: AVX-512 VNNI for the block products,
+AVX-512 F/VL/BW for the float32 ops, AVX2 + FMA, or a scalar path that gives the same bits);
+TORCHLLAMA_KERNELS_ISA = scalar | avx2 | avx512 | vnni caps it (the tests force each level).
 
 Where the build is impossible (no compiler, no ninja) or `TORCHLLAMA_KERNELS=0` is set, one
 warning is printed and the callers (`torchllama.transforms.quantize`) use torch's own int4/int8 kernels.
@@ -27,7 +29,8 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
         (csrc/linear_impl.h; `torchllama.nn.linear.Linear` calls it)
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
         layer with block weights, the same kernels in one call (csrc/decoder.cpp)
-    torch.ops.torchllama.isa() → 2 AVX-512 VNNI, 1 AVX2, 0 scalar
+    torch.ops.torchllama.isa() → 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 without VNNI
+        (its float32 layer ops on AVX-512 F/VL/BW, its block products on AVX2)
 """
 
 from __future__ import annotations
@@ -42,13 +45,16 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("isa.h", "blocks.cpp", "blocks_impl.h", "layers.cpp", "layers_impl.h", "linear_impl.h",
-           "decoder.cpp")
-COMPILED = ("blocks.cpp", "layers.cpp", "decoder.cpp")
+#: kernels.h: the table and the CPU features; dispatch.cpp: the CPU scored once, the table built;
+#: arch/*.cpp: one table per instruction set (the *_impl.h SIMD code compiled for it);
+#: blocks.cpp, layers.cpp, decoder.cpp: the ATen glue and the ops (ops.h).
+ARCH = ("arch/scalar.cpp", "arch/avx2.cpp", "arch/avx512.cpp", "arch/avx512_vnni.cpp")
+COMPILED = ("dispatch.cpp",) + ARCH + ("blocks.cpp", "layers.cpp", "decoder.cpp")
+SOURCES = ("kernels.h", "ops.h", "blocks_impl.h", "layers_impl.h", "linear_impl.h") + COMPILED
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni", 3: "avx512"}
 
 _lock = threading.Lock()
 _loaded: Optional[bool] = None
@@ -175,8 +181,8 @@ def layer_ops_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels run with ('avx512_vnni', 'avx2', 'scalar'), or 'none'
-    when they are unavailable."""
+    """The instruction set the kernels run with ('avx512_vnni', 'avx512', 'avx2', 'scalar'), or
+    'none' when they are unavailable."""
     return ISA_NAMES[int(torch.ops.torchllama.isa())] if available() else "none"
 
 

@@ -18,100 +18,36 @@
 //   (d and m float32, or float16 where that is exact: Q4_0/Q4_1/Q8_0/Q5_0 scales are f16 in the
 //   file; the decode step reads every scale once per token, so half the bytes is faster)
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
-//   isa() → 2 (AVX-512 VNNI) | 1 (AVX2 + FMA) | 0 (scalar): the path chosen for this CPU
+//   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
+//       instruction set chosen for this CPU (kernels.h: the table's levels)
+//
+// This file is the ATen glue: argument checks, the per-thread scratch of quantized
+// activations, the split of W's rows over threads, and the ops' registration. The SIMD code is
+// in blocks_impl.h, compiled once per instruction set by arch/*.cpp; it is reached only
+// through the kernel table, `table().q4_rows(…)` (kernels.h, dispatch.cpp).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
-#include "isa.h"
+#include "kernels.h"
+#include "ops.h"
 
 namespace torchllama {
 
-struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
-  const int8_t* q; const float* d; const float* s; int64_t M, K;
-  // for Q4 prefill tiles (M ≥ 4), else null: q with each pair of blocks in the Q4 lane map's
-  // byte order (rows of Kp = 32·⌈nb/2⌉·2 bytes, an odd last block padded with zeros), and s
-  // transposed, (K/32, M)
-  const int8_t* q4 = nullptr; const float* s_t = nullptr; int64_t Kp = 0;
-};
-struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32, or f16 bits when half
-  const uint8_t* codes; const void* d; const void* m; int64_t N, K; bool half;
-};
-struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32, or f16 bits when half
-  const int8_t* codes; const void* d; int64_t N, K, block; bool half;
-};
-
-#define ISA scalar
-#define ISA_LEVEL 0
-#include "blocks_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define ISA avx2
-#define ISA_LEVEL 1
-#include "blocks_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-#define ISA vnni
-#define ISA_LEVEL 2
-#include "blocks_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-#pragma GCC pop_options
-
-static Isa detect_isa() {
-  const char* force = std::getenv("TORCHLLAMA_KERNELS_ISA");   // tests: scalar | avx2 | vnni
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool vnni = avx2 && __builtin_cpu_supports("avx512vl") &&
-                    __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  Isa best = vnni ? Isa::vnni : avx2 ? Isa::avx2 : Isa::scalar;
-  if (force) {
-    const std::string f(force);
-    if (f == "scalar") return Isa::scalar;
-    if (f == "avx2" && avx2) return Isa::avx2;
-  }
-  return best;
-}
-
-Isa isa_in_use() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
-
-int64_t isa_level() { return int64_t(isa_in_use()); }
+static int64_t isa_code() { return int64_t(isa_in_use()); }
 
 // Activation quantization (O(M·K), small next to the product's O(M·N·K)): each block by the
-// instruction set's `quantize_block` (blocks_impl.h), the same bits on every level.
-using QuantizeBlock = void (*)(const float*, int8_t*, float*, float*);
-
-static QuantizeBlock quantize_block_of(Isa isa) {
-  if (isa == Isa::vnni) return &vnni::quantize_block;
-  if (isa == Isa::avx2) return &avx2::quantize_block;
-  return &scalar::quantize_block;
-}
-
+// table's `quantize_block` (blocks_impl.h), the same bits on every level.
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
-  const QuantizeBlock quantize_block = quantize_block_of(isa_in_use());
+  const auto quantize_block = table().quantize_block;
   auto rows = [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m)
       for (int64_t b = 0; b < nb; ++b)
@@ -188,18 +124,9 @@ static void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight has K = ", K);
 }
 
-// The instruction set's rows [n0, n1) of one product (the paths in blocks_impl.h).
-static void rows(Isa isa, const Act& a, const Q4Weight& w, float* y, int64_t n0, int64_t n1) {
-  if (isa == Isa::vnni) vnni::q4_rows(a, w, y, n0, n1);
-  else if (isa == Isa::avx2) avx2::q4_rows(a, w, y, n0, n1);
-  else scalar::q4_rows(a, w, y, n0, n1);
-}
-
-static void rows(Isa isa, const Act& a, const Q8Weight& w, float* y, int64_t n0, int64_t n1) {
-  if (isa == Isa::vnni) vnni::q8_rows(a, w, y, n0, n1);
-  else if (isa == Isa::avx2) avx2::q8_rows(a, w, y, n0, n1);
-  else scalar::q8_rows(a, w, y, n0, n1);
-}
+// The table's kernel for rows [n0, n1) of one product.
+static auto rows_kernel(const Q4Weight&) { return table().q4_rows; }
+static auto rows_kernel(const Q8Weight&) { return table().q8_rows; }
 
 // y (M, N) f32 = x · Wᵀ: x quantized per block of 32, W's rows split over the threads.
 template <typename W>
@@ -211,8 +138,8 @@ static at::Tensor product(const at::Tensor& x_, const W& w, const char* op) {
                                  std::is_same<W, Q4Weight>::value);
   at::Tensor y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  const Isa isa = isa_in_use();
-  parallel_rows(M, w.N, w.K, [&](int64_t n0, int64_t n1) { rows(isa, a, w, yp, n0, n1); });
+  const auto rows = rows_kernel(w);
+  parallel_rows(M, w.N, w.K, [&](int64_t n0, int64_t n1) { rows(a, w, yp, n0, n1); });
   return y;
 }
 
@@ -250,7 +177,7 @@ TORCH_LIBRARY(torchllama, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor d) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("isa() -> int", &torchllama::isa_level);
+  m.def("isa() -> int", &torchllama::isa_code);
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {

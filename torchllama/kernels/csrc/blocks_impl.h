@@ -1,12 +1,15 @@
 // Matrix products of GGUF-style block weights with int8-quantized activations, for one
-// instruction set. blocks.cpp includes this file once per instruction set, inside a namespace
-// (`ISA`) and a `#pragma GCC target`, with ISA_LEVEL set to
+// instruction set. arch/scalar.cpp, arch/avx2.cpp and arch/avx512_vnni.cpp each include this
+// file once, inside a namespace (`ISA`) and (but for scalar) a `#pragma GCC target`, with
+// ISA_LEVEL set to
 //   0  scalar (any CPU): the 8 lanes of the vector paths emulated with plain loops,
-//   1  AVX2 + FMA: _mm256_maddubs_epi16 / _mm256_madd_epi16 (llama.cpp's ggml-cpu/quants.c idiom),
-//   2  AVX-512 VNNI on 256-bit registers: _mm256_dpbusd_epi32.
+//   1  AVX2 + FMA + F16C: _mm256_maddubs_epi16 / _mm256_madd_epi16 (llama.cpp's
+//      ggml-cpu/quants.c idiom),
+//   2  AVX-512 F/VL/BW + VNNI: _mm512_dpbusd_epi32, a pair of blocks per instruction.
 // Every level computes each output with the same float operations in the same order (the
 // integer lanes are exact, so they are equal however they are formed): one answer on every CPU,
-// for every batch size (see blocks.cpp for the contract).
+// for every batch size (see blocks.cpp for the contract). The arguments (Act, Q4Weight,
+// Q8Weight) are kernels.h's; q4_rows, q8_rows and quantize_block are the table's entries.
 
 namespace ISA {
 

@@ -31,7 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
+#include "ops.h"
 
 namespace torchllama {
 

@@ -32,6 +32,11 @@
 // (linear_impl.h: tiles of x rows × W rows, or × 16-column vectors of a column-major W, each
 // reaching the same chains and tree). Threads split N only, never K. (Measured on SmolLM2 in
 // float32 with MKL: 4 tokens' logits one at a time vs in one forward, 7.6e-5 apart.)
+//
+// This file is the ATen glue (argument checks, output tensors, the split over threads, the
+// registration); the kernels are layers_impl.h and linear_impl.h, compiled once per
+// instruction set by arch/*.cpp and reached through the kernel table (kernels.h): the AVX-512
+// ones need F, VL and BW only, no VNNI.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -40,57 +45,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
-#include <immintrin.h>
 
-#include "isa.h"
+#include "kernels.h"
+#include "ops.h"
 
 namespace torchllama {
-
-// Attention of one query: its KV head's keys and values and the softmax's settings.
-struct AttnArgs {
-  const float* k; int64_t k_s;          // slot j's key at k + j·k_s
-  const float* v; int64_t v_s;
-  int64_t S, hd, dv;
-  float scale, softcap;                 // softcap 0: none
-  int64_t start;                        // index of the first key visited (see attend_one)
-};
-
-// One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major
-// (for linear_rows) or Wᵀ as a contiguous (K, N) (a column-major weight, for linear_cols).
-struct LinearArgs {
-  const float* x; const float* w; float* y;
-  int64_t M, N, K;
-};
-
-#define ISA scalar
-#define ISA_LEVEL 0
-#include "layers_impl.h"
-#include "linear_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define ISA avx2
-#define ISA_LEVEL 1
-#include "layers_impl.h"
-#include "linear_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw")
-#define ISA avx512
-#define ISA_LEVEL 2
-#include "layers_impl.h"
-#include "linear_impl.h"
-#undef ISA
-#undef ISA_LEVEL
-#pragma GCC pop_options
 
 static void check_f32(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name,
@@ -110,12 +71,10 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps, bool
   const int64_t M = D ? x.numel() / D : 0;
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const Isa isa = isa_in_use();
+  const auto rms_norm_rows = table().rms_norm_rows;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)),
                    [&](int64_t m0, int64_t m1) {
-    if (isa == Isa::vnni) avx512::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
-    else if (isa == Isa::avx2) avx2::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
-    else scalar::rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
+    rms_norm_rows(xp, wp, yp, D, float(eps), unit_offset, m0, m1);
   });
   return y;
 }
@@ -140,26 +99,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cs_) {
   const float* cp = cs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  const auto rope_head = table().rope_head;
   at::parallel_for(0, B * T, std::max<int64_t>(1, 8192 / std::max<int64_t>(H * hd, 1)),
                    [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
       const float* c = cp + ((per_row ? b * T : 0) + t) * pairs * 2;
-      for (int64_t h = 0; h < H; ++h)   // plain float ops: the same bits on every ISA
-        scalar::rope_head(xp + b * sb + t * st + h * sh, c, yp + (r * H + h) * hd, pairs, hd);
+      for (int64_t h = 0; h < H; ++h)
+        rope_head(xp + b * sb + t * st + h * sh, c, yp + (r * H + h) * hd, pairs, hd);
     }
   });
   return y;
 }
 
 // ---- attention ---------------------------------------------------------------------------------
-
-static void attend_one(Isa isa, const AttnArgs& a, const float* q, const uint8_t* allowed,
-                       float* sc, float* out) {
-  if (isa == Isa::vnni) avx512::attend_one(a, q, allowed, sc, out);
-  else if (isa == Isa::avx2) avx2::attend_one(a, q, allowed, sc, out);
-  else scalar::attend_one(a, q, allowed, sc, out);
-}
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask_, double scale, double softcap,
@@ -196,7 +149,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  const Isa isa = isa_in_use();
+  const auto attend_one = table().attend_one;
   const int64_t work = std::max<int64_t>(1, S * (hd + dv));
   // One task: query t of row b for head h (its KV head h / n_rep).
   at::parallel_for(0, B * H * T, std::max<int64_t>(1, 32768 / work), [&](int64_t u0, int64_t u1) {
@@ -217,7 +170,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const AttnArgs a{kp + b * k.stride(0) + g * k.stride(1), k.stride(2),
                        vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
                        S, hd, dv, float(scale), float(softcap), ks ? ks[b] : 0};
-      attend_one(isa, a, qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
+      attend_one(a, qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
                  allowed.data(), sc.data(), op + ((b * T + t) * H + h) * dv);
     }
   });
@@ -241,21 +194,12 @@ at::Tensor f32_linear(const at::Tensor& x_, const at::Tensor& w_) {
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const LinearArgs a{x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
-  const Isa isa = isa_in_use();
+  const auto kernel = col ? table().linear_cols : table().linear_rows;
   const int64_t unit = col ? 16 : 4;             // columns per work unit (a thread's share)
   const int64_t per_unit = std::max<int64_t>(1, M * K * unit);
   at::parallel_for(0, (N + unit - 1) / unit, std::max<int64_t>(1, 65536 / per_unit),
                    [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
-    if (col) {
-      if (isa == Isa::vnni) avx512::linear_cols(a, n0, n1);
-      else if (isa == Isa::avx2) avx2::linear_cols(a, n0, n1);
-      else scalar::linear_cols(a, n0, n1);
-    } else {
-      if (isa == Isa::vnni) avx512::linear_rows(a, n0, n1);
-      else if (isa == Isa::avx2) avx2::linear_rows(a, n0, n1);
-      else scalar::linear_rows(a, n0, n1);
-    }
+    kernel(a, u0 * unit, std::min(N, u1 * unit));
   });
   return y;
 }

@@ -1,8 +1,11 @@
-// RMSNorm, RoPE and attention in float32, for one instruction set. layers.cpp includes this file
-// once per instruction set, inside a namespace (`ISA`) and a `#pragma GCC target`, as blocks.cpp
-// does: the loops are plain C++ that the compiler vectorizes for the target. Every float
-// operation is written out (no FMA contraction, no -ffast-math, reductions in a fixed lane order
-// and a fixed tree), so every instruction set gives the same bits, and so does every batch size.
+// RMSNorm, RoPE and attention in float32, for one instruction set. arch/scalar.cpp,
+// arch/avx2.cpp and arch/avx512.cpp each include this file once, inside a namespace (`ISA`)
+// and (but for scalar) a `#pragma GCC target`, with ISA_LEVEL 0 (plain loops), 1 (AVX2 + FMA:
+// 16 lanes as two ymm) or 2 (AVX-512 F/VL/BW: one zmm): the loops are plain C++ that the
+// compiler vectorizes for the target. Every float operation is written out (no FMA
+// contraction: -ffp-contract=off; no -ffast-math; reductions in a fixed lane order and a fixed
+// tree), so every instruction set gives the same bits, and so does every batch size.
+// rms_norm_rows, rope_head and attend_one are the table's entries (kernels.h).
 
 namespace ISA {
 

@@ -1,7 +1,8 @@
 // The float32 matrix product y = x · Wᵀ for one instruction set (see layers.cpp's header for the
-// contract). layers.cpp includes this file after layers_impl.h inside each instruction set's
-// namespace: it builds on that file's 16-lane vectors (v16, load16, fma16, splat16) and on its
-// reduction tree (tree_sum, tree_sum4), so every output is `dot(x_m, w_n, K)` of layers_impl.h:
+// contract). The arch/ files include it after layers_impl.h inside each instruction set's
+// namespace (linear_rows and linear_cols are the table's entries): it builds on that file's
+// 16-lane vectors (v16, load16, fma16, splat16) and on its reduction tree (tree_sum,
+// tree_sum4), so every output is `dot(x_m, w_n, K)` of layers_impl.h:
 //   lane l (0..15) = the fused multiply-add chain over k ≡ l (mod 16), k increasing, from +0;
 //   y = tree_sum(lanes) = ((l0+l8)+(l4+l12)) + ((l2+l10)+(l6+l14))
 //                       + ((l1+l9)+(l5+l13)) + ((l3+l11)+(l7+l15)).

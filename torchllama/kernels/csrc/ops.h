@@ -1,16 +1,12 @@
-// The instruction set the kernels run with, chosen once per process (blocks.cpp), and the ops.
+// The ATen ops, callable from C++ (decoder.cpp) as from Python (torch.ops.torchllama.*):
+// defined by the glue files blocks.cpp and layers.cpp, which check the arguments, split the
+// work over threads and call the kernel table (kernels.h).
 #pragma once
-
-namespace torchllama {
-enum class Isa { scalar, avx2, vnni };   // vnni: AVX-512 (F, VL, BW, VNNI)
-Isa isa_in_use();
-}  // namespace torchllama
 
 #include <ATen/ATen.h>
 #include <optional>
 
 namespace torchllama {
-// The ops, callable from C++ (blocks.cpp, layers.cpp) as from Python.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);

@@ -1,0 +1,39 @@
+// The AVX-512 VNNI int8 block kernels: a pair of blocks (64 weights) per _mm512_dpbusd_epi32,
+// activation quantization 16 lanes at a time. blocks_impl.h with ISA_LEVEL 2 under
+// `#pragma GCC target`; dispatch.cpp calls it only on a CPU with AVX-512 F, VL, BW and VNNI.
+// The float32 layer kernels of that CPU are arch/avx512.cpp's (they need no VNNI).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../kernels.h"
+
+namespace torchllama {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define ISA avx512_vnni
+#define ISA_LEVEL 2
+#include "../blocks_impl.h"
+#undef ISA
+#undef ISA_LEVEL
+#pragma GCC pop_options
+
+const Kernels& avx512_vnni_kernels() {
+  static const Kernels k = [] {
+    Kernels k;                                   // float32 layer kernels: avx512
+    k.quantize_block = &avx512_vnni::quantize_block;
+    k.q4_rows = &avx512_vnni::q4_rows;
+    k.q8_rows = &avx512_vnni::q8_rows;
+    return k;
+  }();
+  return k;
+}
+
+}  // namespace torchllama

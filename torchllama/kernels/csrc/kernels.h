@@ -1,0 +1,102 @@
+// The kernels as data: the CPU's features, detected once, and the table of kernels chosen for
+// them. No ATen here: the SIMD translation units (arch/*.cpp) include this file and nothing of
+// torch; the ATen glue (blocks.cpp, layers.cpp) calls `table().q4_rows(…)` and never names an
+// instruction set.
+//
+// The shape is ggml-cpu's (llama.cpp ggml/src/ggml-cpu/): cpu-feats.cpp scores the CPU once;
+// quants.h declares each kernel with its `_generic` reference, arch/x86/quants.c the SIMD
+// versions and arch-fallback.h maps the ones an architecture lacks to the reference. Here:
+//   arch/scalar.cpp       every kernel, plain C++ (the reference; any x86-64)
+//   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C
+//   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
+//   arch/avx512_vnni.cpp  the int8 block kernels, AVX-512 F/VL/BW + VNNI (vpdpbusd)
+// Each fills one `Kernels`, leaving null what it does not provide; dispatch.cpp takes each
+// kernel from the highest level the CPU has that provides it (the fallback is data: a CPU with
+// AVX-512 but no VNNI runs the AVX-512 float kernels and the AVX2 block kernels; rope_head is
+// scalar everywhere). Every level gives the same bits (blocks_impl.h, layers_impl.h).
+#pragma once
+
+#include <cstdint>
+
+namespace torchllama {
+
+// ---- the kernels' arguments (plain data) ----------------------------------------------------
+
+struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
+  const int8_t* q; const float* d; const float* s; int64_t M, K;
+  // for Q4 prefill tiles (M ≥ 4), else null: q with each pair of blocks in the Q4 lane map's
+  // byte order (rows of Kp = 32·⌈nb/2⌉·2 bytes, an odd last block padded with zeros), and s
+  // transposed, (K/32, M)
+  const int8_t* q4 = nullptr; const float* s_t = nullptr; int64_t Kp = 0;
+};
+struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32, or f16 bits when half
+  const uint8_t* codes; const void* d; const void* m; int64_t N, K; bool half;
+};
+struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32, or f16 bits when half
+  const int8_t* codes; const void* d; int64_t N, K, block; bool half;
+};
+
+// Attention of one query: its KV head's keys and values and the softmax's settings.
+struct AttnArgs {
+  const float* k; int64_t k_s;          // slot j's key at k + j·k_s
+  const float* v; int64_t v_s;
+  int64_t S, hd, dv;
+  float scale, softcap;                 // softcap 0: none
+  int64_t start;                        // index of the first key visited (see attend_one)
+};
+
+// One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major
+// (for linear_rows) or Wᵀ as a contiguous (K, N) (a column-major weight, for linear_cols).
+struct LinearArgs {
+  const float* x; const float* w; float* y;
+  int64_t M, N, K;
+};
+
+// ---- the table ------------------------------------------------------------------------------
+
+// One instruction set's kernels (null: not provided at that level, taken from the level below).
+struct Kernels {
+  // int8 block products (blocks_impl.h): one block of 32 activations quantized; rows
+  // [n0, n1) of W against every activation row, into y (M, N)
+  void (*quantize_block)(const float* x, int8_t* q, float* d, float* s) = nullptr;
+  void (*q4_rows)(const Act& a, const Q4Weight& w, float* y, int64_t n0, int64_t n1) = nullptr;
+  void (*q8_rows)(const Act& a, const Q8Weight& w, float* y, int64_t n0, int64_t n1) = nullptr;
+  // float32 layer kernels (layers_impl.h): RMSNorm of rows [m0, m1); RoPE of one head vector;
+  // attention of one query; f32_linear's outputs [n0, n1) (linear_impl.h)
+  void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t D, float eps,
+                        bool unit_offset, int64_t m0, int64_t m1) = nullptr;
+  void (*rope_head)(const float* x, const float* cs, float* y, int64_t pairs,
+                    int64_t hd) = nullptr;
+  void (*attend_one)(const AttnArgs& a, const float* q, const uint8_t* allowed, float* sc,
+                     float* out) = nullptr;
+  void (*linear_rows)(const LinearArgs& a, int64_t n0, int64_t n1) = nullptr;
+  void (*linear_cols)(const LinearArgs& a, int64_t n0, int64_t n1) = nullptr;
+};
+
+// Each filled by its own translation unit, compiled for its instruction set.
+const Kernels& scalar_kernels();
+const Kernels& avx2_kernels();
+const Kernels& avx512_kernels();
+const Kernels& avx512_vnni_kernels();
+
+// ---- the CPU --------------------------------------------------------------------------------
+
+// What the kernels may use: each level implies the ones before it.
+struct CpuFeatures {
+  bool avx2 = false;          // AVX2 + FMA + F16C
+  bool avx512 = false;        // AVX-512 F, VL, BW
+  bool avx512_vnni = false;   // and VNNI
+};
+
+// The instruction set in use, by the numbers torch.ops.torchllama.isa() returns (2 was VNNI
+// before the F/BW-only level existed, hence the order).
+enum class Isa : int64_t { scalar = 0, avx2 = 1, avx512_vnni = 2, avx512 = 3 };
+
+// Detected once per process, lowered by TORCHLLAMA_KERNELS_ISA = scalar | avx2 | avx512 | vnni
+// (the tests force each level; a level the CPU lacks is not forced on it).
+const CpuFeatures& cpu_features();
+Isa isa_in_use();
+// The kernels for cpu_features(), every entry filled.
+const Kernels& table();
+
+}  // namespace torchllama
