@@ -216,6 +216,29 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
         np.testing.assert_array_equal(y, first, err_msg=isa)
 
 
+def test_each_kernel_comes_from_the_highest_level_that_has_it():
+    """The tables of every level, this CPU's or not (assembled, never run): without VNNI an
+    AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; rope_head is
+    the scalar one everywhere."""
+    blocks = ("quantize_block", "q4_rows", "q8_rows")
+    floats = ("rms_norm_rows", "attend_one", "linear_rows", "linear_cols")
+    expected = {"scalar": ("scalar", "scalar"), "avx2": ("avx2", "avx2"),
+                "avx512": ("avx2", "avx512"), "avx512_vnni": ("avx512_vnni", "avx512")}
+    for isa, (block_level, float_level) in expected.items():
+        assert kernels.kernel_levels(isa) == {**dict.fromkeys(blocks, block_level),
+                                              **dict.fromkeys(floats, float_level),
+                                              "rope_head": "scalar"}, isa
+    assert kernels.kernel_levels() == kernels.kernel_levels(kernels.isa())
+
+
+def test_every_source_file_is_in_the_build_key():
+    """The cache folder's name hashes SOURCES: a file left out would keep a stale build."""
+    on_disk = {p.relative_to(kernels.CSRC).as_posix() for p in kernels.CSRC.rglob("*")
+               if p.suffix in (".h", ".cpp")}
+    assert on_disk == set(kernels.SOURCES)
+    assert set(kernels.COMPILED) == {name for name in on_disk if name.endswith(".cpp")}
+
+
 def test_a_row_length_off_the_block_is_refused():
     with pytest.raises(RuntimeError, match="not a multiple of the block"):
         torch.ops.torchllama.q8_linear(torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.int8),

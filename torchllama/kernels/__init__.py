@@ -31,6 +31,7 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
         layer with block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 without VNNI
         (its float32 layer ops on AVX-512 F/VL/BW, its block products on AVX2)
+    torch.ops.torchllama.kernel_levels(isa) → ["q4_rows=avx2", …] (see kernel_levels())
 """
 
 from __future__ import annotations
@@ -184,6 +185,15 @@ def isa() -> str:
     """The instruction set the kernels run with ('avx512_vnni', 'avx512', 'avx2', 'scalar'), or
     'none' when they are unavailable."""
     return ISA_NAMES[int(torch.ops.torchllama.isa())] if available() else "none"
+
+
+def kernel_levels(isa_name: Optional[str] = None) -> dict[str, str]:
+    """Which instruction set each kernel of the table comes from, for `isa_name` (one of
+    ISA_NAMES' values; default: the one in use), e.g. {'q4_rows': 'avx2', 'linear_rows':
+    'avx512', …} for 'avx512'. The table is only assembled, so any level can be asked on any
+    CPU. Needs the kernels available."""
+    code = {name: c for c, name in ISA_NAMES.items()}[isa_name or isa()]
+    return dict(e.split("=") for e in torch.ops.torchllama.kernel_levels(code))
 
 
 def unavailable_reason() -> str:

@@ -10,6 +10,8 @@ t0 = time.perf_counter()
 if kernels.available():
     print(f"torchllama kernels: {kernels.isa()} ({kernels.build_dir()}, "
           f"{time.perf_counter() - t0:.1f} s)")
+    for name, level in kernels.kernel_levels().items():
+        print(f"  {name:15s} {level}")
 else:
     print(f"torchllama kernels: unavailable ({kernels.unavailable_reason()}); "
           "quantized models use torch's kernels", file=sys.stderr)

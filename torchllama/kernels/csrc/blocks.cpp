@@ -20,6 +20,8 @@
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
 //   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
 //       instruction set chosen for this CPU (kernels.h: the table's levels)
+//   kernel_levels(isa) → ["q4_rows=avx2", …]: where each kernel of that level's table comes
+//       from (the table assembled, nothing run: any level on any CPU)
 //
 // This file is the ATen glue: argument checks, the per-thread scratch of quantized
 // activations, the split of W's rows over threads, and the ops' registration. The SIMD code is
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -42,6 +45,12 @@
 namespace torchllama {
 
 static int64_t isa_code() { return int64_t(isa_in_use()); }
+
+// Where each kernel of instruction set `isa`'s table comes from (kernels.h; nothing runs).
+static std::vector<std::string> kernel_levels_of(int64_t isa) {
+  TORCH_CHECK(0 <= isa && isa <= 3, "kernel_levels: isa must be 0, 1, 2 or 3, got ", isa);
+  return kernel_levels(features_of(Isa(isa)));
+}
 
 // Activation quantization (O(M·K), small next to the product's O(M·N·K)): each block by the
 // table's `quantize_block` (blocks_impl.h), the same bits on every level.
@@ -178,6 +187,7 @@ TORCH_LIBRARY(torchllama, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor d) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("isa() -> int", &torchllama::isa_code);
+  m.def("kernel_levels(int isa) -> str[]", &torchllama::kernel_levels_of);
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {

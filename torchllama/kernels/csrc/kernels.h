@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace torchllama {
 
@@ -98,5 +100,11 @@ const CpuFeatures& cpu_features();
 Isa isa_in_use();
 // The kernels for cpu_features(), every entry filled.
 const Kernels& table();
+
+// The features an instruction set stands for, and where each kernel of their table comes from
+// ("q4_rows=avx2", …): a table is only assembled, nothing runs, so any level can be inspected
+// on any CPU (torch.ops.torchllama.kernel_levels; the tests check the AVX-512 mixes so).
+CpuFeatures features_of(Isa isa);
+std::vector<std::string> kernel_levels(const CpuFeatures& f);
 
 }  // namespace torchllama
