@@ -1,7 +1,7 @@
 // The kernels as data: the CPU's features, detected once, and the table of kernels chosen for
-// them. No ATen here: the SIMD translation units (arch/*.cpp) include this file and nothing of
-// torch; the ATen glue (blocks.cpp, layers.cpp) calls `table().q4_rows(…)` and never names an
-// instruction set.
+// them. No ATen here: the SIMD translation units (arch/*.cpp) include this file and no ATen
+// (scalar.cpp only c10's float16 conversion); the ATen glue (blocks.cpp, layers.cpp) calls
+// `table().q4_rows(…)` and never names an instruction set.
 //
 // The shape is ggml-cpu's (llama.cpp ggml/src/ggml-cpu/): cpu-feats.cpp scores the CPU once;
 // quants.h declares each kernel with its `_generic` reference, arch/x86/quants.c the SIMD
