@@ -175,7 +175,7 @@ def test_rows_at_their_own_positions_match_one_row_at_a_time():
             model(torch.tensor([p]), 0, cache_rows=slice(b, b + 1))
             # slots past a row's own are masked but must be finite for torch's attention (the
             # engine's _make_finite; KVCache's contract)
-            model.zero_cache_slots(slice(b, b + 1), len(p), 512)
+            model.caches.zero(slice(b, b + 1), len(p), 512)
         tokens = torch.tensor([[7], [8], [9]])
         pos = torch.tensor([3, -1, 90])
         before = [c.k_cache[1].clone() for c in model.caches]

@@ -451,7 +451,8 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
     (sandwich norms with gains 1 + w, QK-norm, tanh GeGLU, soft-capping, and a sliding-window
     ring cache that decode steps wrap around)."""
     from torchllama.config import ModelArgs
-    from torchllama.model import Transformer, TransformerBlock
+    from torchllama.model import Transformer
+    from torchllama.transforms.fuse import FusedTransformerBlock
     from torchllama.transforms.quantize import quantize_model
 
     torch.manual_seed(0)
@@ -463,7 +464,8 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
     model = quantize_model(model, scheme)
     with torch.inference_mode():
         for layer in model.layers:
-            assert layer._fused_weights() is not None, layer.layer_id
+            assert isinstance(layer, FusedTransformerBlock), layer.layer_id
+            assert layer.weights() is not None, layer.layer_id
     prompt = torch.randint(0, 256, (2, 9))
 
     def run():
@@ -482,13 +484,9 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
                         lambda *a: calls.append(1) or op(*a), raising=False)
     fused = list(run())
     assert len(calls) >= 71 * 2                       # every decode step, each layer
-    monkeypatch.setattr(TransformerBlock, "fused_layer_args", lambda self, x, inputs: None)
+    monkeypatch.setattr(FusedTransformerBlock, "cache_slots", lambda self, x, inputs: None)
     for i, (a, b) in enumerate(zip(fused, run())):
         assert torch.equal(a, b), i
-
-
-def _inputs(model):
-    return model._attention_inputs(0, torch.device("cpu"), 0, 1, None, None, 1)
 
 
 # ---- the float32 linear product (f32_linear, torchllama.nn.linear.Linear) ----------------------

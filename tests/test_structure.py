@@ -69,15 +69,56 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_model_code_imports_no_checkpoint_training_or_serving_code():
+def _imports_of(graph: dict[str, set[str]], prefix: str) -> set[str]:
+    """What the modules of package `prefix` (or the module itself) import from outside it."""
+    return {dep for module, deps in graph.items()
+            if module == prefix or module.startswith(prefix + ".")
+            for dep in deps if not (dep == prefix or dep.startswith(prefix + "."))}
+
+
+def _outside(deps: set[str], allowed: tuple[str, ...]) -> set[str]:
+    return {d for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed)}
+
+
+def test_model_code_imports_only_the_building_blocks():
+    # The reader of model.py meets the decoder and nothing else: no kernels, no transforms.
     graph = import_graph()
-    # The model's own kernels (torchllama.kernels) are model math too, and import nothing else.
-    model_code = ["torchllama.model", "torchllama.kernels"] + \
-        [m for m in graph if m.startswith("torchllama.nn")]
-    for module in model_code:
-        for dep in graph[module]:
-            assert dep.startswith(("torchllama.nn", "torchllama.config", "torchllama.errors",
-                                   "torchllama.kernels")), (module, dep)
+    base = ("torchllama.config", "torchllama.errors")
+    assert _outside(graph["torchllama.model"], base + ("torchllama.nn",)) == set()
+    # nn's modules call the kernels' batch-invariant float32 ops (the same math).
+    assert _outside(_imports_of(graph, "torchllama.nn"), base + ("torchllama.kernels",)) == set()
+    assert _imports_of(graph, "torchllama.kernels") == set()
+
+
+def test_layers_import_only_downwards():
+    """transforms never import generation or serving; generation never imports serving;
+    nothing below the CLI imports it; the benches are run by the CLI only (the KV-cache size
+    calculator, a pure function of the config, is shared)."""
+    graph = import_graph()
+    above = {
+        "torchllama.transforms": ("torchllama.generation", "torchllama.serving",
+                                  "torchllama.bench", "torchllama.train", "torchllama.cli"),
+        "torchllama.generation": ("torchllama.serving", "torchllama.bench", "torchllama.train",
+                                  "torchllama.cli"),
+        "torchllama.serving": ("torchllama.bench", "torchllama.train", "torchllama.cli"),
+        "torchllama.tokenizers": ("torchllama.generation", "torchllama.serving",
+                                  "torchllama.bench", "torchllama.cli", "torchllama.model"),
+        "torchllama.checkpoint": ("torchllama.generation", "torchllama.serving",
+                                  "torchllama.bench", "torchllama.cli"),
+    }
+    for package, forbidden in above.items():
+        deps = _imports_of(graph, package)
+        assert _outside(deps, forbidden) == deps, (package, deps - _outside(deps, forbidden))
+    users = {m for m, deps in graph.items()
+             if any(d.startswith("torchllama.bench") and d != "torchllama.bench.kv_cache_size"
+                    for d in deps) and not m.startswith("torchllama.bench")}
+    assert users <= {"torchllama.cli", "torchllama"}, users
+
+
+def test_few_top_level_modules():
+    # Packages tell the architecture; at most 8 modules sit at the top beside them.
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= 8, modules
 
 
 def test_gguf_and_hf_tensor_names_only_in_family_tables():

@@ -310,7 +310,7 @@ def test_t5_relative_bias_attention_equals_t5_attention():
     causal = torch.full((30, 30), float("-inf")).triu(1)[None, None]      # (1, 1, T, S)
     with torch.no_grad():
         expected = t5(x, mask=causal)[0]
-        inputs = ours._attention_inputs(0, x.device, 0, 30, None, None)
+        inputs = ours._attention_inputs(x.device, 1, 0, 30, None, None, None)[0]
         got = attention(x, inputs)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

@@ -4,13 +4,22 @@ showing at which depth each position's prediction forms."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from torchllama.anatomy.capture import residual_stream
-from torchllama.anatomy.report import AnatomyContext, Figure, Section, token_labels
+from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, token_labels
 
 #: positions shown in the grid (the text's first tokens)
 LENS_TOKENS = 16
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 @torch.no_grad()
@@ -33,58 +42,102 @@ def logit_lens(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return top.indices, top.values
 
 
-def logit_lens_section(ctx: AnatomyContext) -> Section:
-    """A layers × positions grid of the top next-token at each depth, coloured by its
-    probability, and per layer the share of positions where it already equals the final one."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+@dataclass
+class LogitLens:
+    """The logit lens of the text: what each layer would predict.
 
-    model, tok = ctx.model, ctx.tokenizer
+    Attributes:
+        top_ids, top_probs: (L, T) int64 / float32, the most likely next token read after
+            each block and its probability (`logit_lens`); the last row is the model's output.
+        agreement: (L,) float32 share of positions whose top token equals the final one.
+        first_agreeing: the first layer with agreement ≥ 0.5 (L − 1 if none).
+        words: the first n = min(LENS_TOKENS, T) predicted tokens of each layer, as labels.
+        input_labels: the labels of the first n input tokens.
+    """
+
+    top_ids: torch.Tensor
+    top_probs: torch.Tensor
+    agreement: torch.Tensor
+    first_agreeing: int
+    words: list[list[str]]
+    input_labels: list[str]
+
+
+def measure_logit_lens(ctx: AnatomyContext) -> LogitLens:
+    """`logit_lens` of ctx's text and how early it agrees with the final prediction."""
     ctx.progress("logit lens")
-    top_ids, top_probs = logit_lens(model, ctx.tokens)              # (L, T) each
+    top_ids, top_probs = logit_lens(ctx.model, ctx.tokens)          # (L, T) each
     L, T = top_ids.shape
     agree = (top_ids == top_ids[-1]).float().mean(1)                 # (L,)
-    first = next((l for l in range(L) if agree[l] >= 0.5), L - 1)
     n = min(LENS_TOKENS, T)
-    words = [token_labels(tok, row[:n].tolist()) for row in top_ids]
+    return LogitLens(top_ids=top_ids, top_probs=top_probs, agreement=agree,
+                     first_agreeing=next((l for l in range(L) if agree[l] >= 0.5), L - 1),
+                     words=[token_labels(ctx.tokenizer, row[:n].tolist()) for row in top_ids],
+                     input_labels=ctx.labels[:n])
 
+
+def plot_lens_grid(m: LogitLens) -> Figure:
+    """Layers × the first positions: the predicted token, coloured by its probability."""
+    plt = _pyplot()
+    L, n = m.top_ids.shape[0], len(m.input_labels)
     fig, ax = plt.subplots(figsize=(1.0 * n + 2, 0.32 * L + 1.5))
-    ax.imshow(top_probs[:, :n].numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto",
+    ax.imshow(m.top_probs[:, :n].numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto",
               interpolation="nearest")
     for l in range(L):
         for t in range(n):
-            ax.text(t, l, words[l][t][:8], ha="center", va="center", fontsize=6,
-                    color="white" if top_probs[l, t] > 0.6 else "black")
-    ax.set_xticks(range(n), [f"{w}\n→" for w in ctx.labels[:n]], fontsize=7)
+            ax.text(t, l, m.words[l][t][:8], ha="center", va="center", fontsize=6,
+                    color="white" if m.top_probs[l, t] > 0.6 else "black")
+    ax.set_xticks(range(n), [f"{w}\n→" for w in m.input_labels], fontsize=7)
     ax.set_yticks(range(L), [f"after block {l}" for l in range(L)], fontsize=6)
     ax.set_title("Top next token read from the residual stream (colour: its probability)",
                  fontsize=9)
     fig.tight_layout()
+    return Figure("grid", f"Layers × the first {n} positions: the most likely next token read "
+                  "after each block (column label: the input token at that position).", fig)
+
+
+def plot_agreement(m: LogitLens) -> Figure:
+    """Per layer: agreement with the final prediction and the mean top-1 probability."""
+    plt = _pyplot()
+    L = m.top_ids.shape[0]
     fig2, ax2 = plt.subplots(figsize=(7, 3))
-    ax2.plot(range(L), agree.numpy(), "o-", label="top-1 = final prediction")
-    ax2.plot(range(L), top_probs.mean(1).numpy(), "s-", label="mean top-1 probability")
+    ax2.plot(range(L), m.agreement.numpy(), "o-", label="top-1 = final prediction")
+    ax2.plot(range(L), m.top_probs.mean(1).numpy(), "s-", label="mean top-1 probability")
     ax2.set_xlabel("layer (after block)")
     ax2.set_ylim(0, 1.02)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig2.tight_layout()
-    return Section(
+    return Figure("agreement", "Share of positions whose lens prediction already equals the "
+                  "model's final prediction, and the mean top-1 probability, by layer.", fig2)
+
+
+LOOK_FOR = (
+    "The residual stream is a running sum that every block adds to, and only the final norm "
+    "and output projection turn it into next-token logits. Applying them early (the logit "
+    "lens) shows what the model would predict if it stopped after block l. Read each column "
+    "top to bottom: early layers mostly echo the input token or common words; the final "
+    "prediction appears part-way down and its probability grows; the last row is the "
+    "model's real output. A lens trained per layer (the tuned lens) reads early layers "
+    "better; this is the plain one.")
+
+
+def logit_lens_prose(m: LogitLens) -> Prose:
+    """The logit-lens section's headline and anatomy.json entry."""
+    L, T = m.top_ids.shape
+    headline = [f"The lens agrees with the final prediction at ≥ 50% of the {T} positions "
+                f"from block {m.first_agreeing} of {L} on; after block {L // 2} it agrees at "
+                f"{m.agreement[L // 2]:.0%}."]
+    data = {"top_ids": m.top_ids.tolist(), "top_probs": m.top_probs.tolist(),
+            "agreement": m.agreement.tolist(), "grid_words": m.words,
+            "first_agreeing_layer": m.first_agreeing}
+    return Prose(LOOK_FOR, headline, data)
+
+
+def logit_lens_section(ctx: AnatomyContext) -> Section:
+    """A layers × positions grid of the top next-token at each depth, coloured by its
+    probability, and per layer the share of positions where it already equals the final one."""
+    m = measure_logit_lens(ctx)
+    return logit_lens_prose(m).section(
         "logit-lens", "Logit lens: the prediction layer by layer",
-        "The residual stream is a running sum that every block adds to, and only the final norm "
-        "and output projection turn it into next-token logits. Applying them early (the logit "
-        "lens) shows what the model would predict if it stopped after block l. Read each column "
-        "top to bottom: early layers mostly echo the input token or common words; the final "
-        "prediction appears part-way down and its probability grows; the last row is the "
-        "model's real output. A lens trained per layer (the tuned lens) reads early layers "
-        "better; this is the plain one.",
-        [Figure("grid", f"Layers × the first {n} positions: the most likely next token read "
-                "after each block (column label: the input token at that position).", fig),
-         Figure("agreement", "Share of positions whose lens prediction already equals the "
-                "model's final prediction, and the mean top-1 probability, by layer.", fig2)],
-        headline=[f"The lens agrees with the final prediction at ≥ 50% of the {T} positions "
-                  f"from block {first} of {L} on; after block {L // 2} it agrees at "
-                  f"{agree[L // 2]:.0%}."],
-        data={"top_ids": top_ids.tolist(), "top_probs": top_probs.tolist(),
-              "agreement": agree.tolist(), "grid_words": words, "first_agreeing_layer": first},
-        tensors={"top_ids": top_ids, "top_probs": top_probs})
+        [plot_lens_grid(m), plot_agreement(m)], {"top_ids": m.top_ids, "top_probs": m.top_probs})

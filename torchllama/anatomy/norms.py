@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama.anatomy.capture import residual_stream
-from torchllama.anatomy.report import AnatomyContext, Figure, Section, Table
+from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, Table
 from torchllama.config import ModelArgs
 from torchllama.model import Transformer
 from torchllama.nn.norms import LayerNorm, RMSNorm
@@ -261,82 +262,256 @@ def _groups(dim: int) -> int:
     return max(g for g in range(1, 33) if dim % g == 0)
 
 
-# ---- the section -------------------------------------------------------------------------------
+# ---- measure -----------------------------------------------------------------------------------
 
-def norms_section(ctx: AnatomyContext) -> Section:
-    """Normalization on the real model and text: residual-stream RMS per layer, RMSNorm vs
-    LayerNorm on the same activations (statistics, cosine, speed), GroupNorm / InstanceNorm for
-    comparison, and pre- vs post-norm gradient norms per layer at init (24-layer models)."""
+@dataclass
+class ResidualScale:
+    """The residual stream's size, layer by layer (L+1 stream indices: 0 = the embeddings,
+    l = after block l − 1; T positions; D = dim).
+
+    Attributes:
+        stream: (L+1, T, D) float32 residual stream of the text.
+        rms: (L+1, T) float32 RMS sqrt(mean_d h_d²) of every residual vector.
+        mean, max: (L+1,) float32 mean and max of `rms` over positions ≥ 1 (all when T = 1).
+        argmax: (L+1,) int64 position of `max`.
+        position0: (L+1,) float32 RMS at position 0.
+        first_label: the token label of position 0.
+    """
+
+    stream: torch.Tensor
+    rms: torch.Tensor
+    mean: torch.Tensor
+    max: torch.Tensor
+    argmax: torch.Tensor
+    position0: torch.Tensor
+    first_label: str
+
+
+@dataclass
+class NormAgreement:
+    """RMSNorm vs LayerNorm (unit gains, the model's eps) on every residual vector.
+
+    Attributes:
+        eps: the model's norm_eps, used by both.
+        per_token: `rms_vs_layer_norm`'s statistics, name → (L+1, T) float32.
+        cosine: (L+1, T) float32 cosine of the two outputs (per_token["cosine"]).
+        cosine_mean, cosine_min: (L+1,) float32 over positions ≥ 1 (all when T = 1).
+        picked: the few stream indices whose per-token statistics are drawn and stored.
+    """
+
+    eps: float
+    per_token: dict[str, torch.Tensor]
+    cosine: torch.Tensor
+    cosine_mean: torch.Tensor
+    cosine_min: torch.Tensor
+    picked: list[int]
+
+
+@dataclass
+class NormSpeed:
+    """Wall time of RMSNorm and LayerNorm on this machine (`norm_speed`).
+
+    Attributes:
+        seconds: str(rows) → `norm_speed(dim, rows)`: {mode: {implementation: median seconds}},
+            for rows in `rows`.
+        rows: the row counts timed: (T, SPEED_ROWS).
+        dim: D.
+        threads: torch's intra-op threads during the timing.
+        ratio, ratio_functional: mode → LayerNorm time / RMSNorm time at SPEED_ROWS rows, of
+            our modules and of F.layer_norm / F.rms_norm (> 1: RMSNorm faster).
+    """
+
+    seconds: dict[str, dict[str, dict[str, float]]]
+    rows: tuple[int, int]
+    dim: int
+    threads: int
+    ratio: dict[str, float]
+    ratio_functional: dict[str, float]
+
+
+@dataclass
+class OtherNorms:
+    """Five norms (`other_norms`, unit gains) on one residual stream index, positions ≥ 1.
+
+    Attributes:
+        layer: the stream index (L+1) // 2.
+        groups: GroupNorm's G.
+        outputs: name → (T, D) float32 output of each norm (all positions).
+        per_norm: name → {"abs_mean": mean |per-token mean|, "var_mean" / "var_std": mean and
+            std of the per-token variance, "cos_rms_mean" / "cos_rms_min": per-token cosine
+            to RMSNorm's output, "over", "causal": NORM_AXES}.
+    """
+
+    layer: int
+    groups: int
+    outputs: dict[str, torch.Tensor]
+    per_norm: dict[str, dict]
+
+
+@dataclass
+class PrePostGradients:
+    """Gradient norms per layer at init of GRAD_LAYERS-layer models of each norm placement.
+
+    Attributes:
+        norm: the model's norm ("rmsnorm", "layernorm"), used by the small models.
+        per_init: init ("train", "xavier") → placement → `layer_grad_norms(...)` ({"w2",
+            "block": one float per layer, "loss": [nats]}); {} when the text has < 2 tokens.
+        ratio: init → placement → ‖∂L/∂W2‖ of the last layer / of the first.
+    """
+
+    norm: str
+    per_init: dict[str, dict[str, dict[str, list[float]]]]
+    ratio: dict[str, dict[str, float]]
+
+
+@dataclass
+class NormsMeasurements:
+    """Everything the normalization section measures, one dataclass per experiment."""
+
+    residual: ResidualScale
+    agreement: NormAgreement
+    speed: NormSpeed
+    others: OtherNorms
+    gradients: PrePostGradients
+
+
+def measure_residual(model, tokens: torch.Tensor, labels: list[str]) -> ResidualScale:
+    """The residual stream of tokens (1, T) and the RMS of each of its vectors."""
+    stream = residual_stream(model, tokens)[:, 0]                          # (L+1, T, D) fp32
+    T = stream.shape[1]
+    rms = residual_rms(stream)                                             # (L+1, T)
+    rest = rms[:, 1:] if T > 1 else rms                                    # positions ≥ 1
+    return ResidualScale(stream=stream, rms=rms, mean=rest.mean(1),        # (L+1,) each
+                         max=rest.max(1).values, argmax=rest.argmax(1) + (1 if T > 1 else 0),
+                         position0=rms[:, 0], first_label=labels[0])
+
+
+def measure_agreement(stream: torch.Tensor, eps: float) -> NormAgreement:
+    """RMSNorm vs LayerNorm on every vector of stream (L+1, T, D)."""
+    L1, T, D = stream.shape
+    flat = stream.reshape(L1 * T, D)                                       # (L+1·T, D)
+    per_token = {k: v.reshape(L1, T) for k, v in rms_vs_layer_norm(flat, eps).items()}
+    cos = per_token["cosine"]                                              # (L+1, T)
+    cos_rest = cos[:, 1:] if T > 1 else cos
+    return NormAgreement(eps=eps, per_token=per_token, cosine=cos,
+                         cosine_mean=cos_rest.mean(1), cosine_min=cos_rest.min(1).values,
+                         picked=sorted({0, L1 // 4, L1 // 2, (3 * L1) // 4, L1 - 1}))
+
+
+def measure_speed(dim: int, T: int, seed: int) -> NormSpeed:
+    """`norm_speed` on (T, dim) and (SPEED_ROWS, dim), and the LayerNorm / RMSNorm ratios."""
+    speed = {str(rows): norm_speed(dim, rows, seed=seed) for rows in (T, SPEED_ROWS)}
+    big = speed[str(SPEED_ROWS)]
+    return NormSpeed(
+        seconds=speed, rows=(T, SPEED_ROWS), dim=dim, threads=torch.get_num_threads(),
+        ratio={mode: big[mode]["LayerNorm (ours)"] / big[mode]["RMSNorm (ours)"]
+               for mode in big},
+        ratio_functional={mode: big[mode]["F.layer_norm"] / big[mode]["F.rms_norm"]
+                          for mode in big})
+
+
+def measure_other_norms(stream: torch.Tensor, eps: float) -> OtherNorms:
+    """The five norms of `other_norms` on the middle stream index of stream (L+1, T, D)."""
+    L1, T, D = stream.shape
+    mid, groups = L1 // 2, _groups(D)
+    outs = other_norms(stream[mid], groups, eps)                           # name → (T, D)
+    sl = slice(1, None) if T > 1 else slice(None)
+    per_norm = {}
+    for name, y in outs.items():
+        mean, var = vector_stats(y[sl])                                    # (T−1,) each
+        c = cosine(y[sl], outs["RMSNorm"][sl])                             # (T−1,)
+        per_norm[name] = {"abs_mean": mean.abs().mean().item(), "var_mean": var.mean().item(),
+                          "var_std": var.std(unbiased=False).item(),
+                          "cos_rms_mean": c.mean().item(), "cos_rms_min": c.min().item(),
+                          "over": NORM_AXES[name][0], "causal": NORM_AXES[name][1]}
+    return OtherNorms(layer=mid, groups=groups, outputs=outs, per_norm=per_norm)
+
+
+def measure_gradients(args: ModelArgs, tokens: torch.Tensor, seed: int) -> PrePostGradients:
+    """`layer_grad_norms` of GRAD_LAYERS-layer models of each placement and init on tokens."""
+    T = tokens.shape[1]
+    g_args = dict(dim=GRAD_DIM, n_layers=GRAD_LAYERS, n_heads=GRAD_HEADS,
+                  vocab_size=args.vocab_size, max_seq_len=max(T, 2), norm=args.norm)
+    grads = {init: {pl: layer_grad_norms(ModelArgs(**g_args, norm_placement=pl), tokens,
+                                         seed, init) for pl in PLACEMENTS}
+             for init in ("train", "xavier")} if T >= 2 else {}
+    ratio = {init: {pl: g["w2"][-1] / g["w2"][0] for pl, g in per.items()}
+             for init, per in grads.items()}
+    return PrePostGradients(norm=args.norm, per_init=grads, ratio=ratio)
+
+
+def measure_norms(ctx: AnatomyContext) -> NormsMeasurements:
+    """Every measurement of the normalization section, on ctx's model and text."""
+    ctx.progress("residual stream")
+    residual = measure_residual(ctx.model, ctx.tokens, ctx.labels)
+    stream, eps = residual.stream, ctx.model.args.norm_eps
+    ctx.progress("RMSNorm vs LayerNorm")
+    agreement = measure_agreement(stream, eps)
+    ctx.progress("norm speed")
+    speed = measure_speed(stream.shape[2], stream.shape[1], ctx.seed)
+    ctx.progress("GroupNorm, InstanceNorm")
+    others = measure_other_norms(stream, eps)
+    ctx.progress("pre- vs post-norm gradients")
+    gradients = measure_gradients(ctx.model.args, ctx.tokens, ctx.seed)
+    return NormsMeasurements(residual, agreement, speed, others, gradients)
+
+
+# ---- plot --------------------------------------------------------------------------------------
+
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    model, args = ctx.model, ctx.model.args
-    figures, headline = [], []
 
-    # 1. the residual stream's scale ------------------------------------------------------------
-    ctx.progress("residual stream")
-    stream = residual_stream(model, ctx.tokens)[:, 0]                      # (L+1, T, D) fp32
-    L1, T, D = stream.shape
-    rms = residual_rms(stream)                                             # (L+1, T)
-    rest = rms[:, 1:] if T > 1 else rms                                    # positions ≥ 1
-    rms_mean, rms_max = rest.mean(1), rest.max(1).values                   # (L+1,), (L+1,)
-    rms_argmax = (rest.argmax(1) + (1 if T > 1 else 0))                    # (L+1,) position
-    rms_pos0 = rms[:, 0]                                                   # (L+1,)
-    layers = list(range(L1))
+def plot_residual(r: ResidualScale) -> Figure:
+    """The residual stream's RMS per layer (mean, max, position 0) and at every position."""
+    plt = _pyplot()
+    layers = list(range(r.rms.shape[0]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8),
                                   gridspec_kw={"width_ratios": [1, 1.4]})
-    ax.semilogy(layers, rms_mean.numpy(), "o-", ms=3, label="mean over positions ≥ 1")
-    ax.semilogy(layers, rms_max.numpy(), "s--", ms=3, label="max over positions ≥ 1")
-    ax.semilogy(layers, rms_pos0.numpy(), "^:", ms=3, label=f"position 0 ({ctx.labels[0]!r})")
+    ax.semilogy(layers, r.mean.numpy(), "o-", ms=3, label="mean over positions ≥ 1")
+    ax.semilogy(layers, r.max.numpy(), "s--", ms=3, label="max over positions ≥ 1")
+    ax.semilogy(layers, r.position0.numpy(), "^:", ms=3, label=f"position 0 ({r.first_label!r})")
     ax.set_xlabel("residual stream index (0 = embeddings, l = after block l − 1)")
     ax.set_ylabel("RMS of h (log)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    im = ax2.imshow(rms.log10().numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+    im = ax2.imshow(r.rms.log10().numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
     ax2.set_xlabel("position")
     ax2.set_ylabel("residual stream index")
     fig.colorbar(im, ax=ax2, label="log10 RMS")
     ax2.set_title("RMS of every residual vector", fontsize=9)
     fig.tight_layout()
-    figures.append(Figure("residual-rms", "RMS of the residual stream sqrt(mean_d h_d²) per "
-                          "layer: mean and max over positions ≥ 1, and position 0 on its own "
-                          "(left, log scale); every position (right).", fig))
-    peak = int(rms_mean.argmax())
-    headline.append(f"Residual-stream RMS (mean over positions ≥ 1) goes from "
-                    f"{rms_mean[0]:.3g} (embeddings) to {rms_mean[-1]:.3g} after the last block"
-                    + (f", peaking at {rms_mean[peak]:.3g} at index {peak}" if peak < L1 - 1
-                       else "") + "; "
-                    f"position 0 reaches {rms_pos0.max():.3g}, "
-                    f"{rms_pos0.max() / rms_mean[int(rms_pos0.argmax())]:.1f}× the mean there.")
+    return Figure("residual-rms", "RMS of the residual stream sqrt(mean_d h_d²) per "
+                  "layer: mean and max over positions ≥ 1, and position 0 on its own "
+                  "(left, log scale); every position (right).", fig)
 
-    # 2. RMSNorm vs LayerNorm on the same activations -------------------------------------------
-    ctx.progress("RMSNorm vs LayerNorm")
-    eps = args.norm_eps
-    flat = stream.reshape(L1 * T, D)                                       # (L+1·T, D)
-    cmp_all = {k: v.reshape(L1, T) for k, v in rms_vs_layer_norm(flat, eps).items()}
-    cos = cmp_all["cosine"]                                                # (L+1, T)
-    cos_rest = cos[:, 1:] if T > 1 else cos
-    cos_mean, cos_min = cos_rest.mean(1), cos_rest.min(1).values           # (L+1,)
-    picked = sorted({0, L1 // 4, L1 // 2, (3 * L1) // 4, L1 - 1})
+
+def plot_agreement(a: NormAgreement) -> Figure:
+    """The RMSNorm–LayerNorm cosine per layer, and each output's mean and variance."""
+    plt = _pyplot()
+    cos, picked, per_token = a.cosine, a.picked, a.per_token
+    layers = list(range(cos.shape[0]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8))
-    ax.plot(layers, cos_mean.numpy(), "o-", ms=3, label="mean over positions ≥ 1")
-    ax.plot(layers, cos_min.numpy(), "s--", ms=3, label="min over positions ≥ 1")
+    ax.plot(layers, a.cosine_mean.numpy(), "o-", ms=3, label="mean over positions ≥ 1")
+    ax.plot(layers, a.cosine_min.numpy(), "s--", ms=3, label="min over positions ≥ 1")
     ax.plot(layers, cos[:, 0].numpy(), "^:", ms=3, label="position 0")
     ax.set_xlabel("residual stream index")
     ax.set_ylabel("cos(RMSNorm(h), LayerNorm(h))")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    shown = cmp_all["rms_mean"][picked, 1:]                                 # (k, T−1)
+    shown = per_token["rms_mean"][picked, 1:]                               # (k, T−1)
     reach = max(0.02, 1.3 * shown.abs().max().item())                      # zoom to the data
     m = torch.linspace(-min(reach, 1.0), min(reach, 1.0), 101)
     ax2.plot(m.numpy(), (1 - m ** 2).numpy(), color="0.7", lw=1,
              label="var = 1 − mean² (RMSNorm's curve)")
     for l in picked:
-        ax2.scatter(cmp_all["rms_mean"][l, 1:].numpy(), cmp_all["rms_var"][l, 1:].numpy(),
+        ax2.scatter(per_token["rms_mean"][l, 1:].numpy(), per_token["rms_var"][l, 1:].numpy(),
                     s=8, alpha=0.7, label=f"RMSNorm, index {l}")
-    ax2.scatter(cmp_all["ln_mean"][picked, 1:].flatten().numpy(),
-                cmp_all["ln_var"][picked, 1:].flatten().numpy(), s=40, marker="x",
+    ax2.scatter(per_token["ln_mean"][picked, 1:].flatten().numpy(),
+                per_token["ln_var"][picked, 1:].flatten().numpy(), s=40, marker="x",
                 color="black", label="LayerNorm, all shown layers")
     ax2.set_xlim(-min(reach, 1.0), min(reach, 1.0))
     ax2.set_ylim(1 - min(reach, 1.0) ** 2 - 0.01 * reach, 1 + 0.05 * reach ** 2 + 1e-4)
@@ -345,65 +520,38 @@ def norms_section(ctx: AnatomyContext) -> Section:
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    figures.append(Figure("rms-vs-layernorm", "Left: cosine between the RMSNorm and LayerNorm "
-                          "outputs (unit gains) of the same residual vectors, per layer. Right: "
-                          "mean and variance of each output vector at a few layers (positions "
-                          "≥ 1): LayerNorm's sit at (0, 1), RMSNorm's on var = 1 − mean².",
-                          fig))
-    worst = int(cos_mean.argmin())
-    mid = L1 // 2
-    headline.append(f"RMSNorm vs LayerNorm on the real activations (unit gains): mean cosine "
-                    f"{cos_mean[mid]:.4f} at index {mid}, lowest mean {cos_mean[worst]:.4f} at "
-                    f"index {worst} (lowest single token {cos_min.min():.4f}); position 0: "
-                    f"{cos[:, 0].min():.4f} at worst.")
+    return Figure("rms-vs-layernorm", "Left: cosine between the RMSNorm and LayerNorm "
+                  "outputs (unit gains) of the same residual vectors, per layer. Right: "
+                  "mean and variance of each output vector at a few layers (positions "
+                  "≥ 1): LayerNorm's sit at (0, 1), RMSNorm's on var = 1 − mean².", fig)
 
-    # 3. speed ----------------------------------------------------------------------------------
-    ctx.progress("norm speed")
-    speed = {str(rows): norm_speed(D, rows, seed=ctx.seed) for rows in (T, SPEED_ROWS)}
+
+def plot_speed(s: NormSpeed) -> Figure:
+    """Bars of the median forward and forward + backward times, one panel per row count."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.4))
-    for ax, rows in zip(axes, (T, SPEED_ROWS)):
-        s = speed[str(rows)]
-        names = list(s["forward"])
+    for ax, rows in zip(axes, s.rows):
+        times = s.seconds[str(rows)]
+        names = list(times["forward"])
         xs = torch.arange(len(names)).numpy()
-        ax.bar(xs - 0.2, [s["forward"][n] * 1e6 for n in names], 0.4, label="forward")
-        ax.bar(xs + 0.2, [s["forward+backward"][n] * 1e6 for n in names], 0.4,
+        ax.bar(xs - 0.2, [times["forward"][n] * 1e6 for n in names], 0.4, label="forward")
+        ax.bar(xs + 0.2, [times["forward+backward"][n] * 1e6 for n in names], 0.4,
                label="forward + backward")
         ax.set_xticks(xs, names, fontsize=8)
         ax.set_ylabel("µs (median)")
-        ax.set_title(f"({rows}, {D}) float32, {torch.get_num_threads()} threads", fontsize=9)
+        ax.set_title(f"({rows}, {s.dim}) float32, {s.threads} threads", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    figures.append(Figure("speed", "Median wall time on this machine of RMSNorm and LayerNorm "
-                          "(our modules, LayerNorm with bias; torch's functional kernels) on "
-                          "the text's own size and on a training-sized batch.", fig))
-    big = speed[str(SPEED_ROWS)]
-    ratio = {mode: big[mode]["LayerNorm (ours)"] / big[mode]["RMSNorm (ours)"]
-             for mode in big}
-    ratio_f = {mode: big[mode]["F.layer_norm"] / big[mode]["F.rms_norm"] for mode in big}
-    headline.append(f"Speed on ({SPEED_ROWS}, {D}): LayerNorm / RMSNorm time = "
-                    f"{ratio['forward']:.2f} forward, {ratio['forward+backward']:.2f} "
-                    f"forward+backward for our modules; {ratio_f['forward']:.2f} and "
-                    f"{ratio_f['forward+backward']:.2f} for F.layer_norm / F.rms_norm "
-                    f"(> 1: RMSNorm faster).")
+    return Figure("speed", "Median wall time on this machine of RMSNorm and LayerNorm "
+                  "(our modules, LayerNorm with bias; torch's functional kernels) on "
+                  "the text's own size and on a training-sized batch.", fig)
 
-    # 4. GroupNorm and InstanceNorm -------------------------------------------------------------
-    ctx.progress("GroupNorm, InstanceNorm")
-    groups = _groups(D)
-    x_mid = stream[mid]                                                    # (T, D)
-    outs = other_norms(x_mid, groups, eps)
-    sl = slice(1, None) if T > 1 else slice(None)
-    per_norm, rows = {}, []
-    for name, y in outs.items():
-        mean, var = vector_stats(y[sl])                                    # (T−1,) each
-        c = cosine(y[sl], outs["RMSNorm"][sl])                             # (T−1,)
-        per_norm[name] = {"abs_mean": mean.abs().mean().item(), "var_mean": var.mean().item(),
-                          "var_std": var.std(unbiased=False).item(),
-                          "cos_rms_mean": c.mean().item(), "cos_rms_min": c.min().item(),
-                          "over": NORM_AXES[name][0], "causal": NORM_AXES[name][1]}
-        p = per_norm[name]
-        rows.append([name, p["over"], p["causal"], p["abs_mean"], p["var_mean"], p["var_std"],
-                     p["cos_rms_mean"], p["cos_rms_min"]])
+
+def plot_other_norms(o: OtherNorms) -> Figure:
+    """Per norm: the cosine to RMSNorm's output and the per-token output variance."""
+    plt = _pyplot()
+    per_norm = o.per_norm
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.4))
     names = list(per_norm)
     xs = torch.arange(len(names)).numpy()
@@ -420,107 +568,156 @@ def norms_section(ctx: AnatomyContext) -> Section:
     ax2.set_xticks(xs, [n.replace(" ", "\n", 1) for n in names], fontsize=7)
     ax2.set_ylabel("per-token output var (± std)")
     ax2.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"Residual stream index {mid}, positions ≥ 1; GroupNorm G = {groups}",
+    fig.suptitle(f"Residual stream index {o.layer}, positions ≥ 1; GroupNorm G = {o.groups}",
                  fontsize=9)
     fig.tight_layout()
-    figures.append(Figure("group-instance", "The same activations through five norms (unit "
-                          "gains): per-token cosine to RMSNorm's output, and the variance of "
-                          "each token's output vector (a per-token norm makes it ≈ 1 for every "
-                          "token; norms that pool positions do not).", fig))
-    headline.append(f"At index {mid}: GroupNorm (G = {groups}, per token) has cosine "
-                    f"{per_norm['GroupNorm per token']['cos_rms_mean']:.3f} to RMSNorm; "
-                    f"InstanceNorm over positions {per_norm['InstanceNorm']['cos_rms_mean']:.3f}, "
-                    f"with per-token variance {per_norm['InstanceNorm']['var_mean']:.2f} ± "
-                    f"{per_norm['InstanceNorm']['var_std']:.2f}.")
+    return Figure("group-instance", "The same activations through five norms (unit "
+                  "gains): per-token cosine to RMSNorm's output, and the variance of "
+                  "each token's output vector (a per-token norm makes it ≈ 1 for every "
+                  "token; norms that pool positions do not).", fig)
 
-    # 5. pre- vs post-norm gradients at init ----------------------------------------------------
-    ctx.progress("pre- vs post-norm gradients")
-    g_args = dict(dim=GRAD_DIM, n_layers=GRAD_LAYERS, n_heads=GRAD_HEADS,
-                  vocab_size=args.vocab_size, max_seq_len=max(T, 2), norm=args.norm)
-    grads = {init: {pl: layer_grad_norms(ModelArgs(**g_args, norm_placement=pl), ctx.tokens,
-                                         ctx.seed, init) for pl in PLACEMENTS}
-             for init in ("train", "xavier")} if T >= 2 else {}
-    grad_ratio = {init: {pl: g["w2"][-1] / g["w2"][0] for pl, g in per.items()}
-                  for init, per in grads.items()}
-    if grads:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-        for ax, (init, per) in zip(axes, grads.items()):
-            for pl, g in per.items():
-                ax.semilogy(range(GRAD_LAYERS), g["w2"], "o-", ms=3, label=f"{pl}-norm, FFN W2")
-                ax.semilogy(range(GRAD_LAYERS), g["block"], ":", color=ax.lines[-1].get_color(),
-                            label=f"{pl}-norm, whole block")
-            ax.set_xlabel("layer")
-            ax.set_ylabel("‖∂L/∂W‖ (log)")
-            ax.set_title("training init (init_weights: N(0, 0.02²), residual projections "
-                         "/ √(2L))" if init == "train" else
-                         "Xavier-uniform init (Xiong et al. 2020's setting)", fontsize=8)
-            ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        figures.append(Figure("pre-post-gradients", f"Gradient norm per layer at "
-                              f"initialisation of a {GRAD_LAYERS}-layer, dim-{GRAD_DIM} "
-                              f"{args.norm} model of each norm placement, for the next-token "
-                              f"loss on this text (solid: FFN down projection W2; dotted: all "
-                              f"of the block's parameters).", fig))
-        tr, xv = grad_ratio["train"], grad_ratio["xavier"]
-        headline.append(f"Gradient of W2, last / first layer at init ({GRAD_LAYERS} layers): "
-                        f"training init pre {tr['pre']:.2f}, post {tr['post']:.2f}, sandwich "
-                        f"{tr['sandwich']:.2f}; Xavier init pre {xv['pre']:.2f}, post "
-                        f"{xv['post']:.2f}, sandwich {xv['sandwich']:.2f}. Absolute size at "
-                        f"the last layer, training init: pre "
-                        f"{grads['train']['pre']['w2'][-1]:.3g}, post "
-                        f"{grads['train']['post']['w2'][-1]:.3g}.")
 
+def plot_gradients(g: PrePostGradients) -> Figure:
+    """Gradient norm per layer of each placement, one panel per init (g.per_init not empty)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, (init, per) in zip(axes, g.per_init.items()):
+        for pl, grad in per.items():
+            ax.semilogy(range(GRAD_LAYERS), grad["w2"], "o-", ms=3, label=f"{pl}-norm, FFN W2")
+            ax.semilogy(range(GRAD_LAYERS), grad["block"], ":", color=ax.lines[-1].get_color(),
+                        label=f"{pl}-norm, whole block")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("‖∂L/∂W‖ (log)")
+        ax.set_title("training init (init_weights: N(0, 0.02²), residual projections "
+                     "/ √(2L))" if init == "train" else
+                     "Xavier-uniform init (Xiong et al. 2020's setting)", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return Figure("pre-post-gradients", f"Gradient norm per layer at "
+                  f"initialisation of a {GRAD_LAYERS}-layer, dim-{GRAD_DIM} "
+                  f"{g.norm} model of each norm placement, for the next-token "
+                  f"loss on this text (solid: FFN down projection W2; dotted: all "
+                  f"of the block's parameters).", fig)
+
+
+def plot_norms(m: NormsMeasurements) -> list[Figure]:
+    """The section's figures, in page order (no gradient figure for a one-token text)."""
+    figures = [plot_residual(m.residual), plot_agreement(m.agreement), plot_speed(m.speed),
+               plot_other_norms(m.others)]
+    if m.gradients.per_init:
+        figures.append(plot_gradients(m.gradients))
+    return figures
+
+
+# ---- prose -------------------------------------------------------------------------------------
+
+TITLE = "Normalization: RMSNorm, LayerNorm, pre- vs post-norm"
+
+LOOK_FOR = (
+    "Every block reads the residual stream through a norm, so the stream's own scale is free "
+    "to drift: its RMS typically grows with depth, and position 0 (the first token, an "
+    "attention sink) is often a huge outlier — look at how far the two curves and the "
+    "bright first column are from the rest. LayerNorm centres and scales each vector; "
+    "RMSNorm only scales it. With unit gains their outputs differ only by the removed mean, "
+    "and their cosine equals σ/RMS(x) = sqrt(1 − μ²/mean(x²)): on real activations, whose "
+    "per-vector mean is small against their size, it sits near 1, which is why dropping "
+    "the centring costs little; RMSNorm's outputs lie on the curve var = 1 − mean² and "
+    "LayerNorm's at (0, 1). Whether RMSNorm is faster here depends on the kernels: our "
+    "eager RMSNorm is several elementwise ops, LayerNorm one fused kernel. GroupNorm per "
+    "token is LayerNorm within channel groups and stays close; GroupNorm and InstanceNorm "
+    "over the sequence pool statistics across positions (including the outlier at position "
+    "0 and future tokens), so they are not causal and leave per-token scales unequal. "
+    "Finally, placement: Xiong et al. 2020 (Xavier init, an encoder-decoder) find that "
+    "post-norm (N after the residual add) has gradients that are large near the output "
+    "relative to the lower layers, while pre-norm's stay even. Compare the slopes of the "
+    "lines: here pre-norm's gradients shrink from the first layer to the last, post-norm's "
+    "much less so (a higher last/first ratio), the same ordering as the paper. Note how "
+    "much the picture depends on the initialisation: with the training init (small "
+    "embeddings and residual projections) post-norm's gradients are flat and far smaller "
+    "than pre-norm's, largely because pre-norm's final norm divides the small residual "
+    "stream by its RMS and so scales every gradient up.")
+
+
+def norms_headline(m: NormsMeasurements) -> list[str]:
+    """One sentence per experiment with its key numbers (four for a one-token text)."""
+    r, a, s, o, g = m.residual, m.agreement, m.speed, m.others, m.gradients
+    L1 = r.mean.shape[0]
+    peak = int(r.mean.argmax())
+    worst, mid = int(a.cosine_mean.argmin()), L1 // 2
+    tr, xv = g.ratio.get("train"), g.ratio.get("xavier")
+    inst = o.per_norm["InstanceNorm"]
+    return [
+        f"Residual-stream RMS (mean over positions ≥ 1) goes from {r.mean[0]:.3g} (embeddings) "
+        f"to {r.mean[-1]:.3g} after the last block"
+        + (f", peaking at {r.mean[peak]:.3g} at index {peak}" if peak < L1 - 1 else "") + "; "
+        f"position 0 reaches {r.position0.max():.3g}, "
+        f"{r.position0.max() / r.mean[int(r.position0.argmax())]:.1f}× the mean there.",
+        f"RMSNorm vs LayerNorm on the real activations (unit gains): mean cosine "
+        f"{a.cosine_mean[mid]:.4f} at index {mid}, lowest mean {a.cosine_mean[worst]:.4f} at "
+        f"index {worst} (lowest single token {a.cosine_min.min():.4f}); position 0: "
+        f"{a.cosine[:, 0].min():.4f} at worst.",
+        f"Speed on ({SPEED_ROWS}, {s.dim}): LayerNorm / RMSNorm time = "
+        f"{s.ratio['forward']:.2f} forward, {s.ratio['forward+backward']:.2f} "
+        f"forward+backward for our modules; {s.ratio_functional['forward']:.2f} and "
+        f"{s.ratio_functional['forward+backward']:.2f} for F.layer_norm / F.rms_norm "
+        f"(> 1: RMSNorm faster).",
+        f"At index {o.layer}: GroupNorm (G = {o.groups}, per token) has cosine "
+        f"{o.per_norm['GroupNorm per token']['cos_rms_mean']:.3f} to RMSNorm; "
+        f"InstanceNorm over positions {inst['cos_rms_mean']:.3f}, "
+        f"with per-token variance {inst['var_mean']:.2f} ± {inst['var_std']:.2f}.",
+    ] + ([
+        f"Gradient of W2, last / first layer at init ({GRAD_LAYERS} layers): "
+        f"training init pre {tr['pre']:.2f}, post {tr['post']:.2f}, sandwich "
+        f"{tr['sandwich']:.2f}; Xavier init pre {xv['pre']:.2f}, post "
+        f"{xv['post']:.2f}, sandwich {xv['sandwich']:.2f}. Absolute size at "
+        f"the last layer, training init: pre "
+        f"{g.per_init['train']['pre']['w2'][-1]:.3g}, post "
+        f"{g.per_init['train']['post']['w2'][-1]:.3g}."] if g.per_init else [])
+
+
+def norms_prose(m: NormsMeasurements) -> Prose:
+    """The section's headline, table of the five norms and anatomy.json entry."""
+    r, a, s, o, g = m.residual, m.agreement, m.speed, m.others, m.gradients
+    rows = [[name, p["over"], p["causal"], p["abs_mean"], p["var_mean"], p["var_std"],
+             p["cos_rms_mean"], p["cos_rms_min"]] for name, p in o.per_norm.items()]
     data = {
         "positions_excluded_from_stats": [0],
-        "residual_rms": {"per_position": rms.tolist(), "mean": rms_mean.tolist(),
-                         "max": rms_max.tolist(), "argmax_position": rms_argmax.tolist(),
-                         "position0": rms_pos0.tolist()},
-        "rms_vs_layernorm": {"eps": eps, "cosine_mean": cos_mean.tolist(),
-                             "cosine_min": cos_min.tolist(), "cosine_position0": cos[:, 0].tolist(),
-                             "picked_layers": picked,
-                             "per_token": {str(l): {k: v[l].tolist() for k, v in cmp_all.items()}
-                                           for l in picked}},
-        "speed_seconds": speed,
-        "speed_ratio_layernorm_over_rmsnorm": {"ours": ratio, "functional": ratio_f,
-                                               "rows": SPEED_ROWS, "dim": D,
-                                               "threads": torch.get_num_threads()},
-        "group_instance": {"layer": mid, "groups": groups, "per_norm": per_norm},
+        "residual_rms": {"per_position": r.rms.tolist(), "mean": r.mean.tolist(),
+                         "max": r.max.tolist(), "argmax_position": r.argmax.tolist(),
+                         "position0": r.position0.tolist()},
+        "rms_vs_layernorm": {"eps": a.eps, "cosine_mean": a.cosine_mean.tolist(),
+                             "cosine_min": a.cosine_min.tolist(),
+                             "cosine_position0": a.cosine[:, 0].tolist(),
+                             "picked_layers": a.picked,
+                             "per_token": {str(l): {k: v[l].tolist()
+                                                    for k, v in a.per_token.items()}
+                                           for l in a.picked}},
+        "speed_seconds": s.seconds,
+        "speed_ratio_layernorm_over_rmsnorm": {"ours": s.ratio, "functional": s.ratio_functional,
+                                               "rows": SPEED_ROWS, "dim": s.dim,
+                                               "threads": s.threads},
+        "group_instance": {"layer": o.layer, "groups": o.groups, "per_norm": o.per_norm},
         "pre_post_gradients": {"layers": GRAD_LAYERS, "dim": GRAD_DIM, "heads": GRAD_HEADS,
-                               "norm": args.norm, "per_init": grads,
-                               "w2_last_over_first": grad_ratio},
+                               "norm": g.norm, "per_init": g.per_init,
+                               "w2_last_over_first": g.ratio},
     }
-    return Section(
-        "norms", "Normalization: RMSNorm, LayerNorm, pre- vs post-norm",
-        "Every block reads the residual stream through a norm, so the stream's own scale is free "
-        "to drift: its RMS typically grows with depth, and position 0 (the first token, an "
-        "attention sink) is often a huge outlier — look at how far the two curves and the "
-        "bright first column are from the rest. LayerNorm centres and scales each vector; "
-        "RMSNorm only scales it. With unit gains their outputs differ only by the removed mean, "
-        "and their cosine equals σ/RMS(x) = sqrt(1 − μ²/mean(x²)): on real activations, whose "
-        "per-vector mean is small against their size, it sits near 1, which is why dropping "
-        "the centring costs little; RMSNorm's outputs lie on the curve var = 1 − mean² and "
-        "LayerNorm's at (0, 1). Whether RMSNorm is faster here depends on the kernels: our "
-        "eager RMSNorm is several elementwise ops, LayerNorm one fused kernel. GroupNorm per "
-        "token is LayerNorm within channel groups and stays close; GroupNorm and InstanceNorm "
-        "over the sequence pool statistics across positions (including the outlier at position "
-        "0 and future tokens), so they are not causal and leave per-token scales unequal. "
-        "Finally, placement: Xiong et al. 2020 (Xavier init, an encoder-decoder) find that "
-        "post-norm (N after the residual add) has gradients that are large near the output "
-        "relative to the lower layers, while pre-norm's stay even. Compare the slopes of the "
-        "lines: here pre-norm's gradients shrink from the first layer to the last, post-norm's "
-        "much less so (a higher last/first ratio), the same ordering as the paper. Note how "
-        "much the picture depends on the initialisation: with the training init (small "
-        "embeddings and residual projections) post-norm's gradients are flat and far smaller "
-        "than pre-norm's, largely because pre-norm's final norm divides the small residual "
-        "stream by its RMS and so scales every gradient up.",
-        figures,
-        tables=[Table(f"Five norms on residual stream index {mid} (positions ≥ 1, unit gains, "
-                      f"GroupNorm G = {groups})",
-                      ["norm", "normalises over", "causal", "mean |per-token mean|",
-                       "per-token var", "std of per-token var", "cos to RMSNorm (mean)",
-                       "cos to RMSNorm (min)"], rows)],
-        headline=headline,
-        data=data,
-        tensors={"residual_rms": rms, "cosine": cos, "stream": stream,
-                 **{f"out/{k}": v for k, v in outs.items()}})
+    table = Table(f"Five norms on residual stream index {o.layer} (positions ≥ 1, unit gains, "
+                  f"GroupNorm G = {o.groups})",
+                  ["norm", "normalises over", "causal", "mean |per-token mean|",
+                   "per-token var", "std of per-token var", "cos to RMSNorm (mean)",
+                   "cos to RMSNorm (min)"], rows)
+    return Prose(LOOK_FOR, norms_headline(m), data, [table])
+
+
+# ---- the section -------------------------------------------------------------------------------
+
+def norms_section(ctx: AnatomyContext) -> Section:
+    """Normalization on the real model and text: residual-stream RMS per layer, RMSNorm vs
+    LayerNorm on the same activations (statistics, cosine, speed), GroupNorm / InstanceNorm for
+    comparison, and pre- vs post-norm gradient norms per layer at init (24-layer models)."""
+    m = measure_norms(ctx)
+    tensors = {"residual_rms": m.residual.rms, "cosine": m.agreement.cosine,
+               "stream": m.residual.stream,
+               **{f"out/{k}": v for k, v in m.others.outputs.items()}}
+    return norms_prose(m).section("norms", TITLE, plot_norms(m), tensors)

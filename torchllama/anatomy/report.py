@@ -5,6 +5,10 @@ package (`SECTIONS` maps its name to "module:function"). A Section carries a par
 what to look for, matplotlib figures, its headline numbers, and every number behind its figures
 as JSON-able data; `tensors` holds the raw tensors for notebooks (not written to disk).
 
+Every section is three steps that its function composes in a few lines: measure (ctx → a
+dataclass of the numbers, no matplotlib), plot (that dataclass → Figures) and prose (that
+dataclass → a `Prose`: the paragraph, headline, tables and the anatomy.json entry).
+
 `write_report` writes DIR/index.html (one self-contained page: figures embedded as base64
 PNG, no scripts, no network), DIR/figures/<section>-<figure>.png and DIR/anatomy.json, each
 atomically (temp file, then rename). It records what it wrote in DIR/.anatomy-manifest.json
@@ -99,6 +103,32 @@ class Section:
     data: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
     seconds: float = 0.0
+
+
+@dataclass
+class Prose:
+    """What a section says about its measurements: the words of the page and the JSON entry.
+
+    Each section is measure → plot → prose: `measure_*` returns a dataclass of numbers,
+    `plot_*` draws Figures from it, `*_prose` returns this; `section` puts them together.
+
+    Attributes:
+        look_for: the "what to look for" paragraph (plain text).
+        headline: short sentences with the key measured numbers.
+        data: the section's entry in anatomy.json (JSON-able after `_jsonable`).
+        tables: small tables shown after the figures.
+    """
+
+    look_for: str
+    headline: list[str]
+    data: dict
+    tables: list[Table] = field(default_factory=list)
+
+    def section(self, name: str, title: str, figures: list[Figure],
+                tensors: Optional[dict] = None) -> Section:
+        """The Section of these words with the section's figures and raw tensors."""
+        return Section(name, title, self.look_for, figures, self.tables, self.headline,
+                       self.data, tensors if tensors is not None else {})
 
 
 @dataclass

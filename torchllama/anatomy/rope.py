@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from torchllama.anatomy.report import AnatomyContext, Figure, Section, Table
+from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, Table
 from torchllama.errors import ArgumentError
 from torchllama.nn.position import RotaryEmbedding, apply_rotary_emb
 
@@ -174,7 +175,335 @@ def _rounded(values, digits: int = 6) -> list:
     return [float(f"{v:.{digits}g}") for v in values]
 
 
-# ---- the RoPE section ------------------------------------------------------------------------
+# ---- the RoPE section: measure ----------------------------------------------------------------
+
+#: positions of the drawn path of one vector
+PATH_POSITIONS = 64
+
+
+@dataclass
+class RopeMeasurements:
+    """RoPE's numbers for the model's base (and 10,000 for comparison).
+
+    Attributes:
+        has_rope: whether the model uses RoPE (else: base 10,000 and head_dim only).
+        position: the model's position encoding (args.position).
+        dim: the rotated dimensions d per head (rope_dim; head_dim without RoPE).
+        context: the model's context length L (positions).
+        local_theta: the base of local (sliding-window) layers, or None.
+        bases: label → (θ, rope_scaling or None), the model's first.
+        angles: label → (HEATMAP_POSITIONS, d/2) float32 angles m·θ_i mod 2π (radians).
+        wavelengths: label → (d/2,) float64 wavelengths 2π/θ_i (positions).
+        llama_wavelengths: (64,) float64, θ = 10,000 with head dim 128 (Llama 2).
+        source: what the vectors q and k are (words for the page).
+        q, k: (Nq, d) / (Nk, d) float32 vectors of the path and the invariance check.
+        path: (PATH_POSITIONS, hd) float32 q[0] rotated to positions 0..63 (first base).
+        path_pair: j, the pair turning once in ≈ 24 positions (dims 2j, 2j+1, 2j+2 drawn).
+        path_dims: [2j, 2j + 1, 2j + 2].
+        path_pairs: the fast, slow and slowest pairs drawn against position.
+        decay: label → `decay_curves(d, θ, DECAY_DISTANCE)` ("distance", "ones", "bound").
+        invariance_positions: every position of the invariance check is below it.
+        invariance: position band → max |q_m·k_n − q_(m+s)·k_(n+s)| (unit vectors, float32).
+    """
+
+    has_rope: bool
+    position: str
+    dim: int
+    context: int
+    local_theta: Optional[float]
+    bases: dict[str, tuple[float, Optional[dict]]]
+    angles: dict[str, torch.Tensor]
+    wavelengths: dict[str, torch.Tensor]
+    llama_wavelengths: torch.Tensor
+    source: str
+    q: torch.Tensor
+    k: torch.Tensor
+    path: torch.Tensor
+    path_pair: int
+    path_dims: list[int]
+    path_pairs: list[int]
+    decay: dict[str, dict[str, torch.Tensor]]
+    invariance_positions: int
+    invariance: dict[int, float]
+
+    @property
+    def labels(self) -> list[str]:
+        """The bases' labels, the model's first."""
+        return list(self.bases)
+
+    def decay_at(self, label: str, distance: int) -> float:
+        """q·k of the all-ones vectors at `distance`, relative to distance 0."""
+        return self.decay[label]["ones"][distance].item()
+
+
+def rope_bases(args) -> dict[str, tuple[float, Optional[dict]]]:
+    """label → (θ, scaling): the model's own RoPE (with its scaling) if it has RoPE, and
+    θ = 10,000 unscaled unless that is exactly the model's."""
+    has_rope = args.position == "rope"
+    scaling = args.rope_scaling if has_rope else None
+    bases: dict[str, tuple[float, Optional[dict]]] = {}
+    if has_rope:
+        label = f"model: θ = {args.rope_theta:,.0f}"
+        if scaling:
+            label += f", {scaling['type']} ×{scaling['factor']:g}"
+        bases[label] = (args.rope_theta, scaling)
+    if not has_rope or args.rope_theta != BASE or scaling:
+        bases[f"θ = {BASE:,.0f}"] = (BASE, None)
+    return bases
+
+
+def _query_key_vectors(ctx: AnatomyContext, dim: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The real layer-0 queries and keys (multi-head attention with RoPE), else 256 random
+    Gaussian vectors each (seed ctx.seed); and words saying which."""
+    args = ctx.model.args
+    if args.position == "rope" and args.attention == "mha":
+        q, k = layer0_query_key(ctx.model, ctx.tokens)                     # (T·H|T·KV, hd)
+        return q, k, "real layer-0 queries and keys of the analysed text"
+    g = torch.Generator().manual_seed(ctx.seed)
+    q = torch.randn(256, dim, generator=g)                                 # (256, d)
+    k = torch.randn(256, dim, generator=g)                                 # (256, d)
+    return q, k, "random Gaussian vectors" + ("" if args.position == "rope"
+                                              else " (the model has no RoPE)")
+
+
+def vector_path(vec: torch.Tensor, dim: int, theta: float, scaling: Optional[dict],
+                wavelengths: torch.Tensor) -> tuple[torch.Tensor, int, list[int]]:
+    """vec (hd,) rotated to positions 0..PATH_POSITIONS−1, and the pairs to draw.
+
+    Returns:
+        (path (PATH_POSITIONS, hd) float32, j3: the pair whose wavelength is nearest 24
+        positions (at most d/2 − 2), [the pairs nearest 12 and 128 positions, the last pair]).
+    """
+    table = rope_table(dim, PATH_POSITIONS, theta, scaling)                # (64, d/2) c64
+    path = apply_rotary_emb(vec.expand(PATH_POSITIONS, 1, 1, -1),          # (64, 1, 1, hd)
+                            table[:, None])[:, 0, 0]                       # → (64, hd)
+    # pairs by wavelength: integer positions sample pair 0 (1 rad per step) too coarsely to
+    # draw a path, so the 3-D path uses the pair that turns once in ≈ 24 positions
+    log_w = wavelengths.log()                                              # (d/2,)
+    near = lambda length: int((log_w - math.log(length)).abs().argmin())   # noqa: E731
+    j3 = min(near(24), dim // 2 - 2)                                       # dims 2j, 2j+1, 2j+2
+    return path, j3, [near(12), near(128), dim // 2 - 1]                   # fast, slow, slowest
+
+
+def measure_rope(ctx: AnatomyContext) -> RopeMeasurements:
+    """Angles, wavelengths, a vector's path, the decay with distance and the translation
+    invariance of RoPE, with the model's base (and 10,000)."""
+    args = ctx.model.args
+    has_rope = args.position == "rope"
+    dim = args.rope_dim if has_rope else args.head_dim
+    bases = rope_bases(args)
+    ctx.progress("RoPE angles and wavelengths")
+    angles = {b: rope_angles(dim, HEATMAP_POSITIONS, t, s) for b, (t, s) in bases.items()}
+    waves = {b: rope_wavelengths(dim, t, s) for b, (t, s) in bases.items()}     # (dim/2,)
+
+    ctx.progress("RoPE: a vector's path")
+    q, k, source = _query_key_vectors(ctx, dim)
+    real = has_rope and args.attention == "mha"
+    b0 = next(iter(bases))
+    t0, s0 = bases[b0]
+    path, j3, pairs = vector_path(q[0] if real else q[0, :dim], dim, t0, s0, waves[b0])
+
+    ctx.progress("RoPE: decay with distance")
+    decay = {b: decay_curves(dim, t, DECAY_DISTANCE, s) for b, (t, s) in bases.items()}
+
+    ctx.progress("RoPE: translation invariance")
+    inv_pos = args.max_seq_len if has_rope else 4096
+    inv_table = rope_table(dim, inv_pos, t0, s0)                           # (L, d/2) c64
+    g = torch.Generator().manual_seed(ctx.seed)
+    if not real:
+        q, k = q[:, :dim], k[:, :dim]
+    bands = sorted({p for p in (512, 2048, inv_pos) if p <= inv_pos})
+    invariance = {p: translation_invariance(q, k, inv_table, max_position=p, generator=g)
+                  for p in bands}
+    return RopeMeasurements(
+        has_rope=has_rope, position=args.position, dim=dim, context=args.max_seq_len,
+        local_theta=args.rope_local_theta if has_rope else None, bases=bases, angles=angles,
+        wavelengths=waves, llama_wavelengths=rope_wavelengths(128, BASE),   # Llama 2 (64,)
+        source=source, q=q, k=k, path=path, path_pair=j3,
+        path_dims=[2 * j3, 2 * j3 + 1, 2 * j3 + 2], path_pairs=pairs, decay=decay,
+        invariance_positions=inv_pos, invariance=invariance)
+
+
+# ---- the RoPE section: plot ------------------------------------------------------------------
+
+def plot_angles(m: RopeMeasurements) -> Figure:
+    """Heatmaps of the angles of each base, and every pair's wavelength against the context."""
+    plt = _pyplot()
+    labels, L = m.labels, m.context
+    fig, axes = plt.subplots(1, len(labels) + 1, figsize=(5 * (len(labels) + 1), 4))
+    for ax, b in zip(axes, labels):
+        im = ax.imshow(m.angles[b].numpy(), aspect="auto", cmap="twilight", vmin=0,
+                       vmax=2 * math.pi, interpolation="nearest")
+        ax.set_title(f"m·θ_i mod 2π, {b}", fontsize=9)
+        ax.set_xlabel("pair i (θ_i = θ^(−2i/d))")
+        ax.set_ylabel("position m")
+    fig.colorbar(im, ax=axes[len(labels) - 1], label="angle (rad)")
+    ax = axes[-1]
+    for b in labels:
+        ax.semilogy(m.wavelengths[b].numpy(), marker=".", label=b)
+    ax.axhline(L, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
+    ax.set_xlabel("pair i")
+    ax.set_ylabel("wavelength 2π/θ_i (positions)")
+    ax.set_title(f"Wavelengths, rotated dims d = {m.dim}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return Figure("angles", f"Left: the angle by which RoPE rotates each pair of "
+                  f"coordinates at the first {HEATMAP_POSITIONS} positions (cyclic colour map: a "
+                  f"colour repeats after a full turn). Low pairs turn fast, high pairs barely "
+                  f"move. Right: each pair's wavelength in positions (log scale), with the "
+                  f"model's context length.", fig)
+
+
+def plot_path(m: RopeMeasurements) -> Figure:
+    """One vector's path as positions advance: three dims in 3-D, and three pairs against
+    position."""
+    plt = _pyplot()
+    path, dims3, j3, b0 = m.path, m.path_dims, m.path_pair, m.labels[0]
+    waves = m.wavelengths[b0]
+    fig = plt.figure(figsize=(11, 4.5))
+    ax = fig.add_subplot(1, 2, 1, projection="3d")
+    ax.plot(*(path[:, j].numpy() for j in dims3), color="tab:blue", linewidth=1)
+    ax.scatter(*(path[:, j].numpy() for j in dims3), c=range(PATH_POSITIONS), cmap="viridis",
+               s=8)
+    ax.set_xlabel(f"dim {dims3[0]}")
+    ax.set_ylabel(f"dim {dims3[1]}")
+    ax.set_zlabel(f"dim {dims3[2]}")
+    ax.set_title(f"dims {dims3[0]}-{dims3[2]} of one vector at positions "
+                 f"0..{PATH_POSITIONS - 1}", fontsize=9)
+    ax = fig.add_subplot(1, 2, 2, projection="3d")
+    pos = torch.arange(PATH_POSITIONS).numpy()
+    for j, color in zip(m.path_pairs, ("tab:red", "tab:green", "tab:purple")):
+        ax.plot(path[:, 2 * j].numpy(), path[:, 2 * j + 1].numpy(), pos, color=color,
+                label=f"pair {j}: wavelength {waves[j].item():,.0f}")
+    ax.set_xlabel("x[2i]")
+    ax.set_ylabel("x[2i+1]")
+    ax.set_zlabel("position m")
+    ax.legend(fontsize=7)
+    ax.set_title("each pair turns in its own plane", fontsize=9)
+    fig.tight_layout()
+    return Figure("path", f"One vector ({m.source}, first row; {b0}) rotated to positions "
+                  f"0..{PATH_POSITIONS - 1} (dots coloured by position). Left: dims "
+                  f"{dims3[0]}, {dims3[1]} (pair {j3}, wavelength "
+                  f"{waves[j3].item():.0f} positions) and {dims3[2]} (the slower "
+                  f"pair {j3 + 1}): a closed-looking loop that never repeats exactly. "
+                  f"Right: three pairs against position: the fast pair is a tight "
+                  f"helix, the slow ones hardly turn; the length of each pair never "
+                  f"changes.", fig)
+
+
+def plot_decay(m: RopeMeasurements) -> Figure:
+    """q·k of the all-ones vectors and RoFormer's bound against distance, per base."""
+    plt = _pyplot()
+    L = m.context
+    fig, ax = plt.subplots(figsize=(9, 4))
+    d_axis = (m.decay[m.labels[0]]["distance"] + 1).numpy()                 # log axis: d + 1
+    for b, color in zip(m.labels, ("tab:blue", "tab:orange")):
+        ax.plot(d_axis, m.decay[b]["ones"].numpy(), color=color, linewidth=0.6, alpha=0.7,
+                label=f"q·k, q = k = 1 ({b})")
+        ax.plot(d_axis, m.decay[b]["bound"].numpy(), color=color, linewidth=1.8,
+                label=f"RoFormer bound (1/(d/2))·Σ|S_j| ({b})")
+    if m.has_rope:
+        ax.axvline(L + 1, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
+    ax.set_xscale("log")
+    ax.set_xlabel("relative distance m − n (+1, log scale)")
+    ax.set_ylabel("relative to distance 0")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return Figure("decay", "The same query and key (both all ones) scored at growing "
+                  "distance: Σ_i 2·cos((m−n)·θ_i), relative to distance 0 (thin), and "
+                  "RoFormer's upper bound on |q·k| for vectors of bounded variation "
+                  "(thick, §3.4.3). A larger θ keeps scores high further out.", fig)
+
+
+# ---- the RoPE section: prose -----------------------------------------------------------------
+
+def rope_headline(m: RopeMeasurements) -> list[str]:
+    """Sentences with the invariance error, the wavelengths and the decay of each base."""
+    labels, L, dim, inv_pos, invariance = (m.labels, m.context, m.dim, m.invariance_positions,
+                                           m.invariance)
+    headline = [
+        f"Translation invariance (RoFormer eq. 16) in float32, {m.source}, unit length: max "
+        f"|q_m·k_n − q_(m+s)·k_(n+s)| = {invariance[inv_pos]:.2e} over {INVARIANCE_TRIALS:,} "
+        f"random (q, k, m, n, s) with every position < {inv_pos:,}"
+        + "".join(f"; {invariance[p]:.1e} below {p:,}" for p in invariance if p != inv_pos)
+        + " (float32 rounding of m·θ_i grows with position).",
+    ]
+    for b in labels:
+        w = m.wavelengths[b]
+        n_long = int((w > L).sum()) if m.has_rope else None
+        headline.append(
+            f"Wavelengths 2π/θ_i, {b}, d = {dim}: {w[0].item():.2f} to {w[-1].item():,.0f} "
+            f"positions (limit 2π·θ = {2 * math.pi * m.bases[b][0]:,.0f})"
+            + (f"; {n_long} of {dim // 2} pairs never complete a turn within the context "
+               f"L = {L:,}." if m.has_rope else "."))
+    llama = m.llama_wavelengths
+    headline.append(f"For reference, θ = 10,000 with head dim 128 (Llama 2): "
+                    f"{llama[0].item():.2f} to {llama[-1].item():,.0f} positions.")
+    headline.append(
+        "q·k of the all-ones vectors, relative to distance 0: " + "; ".join(
+            f"{b}: {m.decay_at(b, 10):.2f} at 10, {m.decay_at(b, 100):.2f} at 100, "
+            f"{m.decay_at(b, 1000):.2f} at 1,000, {m.decay_at(b, DECAY_DISTANCE):.2f} at "
+            f"{DECAY_DISTANCE:,}" for b in labels) + ".")
+    if m.local_theta is not None:
+        headline.append(f"Local (sliding-window) layers use θ = {m.local_theta:,.0f}; "
+                        f"the figures show the global layers' θ.")
+    return headline
+
+
+ROPE_LOOK_FOR = (
+    "RoPE (Su et al. 2021) encodes position by rotating each pair of a query's and a "
+    "key's coordinates by m·θ_i, θ_i = θ^(−2i/d), so the score q_m·k_n depends only on "
+    "the offset m − n (the invariance number shows it holds to float32 rounding, which "
+    "grows with position because m·θ_i is rounded). In the heatmap the first pairs spin "
+    "through a full turn every few positions while the last barely move: the fast pairs "
+    "tell neighbours apart, the slow ones carry coarse position, and pairs whose "
+    "wavelength exceeds the training context never see a full turn — these are the "
+    "pairs that position interpolation, NTK-aware scaling and YaRN treat differently. A "
+    "larger base (SmolLM2 uses 100,000) stretches every wavelength, so the decay curve "
+    "stays high to longer distances: RoPE gives a soft preference for nearby tokens, not "
+    "a hard cut-off, and the curve oscillates rather than falling monotonically.")
+
+
+def rope_look_for(m: RopeMeasurements) -> str:
+    """The "what to look for" paragraph: ROPE_LOOK_FOR, or what a model without RoPE shows."""
+    if m.has_rope:
+        return ROPE_LOOK_FOR
+    return (f"This model has no RoPE (position = {m.position!r}): it encodes position "
+            f"another way, so the figures show RoPE with base 10,000 and the model's head width "
+            f"({m.dim}) only, for comparison, and the invariance check uses random vectors. With "
+            f"RoPE each pair of coordinates turns by m·θ_i, so q_m·k_n depends only on m − n; "
+            f"fast pairs separate neighbours, slow pairs carry coarse position, and the score "
+            f"of a fixed query and key decays (with oscillations) as their distance grows.")
+
+
+def rope_prose(m: RopeMeasurements) -> Prose:
+    """The RoPE section's words, table per base and anatomy.json entry (every plotted
+    number)."""
+    labels, b0 = m.labels, m.labels[0]
+    rows = [[b, f"{m.wavelengths[b][0].item():.2f}", f"{m.wavelengths[b][-1].item():,.0f}",
+             f"{m.decay_at(b, 100):.3f}", f"{m.decay_at(b, 1000):.3f}"] for b in labels]
+    table = Table("Wavelengths and decay per base", ["base", "shortest wavelength",
+                                                      "longest wavelength",
+                                                      "q·k at 100 (rel.)",
+                                                      "q·k at 1,000 (rel.)"], rows)
+    data = {"has_rope": m.has_rope, "rope_dim": m.dim, "context": m.context, "bases": labels,
+            "theta": {b: m.bases[b][0] for b in labels},
+            "angles": {b: [_rounded(r, 5) for r in m.angles[b]] for b in labels},
+            "wavelengths": {b: m.wavelengths[b].tolist() for b in labels},
+            "wavelengths_theta10000_dim128": m.llama_wavelengths.tolist(),
+            "path_positions": PATH_POSITIONS,
+            "path": [_rounded(r, 5) for r in m.path.T],
+            "path_dims_3d": m.path_dims, "path_pairs": m.path_pairs,
+            "decay_distance": m.decay[b0]["distance"].tolist(),
+            "decay_ones": {b: _rounded(m.decay[b]["ones"], 5) for b in labels},
+            "decay_bound": {b: _rounded(m.decay[b]["bound"], 5) for b in labels},
+            "invariance_source": m.source, "invariance_trials": INVARIANCE_TRIALS,
+            "invariance_max_abs_error": {str(p): e for p, e in m.invariance.items()}}
+    return Prose(rope_look_for(m), rope_headline(m), data, [table])
+
 
 def rope_section(ctx: AnatomyContext) -> Section:
     """RoPE with the model's own θ and with 10,000: the rotation angles of the first positions,
@@ -186,215 +515,12 @@ def rope_section(ctx: AnatomyContext) -> Section:
         Section "rope"; data holds every plotted number (lists), tensors the raw angles,
         wavelengths and decay curves.
     """
-    plt = _pyplot()
-    model, args = ctx.model, ctx.model.args
-    has_rope = args.position == "rope"
-    dim = args.rope_dim if has_rope else args.head_dim
-    L = args.max_seq_len
-    scaling = args.rope_scaling if has_rope else None
-    bases: dict[str, tuple[float, Optional[dict]]] = {}           # label → (θ, scaling)
-    if has_rope:
-        label = f"model: θ = {args.rope_theta:,.0f}"
-        if scaling:
-            label += f", {scaling['type']} ×{scaling['factor']:g}"
-        bases[label] = (args.rope_theta, scaling)
-    if not has_rope or args.rope_theta != BASE or scaling:
-        bases[f"θ = {BASE:,.0f}"] = (BASE, None)
-    labels = list(bases)
-
-    ctx.progress("RoPE angles and wavelengths")
-    n_pos = HEATMAP_POSITIONS
-    angles = {b: rope_angles(dim, n_pos, t, s) for b, (t, s) in bases.items()}   # (P, dim/2)
-    waves = {b: rope_wavelengths(dim, t, s) for b, (t, s) in bases.items()}     # (dim/2,)
-    llama_waves = rope_wavelengths(128, BASE)                          # Llama 2: hd 128 (64,)
-
-    fig, axes = plt.subplots(1, len(bases) + 1, figsize=(5 * (len(bases) + 1), 4))
-    for ax, b in zip(axes, labels):
-        im = ax.imshow(angles[b].numpy(), aspect="auto", cmap="twilight", vmin=0,
-                       vmax=2 * math.pi, interpolation="nearest")
-        ax.set_title(f"m·θ_i mod 2π, {b}", fontsize=9)
-        ax.set_xlabel("pair i (θ_i = θ^(−2i/d))")
-        ax.set_ylabel("position m")
-    fig.colorbar(im, ax=axes[len(bases) - 1], label="angle (rad)")
-    ax = axes[-1]
-    for b in labels:
-        ax.semilogy(waves[b].numpy(), marker=".", label=b)
-    ax.axhline(L, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
-    ax.set_xlabel("pair i")
-    ax.set_ylabel("wavelength 2π/θ_i (positions)")
-    ax.set_title(f"Wavelengths, rotated dims d = {dim}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    figures = [Figure("angles", f"Left: the angle by which RoPE rotates each pair of "
-                      f"coordinates at the first {n_pos} positions (cyclic colour map: a colour "
-                      f"repeats after a full turn). Low pairs turn fast, high pairs barely move. "
-                      f"Right: each pair's wavelength in positions (log scale), with the "
-                      f"model's context length.", fig)]
-
-    # the path of one vector as positions advance
-    ctx.progress("RoPE: a vector's path")
-    if has_rope and args.attention == "mha":
-        q_real, k_real = layer0_query_key(model, ctx.tokens)               # (T·H|T·KV, hd)
-        source = "real layer-0 queries and keys of the analysed text"
-    else:
-        g = torch.Generator().manual_seed(ctx.seed)
-        q_real = torch.randn(256, dim, generator=g)                        # (256, d)
-        k_real = torch.randn(256, dim, generator=g)                        # (256, d)
-        source = "random Gaussian vectors" + ("" if has_rope else " (the model has no RoPE)")
-    vec = q_real[0] if has_rope and args.attention == "mha" else q_real[0, :dim]
-    b0 = labels[0]
-    t0, s0 = bases[b0]
-    path_pos = 64
-    table = rope_table(dim, path_pos, t0, s0)                              # (64, d/2) c64
-    path = apply_rotary_emb(vec.expand(path_pos, 1, 1, -1),                # (64, 1, 1, hd)
-                            table[:, None])[:, 0, 0]                       # → (64, hd)
-    # pairs by wavelength: integer positions sample pair 0 (1 rad per step) too coarsely to
-    # draw a path, so the 3-D path uses the pair that turns once in ≈ 24 positions
-    log_w = waves[b0].log()                                                # (d/2,)
-    near = lambda length: int((log_w - math.log(length)).abs().argmin())   # noqa: E731
-    j3 = min(near(24), dim // 2 - 2)                                       # dims 2j, 2j+1, 2j+2
-    pairs = [near(12), near(128), dim // 2 - 1]                            # fast, slow, slowest
-    dims3 = [2 * j3, 2 * j3 + 1, 2 * j3 + 2]
-    fig = plt.figure(figsize=(11, 4.5))
-    ax = fig.add_subplot(1, 2, 1, projection="3d")
-    ax.plot(*(path[:, j].numpy() for j in dims3), color="tab:blue", linewidth=1)
-    ax.scatter(*(path[:, j].numpy() for j in dims3), c=range(path_pos), cmap="viridis", s=8)
-    ax.set_xlabel(f"dim {dims3[0]}")
-    ax.set_ylabel(f"dim {dims3[1]}")
-    ax.set_zlabel(f"dim {dims3[2]}")
-    ax.set_title(f"dims {dims3[0]}-{dims3[2]} of one vector at positions 0..{path_pos - 1}",
-                 fontsize=9)
-    ax = fig.add_subplot(1, 2, 2, projection="3d")
-    pos = torch.arange(path_pos).numpy()
-    for j, color in zip(pairs, ("tab:red", "tab:green", "tab:purple")):
-        ax.plot(path[:, 2 * j].numpy(), path[:, 2 * j + 1].numpy(), pos, color=color,
-                label=f"pair {j}: wavelength {waves[b0][j].item():,.0f}")
-    ax.set_xlabel("x[2i]")
-    ax.set_ylabel("x[2i+1]")
-    ax.set_zlabel("position m")
-    ax.legend(fontsize=7)
-    ax.set_title("each pair turns in its own plane", fontsize=9)
-    fig.tight_layout()
-    figures.append(Figure("path", f"One vector ({source}, first row; {b0}) rotated to positions "
-                          f"0..{path_pos - 1} (dots coloured by position). Left: dims "
-                          f"{dims3[0]}, {dims3[1]} (pair {j3}, wavelength "
-                          f"{waves[b0][j3].item():.0f} positions) and {dims3[2]} (the slower "
-                          f"pair {j3 + 1}): a closed-looking loop that never repeats exactly. "
-                          f"Right: three pairs against position: the fast pair is a tight "
-                          f"helix, the slow ones hardly turn; the length of each pair never "
-                          f"changes.", fig))
-
-    # the long-term decay (RoFormer §3.4.3)
-    ctx.progress("RoPE: decay with distance")
-    decay = {b: decay_curves(dim, t, DECAY_DISTANCE, s) for b, (t, s) in bases.items()}
-    fig, ax = plt.subplots(figsize=(9, 4))
-    d_axis = (decay[b0]["distance"] + 1).numpy()                           # log axis: d + 1
-    for b, color in zip(labels, ("tab:blue", "tab:orange")):
-        ax.plot(d_axis, decay[b]["ones"].numpy(), color=color, linewidth=0.6, alpha=0.7,
-                label=f"q·k, q = k = 1 ({b})")
-        ax.plot(d_axis, decay[b]["bound"].numpy(), color=color, linewidth=1.8,
-                label=f"RoFormer bound (1/(d/2))·Σ|S_j| ({b})")
-    if has_rope:
-        ax.axvline(L + 1, color="gray", linestyle="--", linewidth=1, label=f"context L = {L:,}")
-    ax.set_xscale("log")
-    ax.set_xlabel("relative distance m − n (+1, log scale)")
-    ax.set_ylabel("relative to distance 0")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    figures.append(Figure("decay", "The same query and key (both all ones) scored at growing "
-                          "distance: Σ_i 2·cos((m−n)·θ_i), relative to distance 0 (thin), and "
-                          "RoFormer's upper bound on |q·k| for vectors of bounded variation "
-                          "(thick, §3.4.3). A larger θ keeps scores high further out.", fig))
-
-    # translation invariance in float32
-    ctx.progress("RoPE: translation invariance")
-    inv_pos = L if has_rope else 4096
-    inv_table = rope_table(dim, inv_pos, t0, s0)                           # (L, d/2) c64
-    g = torch.Generator().manual_seed(ctx.seed)
-    if not has_rope or args.attention != "mha":
-        q_real, k_real = q_real[:, :dim], k_real[:, :dim]
-    bands = sorted({p for p in (512, 2048, inv_pos) if p <= inv_pos})
-    invariance = {p: translation_invariance(q_real, k_real, inv_table, max_position=p,
-                                            generator=g) for p in bands}
-    worst = invariance[inv_pos]
-
-    def decay_at(b: str, d: int) -> float:
-        return decay[b]["ones"][d].item()
-
-    headline = [
-        f"Translation invariance (RoFormer eq. 16) in float32, {source}, unit length: max "
-        f"|q_m·k_n − q_(m+s)·k_(n+s)| = {worst:.2e} over {INVARIANCE_TRIALS:,} random "
-        f"(q, k, m, n, s) with every position < {inv_pos:,}"
-        + "".join(f"; {invariance[p]:.1e} below {p:,}" for p in bands if p != inv_pos)
-        + " (float32 rounding of m·θ_i grows with position).",
-    ]
-    for b in labels:
-        w = waves[b]
-        n_long = int((w > L).sum()) if has_rope else None
-        headline.append(
-            f"Wavelengths 2π/θ_i, {b}, d = {dim}: {w[0].item():.2f} to {w[-1].item():,.0f} "
-            f"positions (limit 2π·θ = {2 * math.pi * bases[b][0]:,.0f})"
-            + (f"; {n_long} of {dim // 2} pairs never complete a turn within the context "
-               f"L = {L:,}." if has_rope else "."))
-    headline.append(f"For reference, θ = 10,000 with head dim 128 (Llama 2): "
-                    f"{llama_waves[0].item():.2f} to {llama_waves[-1].item():,.0f} positions.")
-    headline.append(
-        "q·k of the all-ones vectors, relative to distance 0: " + "; ".join(
-            f"{b}: {decay_at(b, 10):.2f} at 10, {decay_at(b, 100):.2f} at 100, "
-            f"{decay_at(b, 1000):.2f} at 1,000, {decay_at(b, DECAY_DISTANCE):.2f} at "
-            f"{DECAY_DISTANCE:,}" for b in labels) + ".")
-    if has_rope and args.rope_local_theta is not None:
-        headline.append(f"Local (sliding-window) layers use θ = {args.rope_local_theta:,.0f}; "
-                        f"the figures show the global layers' θ.")
-
-    if has_rope:
-        look_for = (
-            "RoPE (Su et al. 2021) encodes position by rotating each pair of a query's and a "
-            "key's coordinates by m·θ_i, θ_i = θ^(−2i/d), so the score q_m·k_n depends only on "
-            "the offset m − n (the invariance number shows it holds to float32 rounding, which "
-            "grows with position because m·θ_i is rounded). In the heatmap the first pairs spin "
-            "through a full turn every few positions while the last barely move: the fast pairs "
-            "tell neighbours apart, the slow ones carry coarse position, and pairs whose "
-            "wavelength exceeds the training context never see a full turn — these are the "
-            "pairs that position interpolation, NTK-aware scaling and YaRN treat differently. A "
-            "larger base (SmolLM2 uses 100,000) stretches every wavelength, so the decay curve "
-            "stays high to longer distances: RoPE gives a soft preference for nearby tokens, not "
-            "a hard cut-off, and the curve oscillates rather than falling monotonically.")
-    else:
-        look_for = (
-            f"This model has no RoPE (position = {args.position!r}): it encodes position "
-            f"another way, so the figures show RoPE with base 10,000 and the model's head width "
-            f"({dim}) only, for comparison, and the invariance check uses random vectors. With "
-            f"RoPE each pair of coordinates turns by m·θ_i, so q_m·k_n depends only on m − n; "
-            f"fast pairs separate neighbours, slow pairs carry coarse position, and the score "
-            f"of a fixed query and key decays (with oscillations) as their distance grows.")
-    table_rows = [[b, f"{waves[b][0].item():.2f}", f"{waves[b][-1].item():,.0f}",
-                   f"{decay_at(b, 100):.3f}", f"{decay_at(b, 1000):.3f}"] for b in labels]
-    return Section(
-        "rope", "Rotary position embeddings (RoPE)", look_for, figures,
-        tables=[Table("Wavelengths and decay per base", ["base", "shortest wavelength",
-                                                          "longest wavelength",
-                                                          "q·k at 100 (rel.)",
-                                                          "q·k at 1,000 (rel.)"], table_rows)],
-        headline=headline,
-        data={"has_rope": has_rope, "rope_dim": dim, "context": L, "bases": labels,
-              "theta": {b: bases[b][0] for b in labels},
-              "angles": {b: [_rounded(r, 5) for r in angles[b]] for b in labels},
-              "wavelengths": {b: waves[b].tolist() for b in labels},
-              "wavelengths_theta10000_dim128": llama_waves.tolist(),
-              "path_positions": path_pos,
-              "path": [_rounded(r, 5) for r in path.T],
-              "path_dims_3d": dims3, "path_pairs": pairs,
-              "decay_distance": decay[b0]["distance"].tolist(),
-              "decay_ones": {b: _rounded(decay[b]["ones"], 5) for b in labels},
-              "decay_bound": {b: _rounded(decay[b]["bound"], 5) for b in labels},
-              "invariance_source": source, "invariance_trials": INVARIANCE_TRIALS,
-              "invariance_max_abs_error": {str(p): invariance[p] for p in bands}},
-        tensors={"angles": angles, "wavelengths": waves, "decay": decay, "path": path,
-                 "q": q_real, "k": k_real})
+    m = measure_rope(ctx)
+    figures = [plot_angles(m), plot_path(m), plot_decay(m)]
+    return rope_prose(m).section(
+        "rope", "Rotary position embeddings (RoPE)", figures,
+        {"angles": m.angles, "wavelengths": m.wavelengths, "decay": m.decay, "path": m.path,
+         "q": m.q, "k": m.k})
 
 
 # ---- extrapolation past the trained context ---------------------------------------------------
@@ -515,6 +641,189 @@ def _scaling(kind: str, factor: float, L: int) -> dict:
     return {"type": kind, "factor": factor}
 
 
+@dataclass
+class Extrapolation:
+    """The real model's loss per position on a text longer than its context, per RoPE scaling.
+
+    Attributes:
+        has_rope: False: the model has no RoPE and nothing was measured (the rest is empty).
+        position: the model's position encoding (args.position).
+        factor: the text has factor·L tokens.
+        dtype: the forwards' dtype name ("float32" or "bfloat16").
+        context: L, the trained context (positions).
+        tokens: N = int(factor·L), tokens of the text.
+        where: where the text came from (a file, or a folder of .txt files).
+        own_scaling: the type of the model's own rope_scaling, kept by "none" (or None).
+        methods: "none" (the model as it is), then SCALINGS.
+        losses: method → (N − 1,) float32 next-token losses (nats).
+        seconds: method → wall time of its forward (s).
+        token_ids: (1, N) int64 the text's tokens (CPU).
+        bucket: positions per bucket of the curves (L // 8).
+        bucket_starts, bucket_centers: first position and centre of each bucket.
+        bucket_loss: method → mean loss of each bucket (nats).
+        ppl_within, ppl_beyond: method → perplexity on positions [0, L) and [L, N).
+    """
+
+    has_rope: bool
+    position: str
+    factor: float = 0.0
+    dtype: str = ""
+    context: int = 0
+    tokens: int = 0
+    where: str = ""
+    own_scaling: Optional[str] = None
+    methods: list[str] = field(default_factory=list)
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    token_ids: Optional[torch.Tensor] = None
+    bucket: int = 0
+    bucket_starts: list[int] = field(default_factory=list)
+    bucket_centers: list[float] = field(default_factory=list)
+    bucket_loss: dict[str, list[float]] = field(default_factory=dict)
+    ppl_within: dict[str, float] = field(default_factory=dict)
+    ppl_beyond: dict[str, float] = field(default_factory=dict)
+
+
+#: the dtypes the extrapolation forwards may run in
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _extrapolation_options(options: dict) -> tuple[float, str]:
+    """(factor, dtype name) from ctx.options; ArgumentError for a factor ≤ 1 or another
+    dtype than float32 / bfloat16."""
+    factor = options.get("extrapolation_factor", 2)
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+        raise ArgumentError(f"extrapolation_factor must be a number > 1, got {factor!r}")
+    dtype_name = options.get("extrapolation_dtype", "float32")
+    if dtype_name not in _DTYPES:
+        raise ArgumentError(f"extrapolation_dtype must be one of {', '.join(_DTYPES)}, got "
+                            f"{dtype_name!r}")
+    return factor, dtype_name
+
+
+def measure_extrapolation(ctx: AnatomyContext) -> Extrapolation:
+    """Loss per position of factor·L tokens of the long text, plain RoPE and each scaling.
+
+    Raises:
+        ArgumentError: as `extrapolation_section`.
+    """
+    model, args = ctx.model, ctx.model.args
+    factor, dtype_name = _extrapolation_options(ctx.options)
+    L = args.max_seq_len
+    N = int(factor * L)
+    if args.position != "rope":
+        return Extrapolation(has_rope=False, position=args.position)
+    text, where = read_long_text(ctx.options.get("long_text_file"))
+    ctx.progress("tokenizing the long text")
+    ids = _long_tokens(ctx.tokenizer, text, N)
+    if len(ids) < N:
+        raise ArgumentError(f"extrapolation: the long text {where} has {len(ids):,} tokens; "
+                            f"{factor:g} × the context of {L:,} needs {N:,}")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([ids], device=device)                            # (1, N)
+    dtype = _DTYPES[dtype_name]
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}       # shared by every method
+    methods = ["none", *SCALINGS]
+    losses: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    for method in methods:
+        ctx.progress(f"{method}: forward over {N:,} tokens")
+        t0 = time.perf_counter()
+        scaling = None if method == "none" else _scaling(method, float(factor), L)
+        net = scaled_model(model, N, scaling, dtype, state)
+        losses[method] = position_losses(net, tokens)                       # (N−1,) fp32
+        seconds[method] = time.perf_counter() - t0
+        del net
+    bucket = max(L // 8, 1)
+    starts = list(range(0, N - 1, bucket))
+    return Extrapolation(
+        has_rope=True, position=args.position, factor=factor, dtype=dtype_name, context=L,
+        tokens=N, where=where,
+        own_scaling=args.rope_scaling["type"] if args.rope_scaling else None,
+        methods=methods, losses=losses, seconds=seconds, token_ids=tokens.cpu(), bucket=bucket,
+        bucket_starts=starts,
+        bucket_centers=[s + (min(s + bucket, N - 1) - s) / 2 for s in starts],
+        bucket_loss={m: [losses[m][s:s + bucket].mean().item() for s in starts]
+                     for m in methods},
+        ppl_within={m: math.exp(losses[m][:L].mean().item()) for m in methods},
+        ppl_beyond={m: math.exp(losses[m][L:].mean().item()) for m in methods})
+
+
+def plot_extrapolation(m: Extrapolation) -> list[Figure]:
+    """The bucketed loss against position, one line per method ([] without RoPE)."""
+    if not m.has_rope:
+        return []
+    plt = _pyplot()
+    L, N, bucket = m.context, m.tokens, m.bucket
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for meth in m.methods:
+        ax.plot(m.bucket_centers, m.bucket_loss[meth], marker="o", markersize=3,
+                label=f"{meth}: ppl {m.ppl_within[meth]:.1f} within L, "
+                      f"{m.ppl_beyond[meth]:.1f} past L")
+    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
+    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+    ax.set_xlabel("position in the text")
+    ax.set_ylabel(f"mean loss over {bucket:,} positions (nats)")
+    ax.set_yscale("log")
+    ax.set_title(f"Loss vs position, {N:,} tokens of {Path(m.where.split(' (')[0]).name}, "
+                 f"scaling factor {m.factor:g}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return [Figure("loss", f"Next-token loss of the real model along {N:,} tokens, mean over "
+                   f"buckets of {bucket:,} positions, one line per RoPE scaling (factor "
+                   f"{m.factor:g}, original context {L:,}). Left of the dashed line the model "
+                   f"sees contexts it was trained on.", fig)]
+
+
+def extrapolation_look_for(m: Extrapolation) -> str:
+    """The "what to look for" paragraph, with the section's context, tokens and bucket."""
+    return (
+        f"The model was trained on contexts of L = {m.context:,} tokens. Here it reads "
+        f"{m.tokens:,} tokens of real text in one forward pass; each point is the mean "
+        f"next-token loss over {m.bucket:,} positions. With plain RoPE ('none') the loss "
+        f"typically shoots up soon after L: the attention scores meet rotation angles (offsets) "
+        f"never seen in training. Linear position interpolation (Chen et al. 2023) divides "
+        f"every position by the factor, so no angle is new but neighbouring tokens get closer "
+        f"than in training; NTK-aware scaling (bloc97 2023) raises the base so the fast pairs "
+        f"keep their resolution and only the slow ones are interpolated; YaRN (Peng et al. "
+        f"2023) interpolates only the pairs whose wavelength exceeds the context and sharpens "
+        f"the softmax. Without fine-tuning, a good method keeps the loss past L close to the "
+        f"loss within L; compare also the cost within L, where the scalings change what the "
+        f"model was trained on. This section is opt-in (`--only extrapolation`): on SmolLM2 "
+        f"(L = 8,192) each method is one forward over 16,384 tokens, minutes on 2 CPU cores "
+        f"(float32 by default; bfloat16 measured barely faster on CPU: 11.0 vs 11.8 s for 2,048 "
+        f"tokens).")
+
+
+def extrapolation_prose(m: Extrapolation) -> Prose:
+    """The extrapolation section's words, perplexity table and anatomy.json entry."""
+    if not m.has_rope:
+        return Prose(f"This model has no RoPE (position = {m.position!r}), so there is no RoPE "
+                     f"scaling to compare; the section is empty.",
+                     [f"No RoPE (position = {m.position!r}): nothing to extrapolate."],
+                     {"has_rope": False})
+    L, N, methods = m.context, m.tokens, m.methods
+    ppl_in, ppl_out, seconds = m.ppl_within, m.ppl_beyond, m.seconds
+    headline = [f"{meth}: perplexity {ppl_in[meth]:.2f} on positions [0, {L:,}), "
+                f"{ppl_out[meth]:.2f} on [{L:,}, {N:,}) ({seconds[meth]:.0f} s)"
+                for meth in methods]
+    own = f"; 'none' keeps the model's own {m.own_scaling} scaling" if m.own_scaling else ""
+    headline.append(f"Text: {m.where}, first {N:,} tokens; forwards in {m.dtype}{own}.")
+    rows = [[meth, ppl_in[meth], ppl_out[meth], seconds[meth]] for meth in methods]
+    table = Table("Perplexity within and past the trained context",
+                  ["method", f"ppl [0, {L:,})", f"ppl [{L:,}, {N:,})", "seconds"], rows)
+    data = {"methods": methods, "factor": m.factor, "context": L, "tokens": N,
+            "text": m.where, "dtype": m.dtype, "bucket": m.bucket,
+            "bucket_starts": m.bucket_starts, "bucket_centers": m.bucket_centers,
+            "bucket_loss": m.bucket_loss, "ppl_within": ppl_in, "ppl_beyond": ppl_out,
+            "perplexity": {meth: {"within": ppl_in[meth], "beyond": ppl_out[meth]}
+                           for meth in methods},
+            "seconds": seconds,
+            "scalings": {s: _scaling(s, float(m.factor), L) for s in SCALINGS}}
+    return Prose(extrapolation_look_for(m), headline, data, [table])
+
+
 def extrapolation_section(ctx: AnatomyContext) -> Section:
     """The real model's loss per position on a long text of factor·L tokens, L its trained
     context: plain RoPE, then each RoPE scaling of the zoo (linear, ntk, yarn) with that factor.
@@ -531,107 +840,7 @@ def extrapolation_section(ctx: AnatomyContext) -> Section:
         ArgumentError: no long text (names --long-text-file and `make test`), a text shorter
             than factor·L tokens, a factor ≤ 1 or an unknown dtype.
     """
-    plt = _pyplot()
-    model, args = ctx.model, ctx.model.args
-    factor = ctx.options.get("extrapolation_factor", 2)
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
-        raise ArgumentError(f"extrapolation_factor must be a number > 1, got {factor!r}")
-    dtype_name = ctx.options.get("extrapolation_dtype", "float32")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype_name not in dtypes:
-        raise ArgumentError(f"extrapolation_dtype must be one of {', '.join(dtypes)}, got "
-                            f"{dtype_name!r}")
-    dtype = dtypes[dtype_name]
-    L = args.max_seq_len
-    N = int(factor * L)
-    if args.position != "rope":
-        return Section(
-            "extrapolation", "RoPE past the trained context",
-            f"This model has no RoPE (position = {args.position!r}), so there is no RoPE "
-            f"scaling to compare; the section is empty.",
-            headline=[f"No RoPE (position = {args.position!r}): nothing to extrapolate."],
-            data={"has_rope": False})
-
-    text, where = read_long_text(ctx.options.get("long_text_file"))
-    ctx.progress("tokenizing the long text")
-    ids = _long_tokens(ctx.tokenizer, text, N)
-    if len(ids) < N:
-        raise ArgumentError(f"extrapolation: the long text {where} has {len(ids):,} tokens; "
-                            f"{factor:g} × the context of {L:,} needs {N:,}")
-    device = next(model.parameters()).device
-    tokens = torch.tensor([ids], device=device)                            # (1, N)
-    state = {k: v.to(dtype) for k, v in model.state_dict().items()}       # shared by every method
-
-    methods = ["none", *SCALINGS]
-    losses: dict[str, torch.Tensor] = {}
-    seconds: dict[str, float] = {}
-    for method in methods:
-        ctx.progress(f"{method}: forward over {N:,} tokens")
-        t0 = time.perf_counter()
-        scaling = None if method == "none" else _scaling(method, float(factor), L)
-        net = scaled_model(model, N, scaling, dtype, state)
-        losses[method] = position_losses(net, tokens)                       # (N−1,) fp32
-        seconds[method] = time.perf_counter() - t0
-        del net
-
-    bucket = max(L // 8, 1)
-    starts = list(range(0, N - 1, bucket))
-    buckets = {m: [losses[m][s:s + bucket].mean().item() for s in starts] for m in methods}
-    centers = [s + (min(s + bucket, N - 1) - s) / 2 for s in starts]
-    ppl_in = {m: math.exp(losses[m][:L].mean().item()) for m in methods}
-    ppl_out = {m: math.exp(losses[m][L:].mean().item()) for m in methods}
-
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    for m in methods:
-        ax.plot(centers, buckets[m], marker="o", markersize=3,
-                label=f"{m}: ppl {ppl_in[m]:.1f} within L, {ppl_out[m]:.1f} past L")
-    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
-    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
-    ax.set_xlabel("position in the text")
-    ax.set_ylabel(f"mean loss over {bucket:,} positions (nats)")
-    ax.set_yscale("log")
-    ax.set_title(f"Loss vs position, {N:,} tokens of {Path(where.split(' (')[0]).name}, "
-                 f"scaling factor {factor:g}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    figures = [Figure("loss", f"Next-token loss of the real model along {N:,} tokens, mean over "
-                      f"buckets of {bucket:,} positions, one line per RoPE scaling (factor "
-                      f"{factor:g}, original context {L:,}). Left of the dashed line the model "
-                      f"sees contexts it was trained on.", fig)]
-
-    headline = [f"{m}: perplexity {ppl_in[m]:.2f} on positions [0, {L:,}), {ppl_out[m]:.2f} "
-                f"on [{L:,}, {N:,}) ({seconds[m]:.0f} s)" for m in methods]
-    own = (f"; 'none' keeps the model's own {args.rope_scaling['type']} scaling"
-           if args.rope_scaling else "")
-    headline.append(f"Text: {where}, first {N:,} tokens; forwards in {dtype_name}{own}.")
-    rows = [[m, ppl_in[m], ppl_out[m], seconds[m]] for m in methods]
-    return Section(
-        "extrapolation", "RoPE past the trained context",
-        f"The model was trained on contexts of L = {L:,} tokens. Here it reads {N:,} tokens of "
-        f"real text in one forward pass; each point is the mean next-token loss over "
-        f"{bucket:,} positions. With plain RoPE ('none') the loss typically shoots up soon after "
-        f"L: the attention scores meet rotation angles (offsets) never seen in training. "
-        f"Linear position interpolation (Chen et al. 2023) divides every position by the "
-        f"factor, so no angle is new but neighbouring tokens get closer than in training; "
-        f"NTK-aware scaling (bloc97 2023) raises the base so the fast pairs keep their "
-        f"resolution and only the slow ones are interpolated; YaRN (Peng et al. 2023) "
-        f"interpolates only the pairs whose wavelength exceeds the context and sharpens the "
-        f"softmax. Without fine-tuning, a good method keeps the loss past L close to the loss "
-        f"within L; compare also the cost within L, where the scalings change what the model "
-        f"was trained on. This section is opt-in (`--only extrapolation`): on SmolLM2 "
-        f"(L = 8,192) each method is one forward over 16,384 tokens, minutes on 2 CPU cores "
-        f"(float32 by default; bfloat16 measured barely faster on CPU: 11.0 vs 11.8 s for 2,048 "
-        f"tokens).",
-        figures,
-        tables=[Table("Perplexity within and past the trained context",
-                      ["method", f"ppl [0, {L:,})", f"ppl [{L:,}, {N:,})", "seconds"], rows)],
-        headline=headline,
-        data={"methods": methods, "factor": factor, "context": L, "tokens": N,
-              "text": where, "dtype": dtype_name, "bucket": bucket,
-              "bucket_starts": starts, "bucket_centers": centers,
-              "bucket_loss": buckets, "ppl_within": ppl_in, "ppl_beyond": ppl_out,
-              "perplexity": {m: {"within": ppl_in[m], "beyond": ppl_out[m]} for m in methods},
-              "seconds": seconds,
-              "scalings": {m: _scaling(m, float(factor), L) for m in SCALINGS}},
-        tensors={"losses": losses, "tokens": tokens.cpu()})
+    m = measure_extrapolation(ctx)
+    tensors = {"losses": m.losses, "tokens": m.token_ids} if m.has_rope else {}
+    return extrapolation_prose(m).section("extrapolation", "RoPE past the trained context",
+                                          plot_extrapolation(m), tensors)

@@ -124,7 +124,7 @@ def ours_runs(model, prompt: torch.Tensor, new_tokens: int):
 
     @torch.inference_mode()
     def run_prefill():
-        if model.cache_shape != (1, T + new_tokens):
+        if model.caches is None or model.caches.shape != (1, T + new_tokens):
             model.setup_caches(1, T + new_tokens)
         t0 = time.perf_counter()
         prefill(model, prompt, 0)

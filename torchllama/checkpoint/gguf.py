@@ -38,7 +38,7 @@ from torchllama.checkpoint.common import expected_shapes, linear_weight_names
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
-from torchllama.families.base import Fused, Layout, Part, RopePermuted
+from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
 from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, quantize_weight,
                                  scheme_for)
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
@@ -227,12 +227,7 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     expected = expected_shapes(args, source)
     mappings = family.mappings("gguf", args.n_layers, set(expected))
     by_name = {m.theirs: m for m in mappings}
-    # tensors stored in several parts (`Part`): our name → its mappings, in table order
-    groups: dict[str, list] = {}
-    for m in mappings:
-        if isinstance(m.layout, Part):
-            groups.setdefault(m.ours[0], []).append(m)
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    parts = _Parts(mappings)
     state: dict[str, torch.Tensor] = {}
     quantizable = linear_weight_names(args, source) | {"tok_embeddings.weight"} if quant else set()
     no_kernel: set[str] = set()
@@ -243,51 +238,103 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
             if family.gguf_ignored is not None and family.gguf_ignored.fullmatch(t.name):
                 continue
             raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
-        shape = torch.Size(reversed([int(d) for d in t.shape]))
-        if isinstance(mapping.layout, Part):
-            want = mapping.layout.part_shape(expected[mapping.ours[0]], args)
-        else:
-            want = mapping.layout.stored_shape(tuple(expected[n] for n in mapping.ours))
-        if shape != want:
-            raise ModelFileError(
-                f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
-                f"{tuple(want)} for {', '.join(mapping.ours)}")
+        _check_stored_shape(t, mapping, expected, args, source)
+        loaded = None
         if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
-            q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
-                           source, no_kernel)
-            if q is not None and all(fits(torch.Size((s[0], q.shape[1])), _scheme_of(q))
-                                     for s in (expected[n] for n in mapping.ours)):
-                state.update(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
-                _release_file_pages(reader, t)
-                continue
-        tensor = _dequantize(t, source)
-        loaded = mapping.layout.load(tensor, args)
-        if isinstance(mapping.layout, Part):
-            name = mapping.ours[0]
-            got = parts.setdefault(name, {})
-            got[mapping.theirs] = loaded[0]
-            group = groups[name]
-            if all(m.theirs in got for m in group):
-                state[name] = group[0].layout.join(
-                    [got[m.theirs] for m in group], args).to(dtype)
-        else:
-            state.update(zip(mapping.ours, (x.to(dtype) for x in loaded)))
+            loaded = _kept_quantized(t, mapping, quant, expected, args, source, no_kernel)
+        if loaded is None:
+            loaded = _dequantized(t, mapping, args, dtype, source, parts)
+        state.update(loaded)
         _release_file_pages(reader, t)
+    _check_none_missing(state, expected, family, args, source)
+    if no_kernel:
+        print(f"note: {source}: no kernel for {', '.join(sorted(no_kernel))} tensors; they are "
+              f"dequantized to {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+    if isinstance(quant, Scheme):     # float matrices of the file, or ones a layout reshaped
+        _quantize_float_matrices(state, quantizable, quant)
+    return state
+
+
+def _check_stored_shape(t: Any, mapping: Mapping, expected: dict[str, torch.Size],
+                        args: ModelArgs, source: str) -> None:
+    """Raise `ModelFileError` unless GGUF tensor `t` has the shape its mapping stores (a `Part`
+    layout: its part of our tensor)."""
+    shape = torch.Size(reversed([int(d) for d in t.shape]))
+    if isinstance(mapping.layout, Part):
+        want = mapping.layout.part_shape(expected[mapping.ours[0]], args)
+    else:
+        want = mapping.layout.stored_shape(tuple(expected[n] for n in mapping.ours))
+    if shape != want:
+        raise ModelFileError(
+            f"{source}: tensor {t.name!r} has shape {tuple(shape)}, expected "
+            f"{tuple(want)} for {', '.join(mapping.ours)}")
+
+
+def _kept_quantized(t: Any, mapping: Mapping, quant, expected: dict[str, torch.Size],
+                    args: ModelArgs, source: str, no_kernel: set) -> dict | None:
+    """A matrix kept quantized (`_quantized`): our name → its rows after the mapping's layout;
+    None to load it as float (no kernel for its type under "auto", or our shapes do not fit the
+    blocks)."""
+    q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
+                   source, no_kernel)
+    if q is None or not all(fits(torch.Size((expected[n][0], q.shape[1])), _scheme_of(q))
+                            for n in mapping.ours):
+        return None
+    return dict(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
+
+
+class _Parts:
+    """Our tensors that GGUF stores in several parts (`Part` layouts): the parts loaded so far,
+    joined once the last one of a tensor arrives."""
+
+    def __init__(self, mappings: list[Mapping]) -> None:
+        self.groups: dict[str, list[Mapping]] = {}   # our name → its mappings, in table order
+        for m in mappings:
+            if isinstance(m.layout, Part):
+                self.groups.setdefault(m.ours[0], []).append(m)
+        self.loaded: dict[str, dict[str, torch.Tensor]] = {}    # our name → their name → part
+
+    def add(self, mapping: Mapping, part: torch.Tensor, args: ModelArgs) -> torch.Tensor | None:
+        """Record one loaded part; the joined tensor if it was the last of its group, else None."""
+        name = mapping.ours[0]
+        got = self.loaded.setdefault(name, {})
+        got[mapping.theirs] = part
+        group = self.groups[name]
+        if not all(m.theirs in got for m in group):
+            return None
+        return group[0].layout.join([got[m.theirs] for m in group], args)
+
+
+def _dequantized(t: Any, mapping: Mapping, args: ModelArgs, dtype: torch.dtype, source: str,
+                 parts: _Parts) -> dict[str, torch.Tensor]:
+    """GGUF tensor `t` dequantized into our names and `dtype` by its mapping's layout (a part of
+    a tensor stored in parts: nothing until its last part, then the joined tensor)."""
+    loaded = mapping.layout.load(_dequantize(t, source), args)
+    if not isinstance(mapping.layout, Part):
+        return {name: x.to(dtype) for name, x in zip(mapping.ours, loaded)}
+    joined = parts.add(mapping, loaded[0], args)
+    return {} if joined is None else {mapping.ours[0]: joined.to(dtype)}
+
+
+def _check_none_missing(state: dict, expected: dict[str, torch.Size], family: Family,
+                        args: ModelArgs, source: str) -> None:
+    """Raise `ModelFileError` naming (up to five of) the tensors a GGUF file lacks; the output
+    projection may be absent for tied embeddings."""
     missing = [f"{family.their_name('gguf', n, args.n_layers)} ({n})" for n in expected
                if n not in state and not (n == "output.weight" and args.tie_embeddings)]
     if missing:
         raise ModelFileError(
             f"{source}: missing tensors for {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    if no_kernel:
-        print(f"note: {source}: no kernel for {', '.join(sorted(no_kernel))} tensors; they are "
-              f"dequantized to {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    if isinstance(quant, Scheme):     # float matrices of the file, or ones a layout reshaped
-        for name in quantizable & state.keys():
-            w, scheme = state[name], scheme_for(name, quant)
-            if isinstance(w, torch.Tensor) and fits(w.shape, scheme):
-                state[name] = quantize_weight(w, scheme)
-    return state
+
+
+def _quantize_float_matrices(state: dict, names: set[str], quant: Scheme) -> None:
+    """Quantize in place, in `quant` (per name, `scheme_for`), the matrices among `names` that
+    are still float tensors of a shape the scheme fits."""
+    for name in names & state.keys():
+        w, scheme = state[name], scheme_for(name, quant)
+        if isinstance(w, torch.Tensor) and fits(w.shape, scheme):
+            state[name] = quantize_weight(w, scheme)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,22 +20,12 @@ import torch
 from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
 from torchllama.generation.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
+from torchllama.transforms.fuse import runs_one_op_layers  # noqa: F401  (also exported here)
 
 
 # --------------------------------------------------------------------------------------------
 # Prefill and decode
 # --------------------------------------------------------------------------------------------
-
-def runs_one_op_layers(model) -> bool:
-    """Whether every layer of `model` decodes as one `torchllama::decoder_layer` call (block
-    weights on torchllama's kernels, a structure the op computes: see
-    `TransformerBlock.fused_layer_args`)."""
-    from torchllama import kernels
-
-    if model.device.type != "cpu" or not kernels.available():
-        return False
-    return all(layer._fused_weights() is not None for layer in model.layers)
-
 
 def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = None,
                    force: bool = False) -> float:
@@ -93,11 +83,7 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         for pos in range(3):       # pos 0 (T = S = 1), then the general symbolic-S graph
             decode_one_token(model, token, pos)
-    model.clear_caches()
-    if caches is not None:
-        for layer, cache in zip(model.layers, caches):
-            layer.attention.kv_cache = cache
-        model.caches = caches
+    model.use_caches(caches)
     return time.perf_counter() - t0
 
 
@@ -239,7 +225,7 @@ class Session:
         limit = min(len(self.cached_ids), len(prompt_ids) - 1)
         while n < limit and self.cached_ids[n] == prompt_ids[n]:
             n += 1
-        if not self.model.cache_can_write_at(n):   # a sliding window's ring no longer holds
+        if not self.model.caches.can_write_at(n):   # a sliding window's ring no longer holds
             n = 0                                   # what slot n needs: start over
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
                                              prefilled_tokens=len(prompt_ids) - n)

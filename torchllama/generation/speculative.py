@@ -158,7 +158,7 @@ class ModelDrafter(Drafter):
         n, limit = 0, min(len(self.cached_ids), len(context) - 1)
         while n < limit and self.cached_ids[n] == context[n]:
             n += 1
-        if not self.model.cache_can_write_at(n):   # a sliding window's ring lost slot n's keys
+        if not self.model.caches.can_write_at(n):   # a sliding window's ring lost slot n's keys
             n = 0
         tokens = torch.tensor([list(context[n:])], dtype=torch.long, device=self.model.device)
         if tokens.shape[1] == 1:

@@ -4,15 +4,14 @@ latent attention (MLA), with RoPE, relative biases, sliding windows and a KV cac
 Attention(Q, K, V) = softmax(Q·Kᵀ · scale + bias + mask) · V (Vaswani et al. 2017, eq. 1, with
 scale 1/√d_k unless a model says otherwise).
 
-The decoder builds the per-call inputs every layer of one kind needs (`AttentionInputs`: RoPE
-rotations of the new tokens, the mask, position biases, cache rows) once per forward; each
-layer's module only projects, rotates, caches and attends.
+The decoder builds the per-call inputs every layer of one kind needs once per forward
+(`torchllama.nn.attention_inputs.AttentionInputs`: RoPE rotations of the new tokens, the mask,
+position biases, cache rows); each layer's module only projects, rotates, caches and attends.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 
 from torchllama import kernels
 from torchllama.config import LayerSpec, ModelArgs
+from torchllama.nn.attention_inputs import AttentionInputs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
 from torchllama.nn.linear import Linear
 from torchllama.nn.norms import RMSNorm, make_norm
@@ -29,49 +29,6 @@ from torchllama.nn.position import apply_rotary_emb, yarn_mscale
 #: Extra slots a sliding-window cache keeps beyond its window, so that a chat turn can rewind a
 #: few tokens without recomputing the conversation (see `SlidingWindowKVCache`).
 WINDOW_CACHE_MARGIN = 64
-
-
-@dataclass
-class AttentionInputs:
-    """What one forward call gives every attention layer of one kind (built once by the decoder).
-
-    Attributes:
-        start_pos: slot of the first new token (tokens already in the KV cache).
-        freqs_cis: RoPE rotations of the new tokens, (T, rot/2) complex64 or (B, T, rot/2) for
-            rows with their own positions (left padding); real (cos, sin) pairs under
-            torch.compile; None without RoPE.
-        mask: (T, S) or (B, 1, T, S) bool, True where query t may attend key s; None means causal
-            among the T new tokens when nothing is cached before them, or no mask for a single
-            token (it may see every cached slot).
-        bias: (1|B, H, T, S) float added to the scores (ALiBi, T5), with −inf where the mask
-            forbids (then `mask` is None); None without a position bias.
-        cache_rows: KV cache rows of the B sequences (default 0..B-1).
-        key_start: (B,) int64, where the keys the cache returns start in slot order (a
-            sliding-window ring: its oldest slot; see `KVCache.key_start`), or None (in order).
-        row_pos: rows at their own positions (one new token each; the serving engine's
-            decode): row b's token goes to slot row_pos[b] (−1: an idle row, nothing written,
-            nothing attended); start_pos is then unused. None: every row at start_pos.
-        row_index: (B,) int64, with row_pos: the cache index each row writes at (−1: none).
-    """
-
-    start_pos: int
-    freqs_cis: Optional[torch.Tensor]
-    mask: Optional[torch.Tensor]
-    bias: Optional[torch.Tensor] = None
-    cache_rows: Optional[slice] = None
-    key_start: Optional[torch.Tensor] = None
-    row_pos: Optional[list[int]] = None
-    row_index: Optional[torch.Tensor] = None
-
-    def cache_update(self, cache: KVCache, xk: torch.Tensor, xv: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys xk (B, KV, T, ·) and values into `cache` and return the keys and
-        values to attend over, (B, KV, S, ·) (`KVCache.update` or `update_rows`)."""
-        if self.row_pos is None:
-            return cache.update(self.start_pos, xk, xv, self.cache_rows)
-        return cache.update_rows(self.row_pos, self.row_index, xk, xv, self.cache_rows,
-                                 self.mask.shape[-1] if self.mask is not None
-                                 else self.bias.shape[-1])
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

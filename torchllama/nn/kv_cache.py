@@ -5,15 +5,21 @@ start_pos = s. Generation prefills slots 0..T-1 with the prompt and decodes one 
 left-padded batches keep all rows on one slot counter and mask each row's padding slots; the
 serving engine keeps every row at its own position (a row is one request, from slot 0).
 
-Callers (Session, generate_batch, the engine) use this interface and nothing else:
+One layer's cache has this interface (attention layers and the attention inputs use it):
 
     update(start_pos, k, v, rows)     write the new tokens' keys/values, return those to attend to
     key_slots(start_pos, T)           the slot of each key `update` returns (for masks and biases)
     key_start(start_pos, T)           where the oldest of them is (a ring's), for slot order
     row_slots(pos) / update_rows(…)   the same for one token per row at its own position
+    in_place_slots / record_write     where an op that writes the buffers itself writes, and
+                                      noting afterwards that it did
     can_write_at(start_pos, row)      whether a write may start there (rewinding a window cache)
-    reset_rows(rows) / copy_row(…)    a row given to a new sequence / a prefix put back in a row
+    reset_rows(rows)                  rows given to new sequences
+    read_row / write_row              a copy of a row's slots, put back into any row (prefixes)
     zero(rows, start, end)            make slots finite (padding that was never written)
+
+and `KVCaches` holds a model's caches, one per layer, with the row operations applied to every
+layer (what Session, the serving engine and its prefix cache call).
 
 Two kinds: `KVCache` keeps every slot (global attention); `SlidingWindowKVCache` keeps only the
 last window (+ a margin) of slots in a ring buffer (local attention, Mistral / Gemma). MLA's
@@ -98,12 +104,16 @@ class KVCache(nn.Module):
         self.v_cache[rows, :, start_pos:end] = xv
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
-    def write_slots(self, start_pos: int, T: int, rows: range) -> Optional[tuple[int, int]]:
-        """For an op that writes the T new keys and values of cache rows `rows` into the buffers
-        itself (`torch.ops.torchllama.decoder_layer`): (index of the first one, number of
+    def in_place_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
+        """For an op that writes T new keys and values into the buffers itself
+        (`torch.ops.torchllama.decoder_layer`): (buffer index of the first one, number of
         indices to attend over) — what `update` would write and return — or None when the
-        buffers cannot take them in place. Counts the write, as `update` does."""
+        buffers cannot take them in place. A query: after the op wrote, call `record_write`."""
         return (start_pos, start_pos + T) if type(self) is KVCache else None
+
+    def record_write(self, start_pos: int, T: int, rows: range) -> None:
+        """Note that rows `rows` wrote slots start_pos..start_pos+T-1 in place (every slot is
+        kept, so nothing to note here; a ring moves its furthest slot)."""
 
     def key_slots(self, start_pos: int, T: int, device: torch.device) -> torch.Tensor:
         """Slot of each key `update(start_pos, …T tokens)` returns: 0..start_pos+T-1, (S,)."""
@@ -296,13 +306,15 @@ class SlidingWindowKVCache(KVCache):
         self.v_cache[row] = v
         self.high[row] = high
 
-    def write_slots(self, start_pos: int, T: int, rows: range) -> Optional[tuple[int, int]]:
+    def in_place_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
         """(start_pos mod capacity, capacity) for one new token (then the whole ring is
         attended over in storage order, as `update` does), else None (see `KVCache`)."""
         if type(self) is not SlidingWindowKVCache or T != 1:
             return None
-        self._wrote(rows, start_pos + 1)
         return start_pos % self.capacity, self.capacity
+
+    def record_write(self, start_pos: int, T: int, rows: range) -> None:
+        self._wrote(rows, start_pos + T)
 
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
                rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,3 +349,60 @@ class SlidingWindowKVCache(KVCache):
 
     def zero(self, rows: slice, start: int, end: int) -> None:
         """Nothing to do: the ring is zero-initialised and only ever holds written keys."""
+
+
+class KVCaches:
+    """The KV caches of a whole model, one per layer, and the operations on cache rows that a
+    caller applies to every layer at once (a row is one sequence: Session uses row 0, the
+    serving engine one row per request).
+
+    Iterable and indexable like the tuple of per-layer caches it holds. A model's `caches` is a
+    new KVCaches at every `setup_caches`, so a caller can tell by identity whether the caches
+    it filled are still in place.
+
+    Args:
+        layers: the caches of layers 0..n_layers-1.
+    """
+
+    def __init__(self, layers: list[KVCache]):
+        self.layers = tuple(layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> KVCache:
+        return self.layers[i]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(max_batch_size, max_seq_len): rows, and slots a row can address."""
+        return self.layers[0].max_batch_size, self.layers[0].max_seq_len
+
+    def can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
+        """Whether every layer can take a write starting at start_pos in row `row` (default: in
+        every row): rewinding a sliding-window ring further than its margin cannot; then start
+        over at 0 (`reset_rows`)."""
+        return all(cache.can_write_at(start_pos, row) for cache in self.layers)
+
+    def reset_rows(self, rows: slice) -> None:
+        """The rows start new sequences from slot 0 (`KVCache.reset_rows`)."""
+        for cache in self.layers:
+            cache.reset_rows(rows)
+
+    def read_row(self, row: int, end: int) -> list:
+        """A copy of row `row`'s slots [0, end) in every layer (a prefix cache entry; a
+        sliding-window layer's ring as it is), for `write_row`."""
+        return [cache.read_row(row, end) for cache in self.layers]
+
+    def write_row(self, row: int, state: list) -> None:
+        """Put a `read_row` copy into row `row` (any row)."""
+        for cache, layer_state in zip(self.layers, state):
+            cache.write_row(row, layer_state)
+
+    def zero(self, rows: slice, start: int, end: int) -> None:
+        """Zero slots [start, end) of the given rows in every layer (`KVCache.zero`)."""
+        for cache in self.layers:
+            cache.zero(rows, start, end)

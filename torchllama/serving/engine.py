@@ -301,7 +301,7 @@ class Engine:
         b = self._rows.index(None)
         try:
             generator = request.sampling.make_generator(self.device)
-            self.model.reset_cache_rows(slice(b, b + 1))
+            self.model.caches.reset_rows(slice(b, b + 1))
             reused = 0
             if self.prefix_cache is not None:
                 reused = self.prefix_cache.restore(request.prompt_ids, b)
@@ -456,7 +456,7 @@ class Engine:
         for b in rows:
             if self._finite[b] < end:
                 stop = min(max(end, self._finite[b] + 256), self.context)
-                self.model.zero_cache_slots(slice(b, b + 1), self._finite[b], stop)
+                self.model.caches.zero(slice(b, b + 1), self._finite[b], stop)
                 self._finite[b] = stop
 
 

@@ -3,7 +3,7 @@ start the same way (a shared system prompt, a multi-turn chat resent in full, fe
 
 What llama.cpp's `cache_prompt` and vLLM's automatic prefix caching give their users, in its
 simplest form: when the engine finishes prefilling a prompt, it keeps a copy of the prompt's
-slots from its cache row (`Transformer.read_cache_row`: every layer's keys and values of slots
+slots from its cache row (`KVCaches.read_row`: every layer's keys and values of slots
 0..P-1; a sliding-window layer's ring as it is). A new prompt looks for the entry sharing the
 longest prefix with it (m tokens, at most P − 1: the last prompt token is always computed, its
 logits give the first new token), gets the entry's slots 0..m-1 copied into its own row, and is
@@ -36,7 +36,7 @@ MIN_NEW_TOKENS = 16
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
-    state: list                       # Transformer.read_cache_row
+    state: list                       # KVCaches.read_row
     nbytes: int
 
 
@@ -97,14 +97,14 @@ class PrefixCache:
         """
         m, entry = self._best(prompt)
         if entry is not None and m > 0:
-            self.model.write_cache_row(row, entry.state)
-            if self.model.cache_can_write_at(m, row):
+            self.model.caches.write_row(row, entry.state)
+            if self.model.caches.can_write_at(m, row):
                 self._entries.move_to_end(entry.tokens)
                 with self._lock:
                     self.hits += 1
                     self.tokens_reused += m
                 return m
-            self.model.reset_cache_rows(slice(row, row + 1))   # a ring cannot go back to m
+            self.model.caches.reset_rows(slice(row, row + 1))   # a ring cannot go back to m
         with self._lock:
             self.misses += 1
         return 0
@@ -120,7 +120,7 @@ class PrefixCache:
         m, _ = self._best(prompt)
         if len(prompt) - m < max(MIN_NEW_TOKENS, m // 4):
             return
-        state = self.model.read_cache_row(row, len(prompt))
+        state = self.model.caches.read_row(row, len(prompt))
         nbytes = _nbytes(state)
         if nbytes > self.budget_bytes:
             return

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama.errors import ArgumentError
+from torchllama.transforms import fuse
 
 #: Group sizes `_weight_int4pack_mm_for_cpu` accepts.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -633,6 +634,7 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
         if module_name == "output" and tied:
             model.tok_embeddings = quantized_embedding(weight, linear)
     fuse_projections(model)
+    fuse.install(model)                  # blocks the one-op path computes take it
 
 
 def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:

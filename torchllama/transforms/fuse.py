@@ -1,0 +1,212 @@
+"""The fast path of a decoder layer, installed from outside the model: a whole block as one
+call of `torch.ops.torchllama.decoder_layer` (kernels/csrc/decoder.cpp).
+
+A decode step of a small model is mostly Python dispatch of ~40 small ops per layer (norms,
+projections, RoPE, cache writes, attention, SwiGLU); the op runs the same kernels in the same
+order from C++ and gives the same bits as the modules (tests/test_kernels.py proves it for a
+Llama and a Gemma 3 layer). The model (`torchllama.model`) never knows: `install` turns each
+block whose structure the op computes into a `FusedTransformerBlock` — the same module with
+the same parameters, whose forward takes the op when the call allows it and the readable
+forward otherwise. Learned from torchtitan's `ModelSpec.parallelize_fn` and gpt-fast's
+`QuantHandler.convert_for_runtime`: the fast path is a transform, the model stays the reference.
+
+What the op computes (checked once, at install): a pre-norm or sandwich block of RMSNorms
+(Llama, Mistral, Gemma 2/3) with one eps and gain convention; attention with one fused q/k/v
+block-weight product (`transforms.quantize.fuse_projections`), RoPE, optionally QK-norm and
+soft-capping; a gated feed-forward (SwiGLU, or GeGLU with tanh GELU) with one fused w1/w3
+block product; no biases. What a call needs (checked per call): float32 inference on
+torchllama's kernels, a float32 KV cache the op can write in place, RoPE rotations, no position
+bias, no attention capture, and RoPE over the whole head (not partial).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchllama import kernels
+from torchllama.model import Transformer, TransformerBlock
+from torchllama.nn.attention import Attention
+from torchllama.nn.attention_inputs import AttentionInputs
+from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
+from torchllama.nn.mlp import ACTIVATIONS, FeedForward
+from torchllama.nn.norms import RMSNorm
+
+
+class LayerWeights(NamedTuple):
+    """A block's tensors as the op takes them. A block weight is [codes, d, m] (Q4 blocks) or
+    [codes, d] (Q8 blocks), from the module's own `kernel_weight()`."""
+    norms: list[torch.Tensor]       # attention_norm, ffn_norm (, post_attention_norm,
+                                    # post_ffn_norm): (D,) each
+    wqkv: list[torch.Tensor]        # wq, wk, wv stacked: (H·hd + 2·KV·hd) rows
+    wo: list[torch.Tensor]          # (D) rows
+    w13: list[torch.Tensor]         # w1, w3 stacked: (2·F) rows
+    w2: list[torch.Tensor]          # (D) rows
+    qk_norms: list[torch.Tensor]    # [] or [q_norm, k_norm]: (hd,) each
+
+
+class LayerConfig(NamedTuple):
+    """A block's scalars as the op takes them."""
+    n_heads: int
+    n_kv_heads: int
+    eps: float                      # of every RMSNorm of the block
+    scale: float                    # softmax scale (1/√hd unless the model says otherwise)
+    softcap: float                  # attention logit soft-capping (0: none)
+    unit_offset: bool               # RMSNorm gains 1 + w (Gemma)
+    gelu_tanh: bool                 # GeGLU with tanh GELU instead of SwiGLU
+
+
+class CacheSlots(NamedTuple):
+    """Where the op writes the T new keys and values and what it attends over: cache rows
+    row0..row0+B-1 of k_cache/v_cache (R, KV, C, hd), written at indices write_pos.. (or row b
+    at row_write_pos[b], −1: idle), attention over indices 0..n_keys-1."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    row0: int
+    write_pos: int
+    n_keys: int
+    row_write_pos: Optional[torch.Tensor]   # (B,) int64, rows at their own positions
+
+
+def decoder_layer(x: torch.Tensor, weights: LayerWeights, config: LayerConfig,
+                  cache: CacheSlots, inputs: AttentionInputs) -> torch.Tensor:
+    """One block as one op call: x (B, T, D) float32 → (B, T, D). The arguments are flattened
+    into the op's schema here, and only here (kernels/csrc/decoder.cpp lists them)."""
+    cs = inputs.freqs_cis
+    cs = torch.view_as_real(cs) if cs.is_complex() else cs            # (…, T, hd/2, 2)
+    return torch.ops.torchllama.decoder_layer(
+        x, weights.norms, weights.wqkv, weights.wo, weights.w13, weights.w2, weights.qk_norms,
+        cache.k_cache, cache.v_cache, cache.row0, cache.write_pos, cache.n_keys, cs,
+        inputs.mask, config.n_heads, config.n_kv_heads, config.eps, config.scale,
+        config.softcap, config.unit_offset, config.gelu_tanh, cache.row_write_pos,
+        inputs.key_start)
+
+
+def _block_weight(module: Optional[nn.Module]) -> Optional[list[torch.Tensor]]:
+    """[codes, d, m] of a Q4 block linear, [codes, d] of a Q8 one (no bias), else None: the
+    module says so itself (`kernel_weight`)."""
+    kernel_weight = getattr(module, "kernel_weight", None)
+    return kernel_weight() if callable(kernel_weight) else None
+
+
+def _norms(block: TransformerBlock) -> list[RMSNorm]:
+    names = ["attention_norm", "ffn_norm"] + \
+        (["post_attention_norm", "post_ffn_norm"] if block.placement == "sandwich" else [])
+    return [getattr(block, name) for name in names]
+
+
+def fits(block: TransformerBlock) -> bool:
+    """Whether the op computes this block's structure (module docstring), whatever its
+    weights: pre-norm or sandwich, RMSNorms alike, `Attention` with full RoPE, a SwiGLU or tanh
+    GeGLU `FeedForward`."""
+    attention, ffn = block.attention, block.feed_forward
+    if block.placement not in ("pre", "sandwich") or type(attention) is not Attention or \
+            type(ffn) is not FeedForward or not attention.rope:
+        return False
+    norms = _norms(block) + ([attention.q_norm, attention.k_norm]
+                             if hasattr(attention, "q_norm") else [])
+    return (ffn.act is F.silu or ffn.act is ACTIVATIONS["geglu_tanh"]) and all(
+        type(n) is RMSNorm and n.unit_offset == norms[0].unit_offset and n.eps == norms[0].eps
+        for n in norms)
+
+
+def layer_weights(block: TransformerBlock) -> Optional[tuple[LayerWeights, LayerConfig]]:
+    """The op's weights and scalars for this block, or None unless it `fits` and its four
+    products are fused block weights (`fuse_projections`; an adapter or float weights: None)."""
+    if not fits(block):
+        return None
+    attention, ffn = block.attention, block.feed_forward
+    products = [_block_weight(m) for m in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
+    if any(w is None for w in products):
+        return None
+    norms = _norms(block)
+    qk_norms = [attention.q_norm, attention.k_norm] if hasattr(attention, "q_norm") else []
+    weights = LayerWeights([n.weight for n in norms], *products, [n.weight for n in qk_norms])
+    config = LayerConfig(attention.n_heads, attention.n_kv_heads, norms[0].eps,
+                         attention.scale or attention.head_dim ** -0.5, attention.softcap or 0.0,
+                         norms[0].unit_offset, ffn.act is ACTIVATIONS["geglu_tanh"])
+    return weights, config
+
+
+class FusedTransformerBlock(TransformerBlock):
+    """A `TransformerBlock` (same parameters, same names) whose forward is one
+    `decoder_layer` op call where the call allows it (module docstring), else the readable
+    forward. Made by `install`, never constructed directly."""
+
+    def weights(self) -> Optional[tuple[LayerWeights, LayerConfig]]:
+        """`layer_weights(self)`, remembered while the fused products are the same modules (an
+        adapter or a new quantization replaces them)."""
+        key = (self.attention.wqkv, self.feed_forward.w13, self.attention_norm.weight)
+        cached = getattr(self, "_fused_cache", None)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            self._fused_cache = cached = (key, layer_weights(self))
+        return cached[1]
+
+    def cache_slots(self, x: torch.Tensor, inputs: AttentionInputs) -> Optional[CacheSlots]:
+        """Where this call's keys and values go, if the op can run it, else None. A query: the
+        cache learns of the write afterwards (`_record_write`)."""
+        cache, cs = self.attention.kv_cache, inputs.freqs_cis
+        if cache is None or cache.k_cache.dtype != torch.float32 or \
+                self.attention.capture is not None or cs is None or inputs.bias is not None:
+            return None
+        pairs = cs.shape[-1] if cs.is_complex() else cs.shape[-2]       # rotated pairs
+        if 2 * pairs != self.attention.head_dim:                         # partial RoPE
+            return None
+        rows = inputs.cache_rows
+        row0 = 0 if rows is None else (rows.start or 0)
+        if inputs.row_pos is not None:                   # rows at their own positions
+            if type(cache) not in (KVCache, SlidingWindowKVCache):
+                return None
+            return CacheSlots(cache.k_cache, cache.v_cache, row0, 0, inputs.n_keys,
+                              inputs.row_index)
+        slots = cache.in_place_slots(inputs.start_pos, x.shape[1])
+        if slots is None:
+            return None
+        return CacheSlots(cache.k_cache, cache.v_cache, row0, *slots, None)
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        # x: (B, T, D) → (B, T, D)
+        fused = self.weights()
+        slots = None
+        if fused is not None and kernels.layer_ops_apply(x, fused[0].norms[0]):
+            slots = self.cache_slots(x, inputs)
+        if slots is None:
+            return super().forward(x, inputs)
+        out = decoder_layer(x, *fused, slots, inputs)
+        self._record_write(x, inputs, slots)
+        return out
+
+    def _record_write(self, x: torch.Tensor, inputs: AttentionInputs,
+                      slots: CacheSlots) -> None:
+        """Tell the cache which slots the op wrote (a ring moves its furthest slot)."""
+        cache = self.attention.kv_cache
+        B, T = x.shape[:2]
+        if inputs.row_pos is not None:
+            cache.count_row_writes(inputs.row_pos, inputs.cache_rows)
+        else:
+            cache.record_write(inputs.start_pos, T, range(slots.row0, slots.row0 + B))
+
+
+def install(model: Transformer) -> int:
+    """Make every block of `model` that `fits` a `FusedTransformerBlock` (in place: the same
+    module objects, parameters and state-dict names); returns how many. Called where the
+    projections are fused (`transforms.quantize.install_quantized`); calling it again is
+    harmless."""
+    n = 0
+    for layer in getattr(model, "layers", ()):
+        if isinstance(layer, TransformerBlock) and fits(layer):
+            layer.__class__ = FusedTransformerBlock
+            n += 1
+    return n
+
+
+def runs_one_op_layers(model: Transformer) -> bool:
+    """Whether every layer of `model` runs as one `decoder_layer` op (installed, fused block
+    weights, torchllama's kernels available on the model's device)."""
+    if model.device.type != "cpu" or not kernels.available():
+        return False
+    return all(isinstance(layer, FusedTransformerBlock) and layer.weights() is not None
+               for layer in model.layers)
