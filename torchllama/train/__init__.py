@@ -15,6 +15,7 @@ from torchllama.train.data import TokenBatches, prepare_data, train_tokenizer
 from torchllama.train.loop import TrainConfig, train
 from torchllama.train.optim import init_weights, lr_at, make_optimizer
 from torchllama.train.plot import plot_log
+from torchllama.train.trainer import Trainer
 
-__all__ = ["TokenBatches", "TrainConfig", "init_weights", "lr_at", "make_optimizer",
+__all__ = ["TokenBatches", "TrainConfig", "Trainer", "init_weights", "lr_at", "make_optimizer",
            "plot_log", "prepare_data", "run_ablation", "train", "train_tokenizer"]

@@ -174,8 +174,6 @@ def run_ablation(data: str, out: str, steps: int = 100, variants: Optional[list[
         ArgumentError: unknown variant, bad sizes.
         ModelFileError: a missing or damaged dataset.
     """
-    from torchllama.checkpoint import atomic_output, load
-    from torchllama.bench.kv_cache_size import kv_bytes_per_token
     from torchllama.train.data import load_tokens, read_meta
     from torchllama.train.loop import TrainConfig, train
 
@@ -186,51 +184,75 @@ def run_ablation(data: str, out: str, steps: int = 100, variants: Optional[list[
     if steps < 1 or seq_len < 2 or batch_size < 1:
         raise ArgumentError("--steps, --seq-len and --batch-size must be ≥ 1 (seq-len ≥ 2)")
     meta = read_meta(Path(data))
-    vocab = meta["tokenizer"]["vocab_size"]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     val_tokens = load_tokens(data, "val", meta)
-    lengths = [seq_len, 2 * seq_len, 4 * seq_len]
     results = []
     for i, name in enumerate(names):
-        args = ablation_args(name, vocab, 4 * seq_len)
+        args = ablation_args(name, meta["tokenizer"]["vocab_size"], 4 * seq_len)
         run = out_dir / name
-        config_file = out_dir / f"{name}.model.json"
-        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)}
-        with atomic_output(config_file, folder=False, force=True) as tmp:
-            tmp.write_text(json.dumps(fields, indent=2) + "\n")
+        config_file = _write_model_config(out_dir / f"{name}.model.json", args)
         _check_existing_run(run, args)
         write(f"[{i + 1}/{len(names)}] {name}: {VARIANTS[name][0]} "
               f"({non_embedding_params(args):,} non-embedding parameters)")
         t0 = time.perf_counter()
-        config = TrainConfig(data=data, out=str(run), config=str(config_file), max_steps=steps,
-                             batch_size=batch_size, seq_len=seq_len, lr=lr,
-                             warmup_steps=max(1, steps // 10), eval_every=steps,
-                             eval_batches=1, sample_tokens=0, seed=SEEDS.get(name, seed),
-                             dtype="float32", device="cpu", progress=progress,
-                             resume=(run / "latest").exists())
-        result = train(config)
-        model, _ = load(run, progress=False)
-        losses = length_losses(model, val_tokens, lengths, eval_tokens)
-        log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-        rates = [e["tokens_per_s"] for e in log[min(5, len(log) - 1):]]
-        total, non_embedding = count_parameters(args)
-        results.append({
-            "name": name, "description": VARIANTS[name][0], "seed": SEEDS.get(name, seed),
-            "parameters": total, "non_embedding_parameters": non_embedding,
-            "hidden_dim": args.ffn_hidden_dim,
-            "val_loss": losses[seq_len], "val_loss_2x": losses[2 * seq_len],
-            "val_loss_4x": losses[4 * seq_len], "train_loss": result.get("loss"),
-            "tokens_per_s": statistics.median(rates) if rates else float("nan"),
-            "kv_bytes_per_token": kv_bytes_per_token(args, "bfloat16"),
-            "seconds": time.perf_counter() - t0,
-        })
-        r = results[-1]
+        result = train(TrainConfig(
+            data=data, out=str(run), config=str(config_file), max_steps=steps,
+            batch_size=batch_size, seq_len=seq_len, lr=lr, warmup_steps=max(1, steps // 10),
+            eval_every=steps, eval_batches=1, sample_tokens=0, seed=SEEDS.get(name, seed),
+            dtype="float32", device="cpu", progress=progress,
+            resume=(run / "latest").exists()))
+        r = _variant_result(name, args, run, result.get("loss"), val_tokens, seq_len,
+                            eval_tokens, SEEDS.get(name, seed))
+        r["seconds"] = time.perf_counter() - t0
+        results.append(r)
         write(f"    val loss {r['val_loss']:.4f} (2×: {r['val_loss_2x']:.4f}, 4×: "
               f"{r['val_loss_4x']:.4f}), {r['tokens_per_s']:,.0f} tok/s")
     settings = {"steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr,
                 "seed": seed, "tokens": steps * batch_size * seq_len, "data": str(data),
                 "eval_tokens": eval_tokens}
+    _write_report(out_dir, settings, results, seq_len, write)
+    return results
+
+
+def _write_model_config(path: Path, args: ModelArgs) -> Path:
+    """Write a variant's ModelArgs as the JSON file `train --config` reads; returns `path`."""
+    from torchllama.checkpoint import atomic_output
+
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)}
+    with atomic_output(path, folder=False, force=True) as tmp:
+        tmp.write_text(json.dumps(fields, indent=2) + "\n")
+    return path
+
+
+def _variant_result(name: str, args: ModelArgs, run: Path, train_loss: Optional[float],
+                    val_tokens, seq_len: int, eval_tokens: int, seed: int) -> dict[str, Any]:
+    """A trained variant's row of the results (all but "seconds"): its sizes, the validation
+    loss of its latest checkpoint at 1×, 2× and 4× the training length, the median training
+    tokens/s (after 5 warm-up steps) and its KV cache bytes per token."""
+    from torchllama.bench.kv_cache_size import kv_bytes_per_token
+    from torchllama.checkpoint import load
+
+    model, _ = load(run, progress=False)
+    losses = length_losses(model, val_tokens, [seq_len, 2 * seq_len, 4 * seq_len], eval_tokens)
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    rates = [e["tokens_per_s"] for e in log[min(5, len(log) - 1):]]
+    total, non_embedding = count_parameters(args)
+    return {"name": name, "description": VARIANTS[name][0], "seed": seed,
+            "parameters": total, "non_embedding_parameters": non_embedding,
+            "hidden_dim": args.ffn_hidden_dim,
+            "val_loss": losses[seq_len], "val_loss_2x": losses[2 * seq_len],
+            "val_loss_4x": losses[4 * seq_len], "train_loss": train_loss,
+            "tokens_per_s": statistics.median(rates) if rates else float("nan"),
+            "kv_bytes_per_token": kv_bytes_per_token(args, "bfloat16")}
+
+
+def _write_report(out_dir: Path, settings: dict[str, Any], results: list[dict[str, Any]],
+                  seq_len: int, write: Callable[[str], None]) -> None:
+    """results.json, ablation.md and ablation.png in `out_dir` (atomically), and the table
+    through `write`."""
+    from torchllama.checkpoint import atomic_output
+
     with atomic_output(out_dir / "results.json", folder=False, force=True) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
     table = markdown_table(results, seq_len)
@@ -238,7 +260,6 @@ def run_ablation(data: str, out: str, steps: int = 100, variants: Optional[list[
         tmp.write_text(table + "\n")
     plot_ablation(results, seq_len, out_dir / "ablation.png")
     write("\n" + table)
-    return results
 
 
 def markdown_table(results: list[dict[str, Any]], seq_len: int) -> str:

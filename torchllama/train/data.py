@@ -192,6 +192,9 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int,
 # prepare-data
 # --------------------------------------------------------------------------------------------
 
+#: A document: (file, its characters [start, end), or None for all of them).
+Piece = tuple[str, Optional[tuple[int, int]]]
+
 _worker_tokenizer = None
 
 
@@ -202,7 +205,7 @@ def _init_worker(tokenizer_path: str) -> None:
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
-def _encode_document(piece: tuple[str, Optional[tuple[int, int]]]) -> list[int]:
+def _encode_document(piece: Piece) -> list[int]:
     """[BOS] + ids of a document + [EOS], in a worker process. A document is a file's text, or
     the characters [start, end) of it."""
     tok = _worker_tokenizer
@@ -255,24 +258,12 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
             split, an existing different dataset without `force`.
         ModelFileError: the tokenizer cannot be loaded.
     """
-    from tqdm import tqdm
-
     from torchllama.checkpoint import load_tokenizer
 
     if not 0 <= val_fraction < 1:
         raise ArgumentError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     files = expand_inputs(inputs)
-    # Documents: one per file. A single file with a validation split is cut in two at the line
-    # break nearest to (1 − val_fraction) of its characters, as nanoGPT splits input.txt: the
-    # head is the training document, the tail the validation one.
-    pieces: list[tuple[str, Optional[tuple[int, int]]]] = [(str(f), None) for f in files]
-    if val_fraction > 0 and len(files) == 1:
-        text = read_text(files[0])
-        cut = text.rfind("\n", 0, int((1 - val_fraction) * len(text))) + 1
-        if not 0 < cut < len(text):
-            raise ArgumentError(f"--input {files[0]}: too short to hold out {val_fraction:.0%} "
-                                "of it at a line break; pass --val-fraction 0 or more text")
-        pieces = [(str(files[0]), (0, cut)), (str(files[0]), (cut, len(text)))]
+    pieces = _documents(files, val_fraction)
     if workers is not None and workers < 1:
         raise ArgumentError(f"--workers must be ≥ 1, got {workers}")
     tokenizer = Path(tokenizer)
@@ -283,27 +274,76 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
                               "eos_id": tok.eos_id},
                 "inputs": _inputs_record(files), "val_fraction": val_fraction, "seed": seed}
     out = Path(out)
+    existing = _up_to_date_dataset(out, settings, force)
+    if existing is not None:
+        if progress:
+            print(f"{out}: up to date ({existing['splits']['train']['tokens']:,} train tokens)")
+        return existing
+    dtype = token_dtype(tok.vocab_size)
+    ids = _tokenize(pieces, tokenizer, dtype, workers or os.cpu_count() or 1, progress)
+    val_docs = {1} if len(files) == 1 and len(pieces) == 2 else \
+        _validation_documents(ids, val_fraction, seed)
+    meta = _write_dataset(out, pieces, ids, val_docs, settings, dtype)
+    if progress:
+        splits = meta["splits"]
+        print(f"{out}: {splits['train']['tokens']:,} train tokens "
+              f"({len(splits['train']['documents'])} documents), {splits['val']['tokens']:,} "
+              f"val tokens ({len(splits['val']['documents'])} documents), {dtype.name}")
+    return meta
+
+
+def _documents(files: list[Path], val_fraction: float) -> list[Piece]:
+    """The documents: one per file. A single file with a validation split is cut in two at the
+    line break nearest to (1 − val_fraction) of its characters, as nanoGPT splits input.txt:
+    the head is the training document, the tail the validation one.
+
+    Raises:
+        ArgumentError: that single file has no line break to cut at.
+    """
+    if not (val_fraction > 0 and len(files) == 1):
+        return [(str(f), None) for f in files]
+    text = read_text(files[0])
+    cut = text.rfind("\n", 0, int((1 - val_fraction) * len(text))) + 1
+    if not 0 < cut < len(text):
+        raise ArgumentError(f"--input {files[0]}: too short to hold out {val_fraction:.0%} "
+                            "of it at a line break; pass --val-fraction 0 or more text")
+    return [(str(files[0]), (0, cut)), (str(files[0]), (cut, len(text)))]
+
+
+def _up_to_date_dataset(out: Path, settings: dict, force: bool) -> Optional[dict]:
+    """The meta.json of the dataset in `out` when it was made with these settings and is
+    intact (nothing to redo), else None (`out` is missing, empty, or replaceable with force).
+
+    Raises:
+        ArgumentError: `out` is a file or a folder that is not a dataset, or holds another (or a
+            damaged) dataset and `force` is not given.
+    """
     if out.exists() and not out.is_dir():
         raise ArgumentError(f"--out {out} is a file, not a folder")
-    if out.exists() and any(out.iterdir()) and not _looks_like_dataset(out):
+    if not (out.exists() and any(out.iterdir())):
+        return None
+    if not _looks_like_dataset(out):
         raise ArgumentError(f"--out {out} is a folder that is not a torchllama dataset; choose "
                             "another --out (prepare-data only ever replaces a dataset)")
-    if out.exists() and any(out.iterdir()):
-        try:
-            existing = read_meta(out)
-            verify_data(out, existing)
-        except ModelFileError:
-            existing = None
-        if existing is not None and all(existing.get(k) == v for k, v in settings.items()):
-            if progress:
-                print(f"{out}: up to date ({existing['splits']['train']['tokens']:,} train tokens)")
-            return existing
-        if not force:
-            raise ArgumentError(f"{out} already exists and holds another dataset (or a damaged "
-                                "one); pass --force to replace it")
+    try:
+        existing = read_meta(out)
+        verify_data(out, existing)
+    except ModelFileError:
+        existing = None
+    if existing is not None and all(existing.get(k) == v for k, v in settings.items()):
+        return existing
+    if not force:
+        raise ArgumentError(f"{out} already exists and holds another dataset (or a damaged "
+                            "one); pass --force to replace it")
+    return None
 
-    dtype = token_dtype(tok.vocab_size)
-    workers = workers or os.cpu_count() or 1
+
+def _tokenize(pieces: list[Piece], tokenizer: Path, dtype: np.dtype, workers: int,
+              progress: bool) -> list[np.ndarray]:
+    """[BOS] ids [EOS] of every document, (n_i,) `dtype` each, tokenized by `workers`
+    processes."""
+    from tqdm import tqdm
+
     ids: list[np.ndarray] = [None] * len(pieces)                # type: ignore[list-item]
     bar = tqdm(total=len(pieces), unit="doc", desc="tokenizing", disable=not progress)
     with ProcessPoolExecutor(workers, initializer=_init_worker,
@@ -312,31 +352,39 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
             ids[i] = np.asarray(doc, dtype=dtype)
             bar.update(1)
     bar.close()
+    return ids
 
-    # Validation documents: a seeded shuffle of the documents, taken until val_fraction of the
-    # tokens (a split single file: its tail).
+
+def _validation_documents(ids: list[np.ndarray], val_fraction: float, seed: int) -> set[int]:
+    """Indices of the validation documents: a seeded shuffle of the documents, taken until
+    val_fraction of the tokens (at least one document is left for training)."""
     total = sum(len(a) for a in ids)
-    order = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
     val_docs: set[int] = set()
     val_tokens = 0
-    if len(files) == 1 and len(pieces) == 2:
-        val_docs = {1}
-    else:
-        for i in order:
-            if val_tokens >= val_fraction * total or len(val_docs) == len(pieces) - 1:
-                break
-            val_docs.add(i)
-            val_tokens += len(ids[i])
+    for i in order:
+        if val_tokens >= val_fraction * total or len(val_docs) == len(ids) - 1:
+            break
+        val_docs.add(i)
+        val_tokens += len(ids[i])
+    return val_docs
 
-    def name(i: int) -> str:
-        path, span = pieces[i]
-        resolved = str(Path(path).resolve())
-        return resolved if span is None else f"{resolved} [characters {span[0]}:{span[1]}]"
 
+def _document_name(piece: Piece) -> str:
+    """A document as meta.json lists it: the resolved path, with its character span."""
+    path, span = piece
+    resolved = str(Path(path).resolve())
+    return resolved if span is None else f"{resolved} [characters {span[0]}:{span[1]}]"
+
+
+def _write_dataset(out: Path, pieces: list[Piece], ids: list[np.ndarray], val_docs: set[int],
+                   settings: dict, dtype: np.dtype) -> dict:
+    """Write train.bin, val.bin and meta.json into a temporary folder renamed to `out`
+    (replacing it: checked by the caller); returns the metadata."""
     from torchllama.checkpoint import atomic_output
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out, folder=True, force=True) as tmp:   # replacing: checked above
+    with atomic_output(out, folder=True, force=True) as tmp:
         splits = {}
         for split in SPLITS:
             docs = [i for i in range(len(pieces)) if (i in val_docs) == (split == "val")]
@@ -345,15 +393,11 @@ def prepare_data(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLi
                 for i in docs:
                     f.write(ids[i].tobytes())
             splits[split] = {"file": path.name, "tokens": int(sum(len(ids[i]) for i in docs)),
-                             "documents": [name(i) for i in docs],
+                             "documents": [_document_name(pieces[i]) for i in docs],
                              "sha256": sha256_file(path)}
         meta = {"format": DATA_FORMAT, "version": DATA_VERSION, **settings,
                 "dtype": dtype.name, "splits": splits}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    if progress:
-        print(f"{out}: {splits['train']['tokens']:,} train tokens "
-              f"({len(splits['train']['documents'])} documents), {splits['val']['tokens']:,} "
-              f"val tokens ({len(splits['val']['documents'])} documents), {dtype.name}")
     return meta
 
 

@@ -1,9 +1,11 @@
 """`torchllama finetune`: LoRA / QLoRA / DoRA adapters trained on a real checkpoint.
 
-One optimizer step is `torchllama train`'s (torchllama.train.loop): grad_accum micro-steps of
-mean next-token cross-entropy (chat data: the assistant's tokens only), the gradient clipped to
-grad_clip, AdamW at lr_at(step) (linear warmup, cosine decay) — over the adapters' parameters
-only; the base stays frozen (QLoRA: in its quantized form, `--dtype auto|int8|int4`).
+The loop is `torchllama train`'s (`torchllama.train.trainer.Trainer`; `FinetuneTrainer` here
+supplies the micro-steps, evaluation and checkpoints). One optimizer step: grad_accum
+micro-steps of mean next-token cross-entropy (chat data: the assistant's tokens only), the
+gradient clipped to grad_clip, AdamW at lr_at(step) (linear warmup, cosine decay) — over the
+adapters' parameters only; the base stays frozen (QLoRA: in its quantized form,
+`--dtype auto|int8|int4`).
 
 A run folder:
 
@@ -32,12 +34,12 @@ from typing import Any, Optional
 
 import torch
 
-from torchllama.checkpoint import atomic_output
 from torchllama.errors import ArgumentError, TrainingError
-from torchllama.transforms.lora import (LoRAConfig, apply_lora, copy_adapter_weights, lora_parameters,
-                             parse_targets, save_adapter)
 from torchllama.train import checkpointing as ckpt_io
-from torchllama.train.optim import count_params, lr_at
+from torchllama.train.optim import LRSchedule, count_params
+from torchllama.train.trainer import Trainer, perplexity, write_text
+from torchllama.transforms.lora import (LoRAConfig, apply_lora, copy_adapter_weights,
+                                        lora_parameters, parse_targets, save_adapter)
 
 
 @dataclass(kw_only=True)
@@ -149,8 +151,7 @@ def evaluate(model, batches: list) -> float:
 
 
 def _write_json(path: Path, obj) -> None:
-    with atomic_output(path, folder=False, force=True) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _setup(config: FinetuneConfig):
@@ -189,30 +190,6 @@ def _setup(config: FinetuneConfig):
     return model, tokenizer, data, optimizer, step, saved
 
 
-def _train_step(model, data, optimizer, params, config: FinetuneConfig, step: int,
-                lr: float) -> tuple[float, float]:
-    """One optimizer step (grad_accum micro-steps); returns (mean loss, gradient norm)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss_sum = 0.0
-    for k in range(config.grad_accum):
-        inputs, targets = data.batch(step * config.grad_accum + k)
-        loss = model(inputs, targets=targets)
-        (loss / config.grad_accum).backward()
-        loss_sum += float(loss.detach())
-    if config.grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    loss_value, norm_value = loss_sum / config.grad_accum, float(norm)
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        raise TrainingError(f"the loss became {loss_value} (gradient norm {norm_value}) at step "
-                            f"{step + 1}; lower --lr and --resume from the last checkpoint")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value
-
-
 def _announce(config: FinetuneConfig, data, trainable: int, total: int,
               resumed_at: Optional[int], before: Optional[float]) -> None:
     """Write OUT/run.json and print the run's one-line summary."""
@@ -227,6 +204,90 @@ def _announce(config: FinetuneConfig, data, trainable: int, total: int,
           + (f"; val_loss before {before:.4f}" if before is not None else ""), flush=True)
 
 
+class FinetuneTrainer(Trainer):
+    """`torchllama finetune`'s run: adapters trained on a frozen base through the shared
+    `Trainer` loop. Beyond its state: the options, the tokenizer, the data (`TextData` or
+    `ChatData`), the validation batches, the adapter and model sizes and the validation loss
+    before training (`before`; a resumed run keeps its first one)."""
+
+    desc = "finetuning"
+
+    def __init__(self, config: FinetuneConfig):
+        from torchllama.checkpoint.common import meta_model
+
+        model, tokenizer, data, optimizer, step, saved = _setup(config)
+        params = lora_parameters(model)
+        schedule = LRSchedule.for_run(config.lr, config.min_lr, config.warmup_steps,
+                                      config.max_steps, max_warmup=100)
+        super().__init__(model, optimizer, params, schedule, run_dir=Path(config.out),
+                         step=step, grad_accum=config.grad_accum, grad_clip=config.grad_clip,
+                         eval_every=config.eval_every,
+                         save_every=config.save_every or config.eval_every,
+                         progress=config.progress)
+        self.config, self.tokenizer, self.data = config, tokenizer, data
+        self.trainable = sum(p.numel() for p in params)
+        self.total = count_params(meta_model(model.args)) + self.trainable  # the base's, any form
+        self.val = data.val_batches(config.eval_batches)
+        self.open_log(keep_old=saved is not None)
+        model.eval()
+        self.before = saved["val_loss_before"] if saved else (
+            evaluate(model, self.val) if self.val else None)
+        _announce(config, data, self.trainable, self.total, step if saved else None,
+                  self.before)
+        model.train()
+
+    def forward_backward(self) -> float:
+        """grad_accum micro-steps of (B, T) batches (chat: targets of the assistant's tokens
+        only); returns their mean loss."""
+        loss_sum = 0.0
+        for k in range(self.grad_accum):
+            inputs, targets = self.data.batch(self.step * self.grad_accum + k)
+            loss = self.model(inputs, targets=targets)
+            (loss / self.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        return loss_sum / self.grad_accum
+
+    def log_entry(self, loss: float, lr: float, grad_norm: float, seconds: float) -> dict:
+        """The step's entry with its time and the epochs done."""
+        return {**super().log_entry(loss, lr, grad_norm, seconds), "seconds": seconds,
+                "epoch": self.data.epoch_of(self.step * self.grad_accum)}
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and perplexity (none without validation data), in eval mode."""
+        if not self.val:
+            return {}
+        self.model.eval()
+        val_loss = evaluate(self.model, self.val)                 # the module's evaluate()
+        self.model.train()
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+
+    def report(self, entry: dict) -> list[str]:
+        if "val_loss" not in entry:
+            return []
+        return [f"step {entry['step']}: loss {entry['loss']:.4f}, val_loss "
+                f"{entry['val_loss']:.4f} (ppl {entry['val_ppl']:.2f})"]
+
+    def non_finite_error(self, loss: float, grad_norm: float) -> TrainingError:
+        return TrainingError(f"the loss became {loss} (gradient norm {grad_norm}) at step "
+                             f"{self.step + 1}; lower --lr and --resume from the last checkpoint")
+
+    def save_checkpoint(self) -> Path:
+        """The adapters, optimizer and RNG states of the current step (`_save`)."""
+        state = {"step": self.step, "config": dataclasses.asdict(self.config),
+                 "val_loss_before": self.before}
+        return _save(self.run_dir, self.step, self.model, self.config, self.optimizer, state)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to --max-steps; returns `finetune`'s result."""
+        t_start = time.perf_counter()
+        last = super().fit()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024    # KiB → MiB (Linux)
+        return {"step": self.step, "loss": last["loss"], "val_loss": last["val_loss"],
+                "val_loss_before": self.before, "checkpoint": last["checkpoint"],
+                "seconds": time.perf_counter() - t_start, "peak_rss_mib": peak,
+                "trainable": self.trainable, "total": self.total}
+
+
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """Train adapters as `config` says (see the module docstring).
 
@@ -239,68 +300,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         ModelFileError: a missing or damaged base model or checkpoint.
         TrainingError: the loss or gradient became NaN/inf.
     """
-    from tqdm import tqdm
-
-    from torchllama.checkpoint.common import meta_model
-    from torchllama.train.plot import plot_log, read_log
-
     config.check()
-    run_dir = Path(config.out)
-    model, tokenizer, data, optimizer, step, saved = _setup(config)
-    params = lora_parameters(model)
-    trainable = sum(p.numel() for p in params)
-    total = count_params(meta_model(model.args)) + trainable   # the base's, whatever its form
-    warmup = config.warmup_steps if config.warmup_steps is not None else \
-        min(100, config.max_steps // 10)
-    min_lr = config.min_lr if config.min_lr is not None else config.lr / 10
-    save_every = config.save_every or config.eval_every
-    val = data.val_batches(config.eval_batches)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    log = [e for e in read_log(run_dir) if e.get("step", 0) <= step] if saved else []
-    with atomic_output(run_dir / "log.jsonl", folder=False, force=True) as tmp:
-        tmp.write_text("".join(json.dumps(e) + "\n" for e in log))
-    model.eval()
-    before = saved["val_loss_before"] if saved else (evaluate(model, val) if val else None)
-    _announce(config, data, trainable, total, step if saved else None, before)
-    model.train()
-    t_start, last = time.perf_counter(), {"loss": None, "val_loss": None}
-    bar = tqdm(total=config.max_steps, initial=step, desc="finetuning", unit="step",
-               disable=not config.progress, dynamic_ncols=True)
-    try:
-        while step < config.max_steps:
-            t0 = time.perf_counter()
-            lr = lr_at(step, config.lr, warmup, config.max_steps, min_lr)
-            loss, norm = _train_step(model, data, optimizer, params, config, step, lr)
-            step += 1
-            entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                     "seconds": time.perf_counter() - t0,
-                     "epoch": data.epoch_of(step * config.grad_accum)}
-            if val and (step % config.eval_every == 0 or step == config.max_steps):
-                model.eval()
-                entry["val_loss"] = last["val_loss"] = evaluate(model, val)
-                entry["val_ppl"] = math.exp(min(entry["val_loss"], 700))
-                model.train()
-                bar.write(f"step {step}: loss {loss:.4f}, val_loss {entry['val_loss']:.4f} "
-                          f"(ppl {entry['val_ppl']:.2f})")
-            with open(run_dir / "log.jsonl", "a") as f:
-                f.write(json.dumps(entry) + "\n")
-            last["loss"] = loss
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", refresh=False)
-            bar.update(1)
-            if step % save_every == 0 or step == config.max_steps:
-                state = {"step": step, "config": dataclasses.asdict(config),
-                         "val_loss_before": before}
-                last["checkpoint"] = str(_save(run_dir, step, model, config, optimizer, state))
-    finally:
-        bar.close()
-    plot_log(run_dir)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # KiB → MiB (Linux)
-    return {"step": step, "loss": last["loss"], "val_loss": last["val_loss"],
-            "val_loss_before": before, "checkpoint": last.get("checkpoint"),
-            "seconds": time.perf_counter() - t_start, "peak_rss_mib": peak,
-            "trainable": trainable, "total": total}
+    return FinetuneTrainer(config).fit()
 
 
 def merge(base: Optional[str], adapter: str, dst: str, to: str, dtype: Optional[str] = None,

@@ -19,6 +19,9 @@ pure function of (seed, micro-step), the learning rate a pure function of the st
 other randomness (text samples at evaluations) uses its own generator seeded by (seed, step).
 A resumed run restores weights, optimizer moments, step and RNG states, and so continues with the
 same losses, bit for bit, as a run that never stopped.
+
+`train()` builds a `PretrainTrainer` (the run: dataset, model, optimizer, batches, data position)
+and calls its `fit()`, the loop of `torchllama.train.trainer.Trainer` that finetuning shares.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,6 @@ from typing import Any, Optional
 
 import torch
 
-from torchllama.checkpoint import atomic_output
 from torchllama.config import ModelArgs, get_preset, read_model_config
 from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
@@ -46,11 +47,10 @@ from torchllama.train.distributed import (DistContext, all_reduce_mean, all_redu
                                           apply_activation_checkpointing, barrier,
                                           gradient_sync, init_distributed, shutdown_distributed,
                                           unwrap, wrap_model)
-from torchllama.train.optim import count_params, flops_per_token, init_weights, lr_at, \
-    make_optimizer
-from torchllama.train.plot import read_log
+from torchllama.train.optim import (LRSchedule, count_params, flops_per_token, init_weights,
+                                    make_optimizer)
+from torchllama.train.trainer import LOG_FILE, Trainer, perplexity, write_text
 
-LOG_FILE = "log.jsonl"
 PLOT_FILE = "loss.png"
 
 
@@ -314,9 +314,118 @@ def sample_text(model, tokenizer, prompt: Optional[str], max_new_tokens: int, se
 # The run
 # --------------------------------------------------------------------------------------------
 
-def _write_text(path: Path, text: str) -> None:
-    with atomic_output(path, folder=False, force=True) as tmp:
-        tmp.write_text(text)
+@dataclass
+class TrainingData:
+    """A dataset folder checked against its meta.json, and the tokenizer it was made with.
+
+    Attributes:
+        folder: the dataset folder (`torchllama prepare-data`'s --out).
+        meta: its meta.json.
+        tokenizer: the `Tokenizer` named by meta.json (checked by SHA-256).
+        tokenizer_path: where that tokenizer is.
+        meta_sha256: SHA-256 of meta.json (identifies the dataset in checkpoints).
+    """
+
+    folder: Path
+    meta: dict
+    tokenizer: Any
+    tokenizer_path: Path
+    meta_sha256: str
+
+
+def open_dataset(folder: Path) -> TrainingData:
+    """Read and verify a dataset and load its tokenizer.
+
+    Raises:
+        ModelFileError: a missing or damaged dataset, a missing tokenizer, or a tokenizer that
+            changed since the dataset was prepared.
+    """
+    from torchllama.checkpoint import load_tokenizer
+
+    meta = read_meta(folder)
+    verify_data(folder, meta)
+    tok_path = Path(meta["tokenizer"]["path"])
+    if not tok_path.exists():
+        raise ModelFileError(f"{folder / 'meta.json'}: its tokenizer {tok_path} is missing")
+    if tokenizer_sha256(tok_path) != meta["tokenizer"]["sha256"]:
+        raise ModelFileError(f"{tok_path} has changed since {folder} was prepared with it "
+                             "(SHA-256 differs): the dataset was built with another tokenizer; "
+                             "run `torchllama prepare-data --force` again")
+    return TrainingData(folder, meta, load_tokenizer(tok_path), tok_path,
+                        sha256_file(folder / "meta.json"))
+
+
+def checkpoint_to_resume(config: TrainConfig, run_dir: Path) -> Optional[Path]:
+    """The checkpoint a --resume run continues from (None for a fresh run), after checking
+    that the run folder suits the request (collective: ends with a barrier).
+
+    Raises:
+        ArgumentError: --resume without a checkpoint, a fresh run into a folder that holds
+            one, or --out naming a file.
+    """
+    resume_from = ckpt_io.latest_checkpoint(run_dir) if config.resume else None
+    if config.resume and resume_from is None:
+        raise ArgumentError(f"--resume: {run_dir} has no checkpoint to resume from (a run "
+                            "stopped before its first checkpoint starts again without --resume)")
+    if not config.resume and ckpt_io.list_checkpoints(run_dir):
+        raise ArgumentError(f"{run_dir} already holds a training run; pass --resume to continue "
+                            "it, or choose another --out")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ArgumentError(f"--out {run_dir} is a file, not a folder")
+    barrier()            # every rank has checked the folder before rank 0 writes into it
+    return resume_from
+
+
+def resumed_run(config: TrainConfig, saved: dict[str, Any], data: TrainingData,
+                resume_from: Path, is_main: bool) -> tuple[TrainConfig, ModelArgs]:
+    """The options and model of a resumed run: the checkpoint's, with options given again
+    replacing them (`resumed_config`; rank 0 prints what changed).
+
+    Raises:
+        TrainingError: the checkpoint was trained with another tokenizer, or --preset/--config
+            describe another model than the checkpoint's.
+    """
+    config, notes = resumed_config(config, saved["config"])
+    if is_main:
+        for note in notes:
+            print(f"--resume: {note}", flush=True)
+    if saved.get("data_meta_sha256") != data.meta_sha256 and is_main:
+        print(f"--resume: {data.folder} is not the dataset the run was trained on so far (same "
+              "tokenizer): training goes on, on the new data", flush=True)
+    if saved["tokenizer_sha256"] != data.meta["tokenizer"]["sha256"]:
+        raise TrainingError(f"{resume_from} was trained with another tokenizer than "
+                            f"{data.folder}'s ({data.tokenizer_path})")
+    args = ModelArgs(**saved["model_args"])
+    if config.preset is not None or config.config is not None:
+        wanted = model_args_for_run(config, data.meta["tokenizer"]["vocab_size"])
+        diff = [f"{f.name} {getattr(args, f.name)!r} in the checkpoint, "
+                f"{getattr(wanted, f.name)!r} now" for f in dataclasses.fields(ModelArgs)
+                if getattr(args, f.name) != getattr(wanted, f.name)]
+        if diff:
+            raise TrainingError(f"--resume: {resume_from} is a checkpoint of a different "
+                                f"model ({'; '.join(diff)})")
+    return config, args
+
+
+def batch_shape(config: TrainConfig, args: ModelArgs, world_size: int) -> tuple[int, int]:
+    """(seq_len, grad_accum) of a run: --seq-len (default the model's max_seq_len), and
+    --grad-accum or the one --batch-tokens implies.
+
+    Raises:
+        ArgumentError: seq_len above max_seq_len, or --batch-tokens not a multiple of
+            world_size · batch_size · seq_len.
+    """
+    seq_len = config.seq_len or args.max_seq_len
+    if seq_len > args.max_seq_len:
+        raise ArgumentError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
+                            f"{args.max_seq_len}")
+    if config.batch_tokens is None:
+        return seq_len, config.grad_accum
+    per_micro = world_size * config.batch_size * seq_len
+    if config.batch_tokens % per_micro:
+        raise ArgumentError(f"--batch-tokens {config.batch_tokens} is not a multiple of "
+                            f"processes·batch-size·seq-len = {per_micro}")
+    return seq_len, config.batch_tokens // per_micro
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -334,262 +443,232 @@ def train(config: TrainConfig) -> dict[str, Any]:
     config.check()
     ctx = init_distributed(config.device)
     try:
-        return _train(config, ctx)
+        return PretrainTrainer(config, ctx).fit()
     finally:
         shutdown_distributed()
 
 
-def _train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    from torchllama.checkpoint import load_tokenizer
+class PretrainTrainer(Trainer):
+    """`torchllama train`'s run: a Transformer trained from its initial weights (or resumed
+    from a checkpoint of the run) on a prepared dataset, in one process or under torchrun.
 
-    run_dir = Path(config.out)
-    data_dir = Path(config.data)
-    meta = read_meta(data_dir)
-    verify_data(data_dir, meta)
-    tok_path = Path(meta["tokenizer"]["path"])
-    if not tok_path.exists():
-        raise ModelFileError(f"{data_dir / 'meta.json'}: its tokenizer {tok_path} is missing")
-    if tokenizer_sha256(tok_path) != meta["tokenizer"]["sha256"]:
-        raise ModelFileError(f"{tok_path} has changed since {data_dir} was prepared with it "
-                             "(SHA-256 differs): the dataset was built with another tokenizer; "
-                             "run `torchllama prepare-data --force` again")
-    tokenizer = load_tokenizer(tok_path)
-    data_hash = sha256_file(data_dir / "meta.json")
+    Beyond `Trainer`'s state: the run's options and ModelArgs, the dataset and tokenizer, the
+    model as built (`model`), wrapped for DDP/FSDP (`wrapped`) and compiled (`runnable`), the
+    training batches and validation windows, and the data position (micro-steps and tokens
+    seen at step `step0`, where this process started).
+    """
 
-    # Resume or start.
-    resume_from = ckpt_io.latest_checkpoint(run_dir) if config.resume else None
-    if config.resume and resume_from is None:
-        raise ArgumentError(f"--resume: {run_dir} has no checkpoint to resume from (a run "
-                            "stopped before its first checkpoint starts again without --resume)")
-    if not config.resume and ckpt_io.list_checkpoints(run_dir):
-        raise ArgumentError(f"{run_dir} already holds a training run; pass --resume to continue "
-                            "it, or choose another --out")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ArgumentError(f"--out {run_dir} is a file, not a folder")
-    barrier()            # every rank has checked the folder before rank 0 writes into it
-    saved = ckpt_io.read_train_state(resume_from) if resume_from else None
-    if saved is not None:
-        config, notes = resumed_config(config, saved["config"])
-        if ctx.is_main:
-            for note in notes:
-                print(f"--resume: {note}", flush=True)
-        if saved.get("data_meta_sha256") != data_hash and ctx.is_main:
-            print(f"--resume: {data_dir} is not the dataset the run was trained on so far (same "
-                  "tokenizer): training goes on, on the new data", flush=True)
-        if saved["tokenizer_sha256"] != meta["tokenizer"]["sha256"]:
-            raise TrainingError(f"{resume_from} was trained with another tokenizer than "
-                                f"{data_dir}'s ({tok_path})")
-        args = ModelArgs(**saved["model_args"])
-        if config.preset is not None or config.config is not None:
-            wanted = model_args_for_run(config, meta["tokenizer"]["vocab_size"])
-            diff = [f"{f.name} {getattr(args, f.name)!r} in the checkpoint, "
-                    f"{getattr(wanted, f.name)!r} now" for f in dataclasses.fields(ModelArgs)
-                    if getattr(args, f.name) != getattr(wanted, f.name)]
-            if diff:
-                raise TrainingError(f"--resume: {resume_from} is a checkpoint of a different "
-                                    f"model ({'; '.join(diff)})")
-    else:
-        args = model_args_for_run(config, meta["tokenizer"]["vocab_size"])
-    seq_len = config.seq_len or args.max_seq_len
-    if seq_len > args.max_seq_len:
-        raise ArgumentError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
-                            f"{args.max_seq_len}")
-    grad_accum = config.grad_accum
-    if config.batch_tokens is not None:
-        per_micro = ctx.world_size * config.batch_size * seq_len
-        if config.batch_tokens % per_micro:
-            raise ArgumentError(f"--batch-tokens {config.batch_tokens} is not a multiple of "
-                                f"processes·batch-size·seq-len = {per_micro}")
-        grad_accum = config.batch_tokens // per_micro
-    warmup = config.warmup_steps if config.warmup_steps is not None else \
-        min(1000, config.max_steps // 10)
-    min_lr = config.min_lr if config.min_lr is not None else config.lr / 10
-    save_every = config.save_every or config.eval_every
-    device = ctx.device
-    use_bf16 = config.dtype == "bfloat16" or (
-        config.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    train_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    def __init__(self, config: TrainConfig, ctx: DistContext):
+        data = open_dataset(Path(config.data))
+        run_dir = Path(config.out)
+        resume_from = checkpoint_to_resume(config, run_dir)
+        saved = ckpt_io.read_train_state(resume_from) if resume_from else None
+        if saved is not None:
+            config, args = resumed_run(config, saved, data, resume_from, ctx.is_main)
+        else:
+            args = model_args_for_run(config, data.meta["tokenizer"]["vocab_size"])
+        self.config, self.ctx, self.data, self.args = config, ctx, data, args
+        self.seq_len, grad_accum = batch_shape(config, args, ctx.world_size)
+        self.use_bf16 = config.dtype == "bfloat16" or (
+            config.dtype == "auto" and ctx.device.type == "cuda"
+            and torch.cuda.is_bf16_supported())
+        self.train_dtype = torch.bfloat16 if self.use_bf16 else torch.float32
+        model, optimizer, step, saved = self._build_model(resume_from)
+        schedule = LRSchedule.for_run(config.lr, config.min_lr, config.warmup_steps,
+                                      config.max_steps, max_warmup=1000)
+        super().__init__(model, optimizer, [p for p in model.parameters() if p.requires_grad],
+                         schedule, run_dir=run_dir, step=step, grad_accum=grad_accum,
+                         grad_clip=config.grad_clip, eval_every=config.eval_every,
+                         save_every=config.save_every or config.eval_every,
+                         progress=config.progress, is_main=ctx.is_main, device=ctx.device)
+        self.resume_from = resume_from
+        self.last["checkpoint"] = str(resume_from) if resume_from else None
+        self._load_batches()
+        self.tokens_per_step = ctx.world_size * grad_accum * config.batch_size * self.seq_len
+        self._measure_flops()
+        self.open_log(keep_old=resume_from is not None and self.log_path.exists())
+        self._announce()
+        barrier()
+        # Data position and tokens seen continue from the checkpoint's (also if a resumed run
+        # changed --grad-accum or the batch shape).
+        self.step0 = step
+        self.micro0 = saved["micro_step"] if saved is not None else 0
+        self.tokens0 = saved.get("tokens", step * self.tokens_per_step) \
+            if saved is not None else 0
 
-    def autocast():
-        if not use_bf16:
+    # ---- building the run ------------------------------------------------------------------
+
+    def autocast(self):
+        """The forward's autocast context: bf16 with --dtype bfloat16, else none."""
+        if not self.use_bf16:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    # Model: the same initial weights on every rank (same seed), then wrapped.
-    torch.manual_seed(config.seed)
-    model = Transformer(args).to(device)
-    init_weights(model, args.n_layers)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    fsdp = ctx.distributed and config.parallel == "fsdp"
-    wrapped = wrap_model(model, config.parallel, ctx)
-    optimizer = make_optimizer(model, config.lr, config.weight_decay,
-                               fused=device.type == "cuda")
-    step = 0
-    if resume_from is not None:
-        saved = ckpt_io.load_checkpoint(resume_from, model, optimizer, ctx, fsdp=fsdp)
-        step = saved["step"]
-    runnable = torch.compile(wrapped) if config.compile else wrapped
+    def _build_model(self, resume_from: Optional[Path]):
+        """(model, optimizer, step, saved state or None): the same initial weights on every rank
+        (same seed), wrapped for DDP/FSDP, the checkpoint's weights, optimizer moments and RNG
+        states when resuming, then compiled with --compile."""
+        config, ctx, args = self.config, self.ctx, self.args
+        torch.manual_seed(config.seed)
+        model = Transformer(args).to(ctx.device)
+        init_weights(model, args.n_layers)
+        if config.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        self.fsdp = ctx.distributed and config.parallel == "fsdp"
+        self.wrapped = wrap_model(model, config.parallel, ctx)
+        optimizer = make_optimizer(model, config.lr, config.weight_decay,
+                                   fused=ctx.device.type == "cuda")
+        step, saved = 0, None
+        if resume_from is not None:
+            saved = ckpt_io.load_checkpoint(resume_from, model, optimizer, ctx, fsdp=self.fsdp)
+            step = saved["step"]
+        self.runnable = torch.compile(self.wrapped) if config.compile else self.wrapped
+        return model, optimizer, step, saved
 
-    train_tokens = load_tokens(data_dir, "train", meta)
-    val_tokens = load_tokens(data_dir, "val", meta)
-    batches = TokenBatches(train_tokens, seq_len, config.batch_size, config.seed, ctx.rank,
-                           ctx.world_size)
-    val_windows = eval_windows(val_tokens, seq_len,
+    def _load_batches(self) -> None:
+        """The token splits, the training batches of this rank and its share of the
+        validation windows (every rank gets as many: FSDP ranks must run the same forwards)."""
+        config, ctx, data = self.config, self.ctx, self.data
+        self.train_tokens = load_tokens(data.folder, "train", data.meta)
+        self.val_tokens = load_tokens(data.folder, "val", data.meta)
+        self.batches = TokenBatches(self.train_tokens, self.seq_len, config.batch_size,
+                                    config.seed, ctx.rank, ctx.world_size)
+        windows = eval_windows(self.val_tokens, self.seq_len,
                                config.eval_batches * config.batch_size * ctx.world_size)
-    # Every rank gets the same number of windows (FSDP ranks must run the same forwards).
-    val_windows = val_windows[:len(val_windows) // ctx.world_size * ctx.world_size]
-    val_windows = val_windows[ctx.rank::ctx.world_size]           # this rank's share
+        windows = windows[:len(windows) // ctx.world_size * ctx.world_size]
+        self.val_windows = windows[ctx.rank::ctx.world_size]          # this rank's share
 
-    n_params = count_params(model, exclude_embeddings=not args.tie_embeddings)
-    flops_tok = flops_per_token(args, n_params, seq_len)
-    if config.peak_tflops is not None:
-        peak, peak_source = config.peak_tflops * 1e12, "--peak-tflops"
-    else:
-        peak, peak_source = peak_flops(device, train_dtype)
-    tokens_per_step = ctx.world_size * grad_accum * config.batch_size * seq_len
+    def _measure_flops(self) -> None:
+        """Training FLOPs per token and the device's peak FLOP/s, for MFU."""
+        n_params = count_params(self.model, exclude_embeddings=not self.args.tie_embeddings)
+        self.flops_per_token = flops_per_token(self.args, n_params, self.seq_len)
+        if self.config.peak_tflops is not None:
+            self.peak, self.peak_source = self.config.peak_tflops * 1e12, "--peak-tflops"
+        else:
+            self.peak, self.peak_source = peak_flops(self.device, self.train_dtype)
 
-    log_path = run_dir / LOG_FILE
-    log: list[dict] = []
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in run_dir.glob(".tmp-step-*"):                # from a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        log = [e for e in read_log(run_dir) if e.get("step", 0) <= step] \
-            if log_path.exists() and resume_from else []    # a fresh start: no old lines
-        _write_text(log_path, "".join(json.dumps(e) + "\n" for e in log))                                # drop steps after the checkpoint
+    def _announce(self) -> None:
+        """Rank 0: write OUT/run.json and print the run's summary and the loss baselines."""
+        if not self.is_main:
+            return
+        config, args, ctx = self.config, self.args, self.ctx
         run_info = {"config": dataclasses.asdict(config), "model_args": dataclasses.asdict(args),
-                    "parameters": count_params(model), "seq_len": seq_len,
-                    "grad_accum": grad_accum, "world_size": ctx.world_size,
-                    "tokens_per_step": tokens_per_step, "dtype": str(train_dtype),
-                    "device": str(device), "peak_flops": peak, "peak_flops_source": peak_source,
-                    "data": str(data_dir.resolve()), "tokenizer": str(tok_path),
-                    "unigram_val_loss": unigram_loss(train_tokens, val_tokens, args.vocab_size)}
-        _write_text(run_dir / "run.json", json.dumps(run_info, indent=2) + "\n")
-        print(f"model: {count_params(model):,} parameters ({args.n_layers} layers, dim "
-              f"{args.dim}, vocab {args.vocab_size}); {tokens_per_step:,} tokens per step "
-              f"({ctx.world_size} process(es) × {grad_accum} micro-steps × {config.batch_size} "
-              f"× {seq_len}); {train_dtype}; {device}"
-              + (f"; resuming at step {step} from {resume_from}" if resume_from else ""),
-              flush=True)
-        if len(val_tokens):
+                    "parameters": count_params(self.model), "seq_len": self.seq_len,
+                    "grad_accum": self.grad_accum, "world_size": ctx.world_size,
+                    "tokens_per_step": self.tokens_per_step, "dtype": str(self.train_dtype),
+                    "device": str(self.device), "peak_flops": self.peak,
+                    "peak_flops_source": self.peak_source,
+                    "data": str(self.data.folder.resolve()),
+                    "tokenizer": str(self.data.tokenizer_path),
+                    "unigram_val_loss": unigram_loss(self.train_tokens, self.val_tokens,
+                                                     args.vocab_size)}
+        write_text(self.run_dir / "run.json", json.dumps(run_info, indent=2) + "\n")
+        print(f"model: {count_params(self.model):,} parameters ({args.n_layers} layers, dim "
+              f"{args.dim}, vocab {args.vocab_size}); {self.tokens_per_step:,} tokens per step "
+              f"({ctx.world_size} process(es) × {self.grad_accum} micro-steps × "
+              f"{config.batch_size} × {self.seq_len}); {self.train_dtype}; {self.device}"
+              + (f"; resuming at step {self.step} from {self.resume_from}"
+                 if self.resume_from else ""), flush=True)
+        if len(self.val_tokens):
             print(f"baseline: a unigram model (token frequencies) has val_loss "
                   f"{run_info['unigram_val_loss']:.4f}; uniform: ln V = "
                   f"{math.log(args.vocab_size):.4f}", flush=True)
-    barrier()
 
-    # Data position and tokens seen continue from the checkpoint's (also if a resumed run
-    # changed --grad-accum or the batch shape).
-    step0 = step
-    micro0 = saved["micro_step"] if saved is not None else 0
-    tokens0 = saved.get("tokens", step0 * tokens_per_step) if saved is not None else 0
+    # ---- the data position -----------------------------------------------------------------
 
-    def micro_at(s: int) -> int:
-        return micro0 + (s - step0) * grad_accum
+    def micro_at(self, step: int) -> int:
+        """Micro-steps done (the data position) after `step` optimizer steps."""
+        return self.micro0 + (step - self.step0) * self.grad_accum
 
-    def tokens_at(s: int) -> int:
-        return tokens0 + (s - step0) * tokens_per_step
+    def tokens_at(self, step: int) -> int:
+        """Training tokens seen after `step` optimizer steps."""
+        return self.tokens0 + (step - self.step0) * self.tokens_per_step
 
-    def state_at(s: int) -> dict[str, Any]:
-        return {"step": s, "micro_step": micro_at(s), "tokens": tokens_at(s),
-                "model_args": dataclasses.asdict(args),
-                "config": dataclasses.asdict(config), "seq_len": seq_len,
-                "grad_accum": grad_accum, "tokenizer_sha256": meta["tokenizer"]["sha256"],
-                "data_meta_sha256": data_hash,
-                "lr_schedule": {"lr": config.lr, "min_lr": min_lr, "warmup_steps": warmup,
-                                "max_steps": config.max_steps}}
+    # ---- the Trainer's steps ---------------------------------------------------------------
 
-    def save(s: int) -> Path:
-        return ckpt_io.save_checkpoint(run_dir, s, model, optimizer, state_at(s), tokenizer,
-                                       ctx, fsdp=fsdp, keep=config.keep)
+    def forward_backward(self) -> float:
+        """grad_accum micro-steps on this rank's batches; DDP/FSDP synchronise the gradients on
+        the last one. Returns the loss averaged over micro-steps and ranks."""
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(self.grad_accum):
+            batch = self.batches.batch(self.micro_at(self.step) + k)           # (B, T + 1)
+            batch = batch.to(self.device, non_blocking=True)
+            with gradient_sync(self.runnable, k == self.grad_accum - 1):
+                loss = next_token_loss(self.runnable, batch, self.autocast)
+                (loss / self.grad_accum).backward()
+            loss_sum += loss.detach()
+        return float(all_reduce_mean(loss_sum / self.grad_accum))
 
-    from tqdm import tqdm
+    def log_entry(self, loss: float, lr: float, grad_norm: float, seconds: float) -> dict:
+        """The step's entry with tokens seen, throughput, MFU and epochs."""
+        tok_s = self.tokens_per_step / seconds
+        return {**super().log_entry(loss, lr, grad_norm, seconds),
+                "tokens": self.tokens_at(self.step), "tokens_per_s": tok_s,
+                "mfu": self.flops_per_token * tok_s / self.ctx.world_size / self.peak,
+                "epoch": self.batches.epoch_of(self.micro_at(self.step))}
 
-    bar = tqdm(total=config.max_steps, initial=step, desc="training", unit="step",
-               disable=not (config.progress and ctx.is_main), dynamic_ncols=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    last = {"step": step, "loss": None, "val_loss": None,
-            "checkpoint": str(resume_from) if resume_from else None}
-    if step >= config.max_steps and ctx.is_main:
-        print(f"{run_dir} is already at step {step} ≥ --max-steps {config.max_steps}: nothing "
-              "to train (raise --max-steps to train on)", flush=True)
-    try:
-        while step < config.max_steps:
-            lr = lr_at(step, config.lr, warmup, config.max_steps, min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for k in range(grad_accum):
-                batch = batches.batch(micro_at(step) + k).to(device, non_blocking=True)
-                with gradient_sync(runnable, k == grad_accum - 1):
-                    loss = next_token_loss(runnable, batch, autocast)
-                    (loss / grad_accum).backward()
-                loss_sum += loss.detach()
-            loss = all_reduce_mean(loss_sum / grad_accum)
-            if config.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in params if p.grad is not None])
-            if hasattr(grad_norm, "full_tensor"):                # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            loss_value, norm_value = float(loss), float(grad_norm)
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                good = ckpt_io.latest_checkpoint(run_dir)
-                raise TrainingError(
-                    f"the loss became {loss_value} (gradient norm {norm_value}) at step "
-                    f"{step + 1}; stopping. The last good checkpoint is "
-                    f"{good if good else 'none (no checkpoint was saved yet)'}; lower --lr "
-                    "or --grad-clip and --resume")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
-            step += 1
-            tok_s = tokens_per_step / seconds
-            entry = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
-                     "tokens": tokens_at(step), "tokens_per_s": tok_s,
-                     "mfu": flops_tok * tok_s / ctx.world_size / peak,
-                     "epoch": batches.epoch_of(micro_at(step))}
-            if step % config.eval_every == 0 or step == config.max_steps:
-                runnable.eval()
-                if len(val_tokens) > seq_len:
-                    val_loss = evaluate(runnable, val_windows, config.batch_size, autocast,
-                                        device)
-                    entry["val_loss"], entry["val_ppl"] = val_loss, math.exp(min(val_loss, 700))
-                    last["val_loss"] = val_loss
-                if config.sample_tokens:
-                    entry["sample"] = sample_text(
-                        wrapped if fsdp else model, tokenizer, config.sample_prompt,
-                        config.sample_tokens, config.seed * 1_000_003 + step, device, autocast)
-                runnable.train()
-            if ctx.is_main:
-                log.append(entry)
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}",
-                                tok_s=f"{tok_s:,.0f}", refresh=False)
-                bar.update(1)
-                if "val_loss" in entry or "sample" in entry:
-                    line = f"step {step}: loss {loss_value:.4f}"
-                    if "val_loss" in entry:
-                        line += f", val_loss {entry['val_loss']:.4f} (ppl {entry['val_ppl']:.1f})"
-                    bar.write(line + f", {tok_s:,.0f} tok/s, MFU {entry['mfu']:.1%}")
-                    if "sample" in entry:
-                        bar.write("  sample: " + entry["sample"].strip().replace("\n", "\n  "))
-            last.update(step=step, loss=loss_value)
-            if step % save_every == 0 or step == config.max_steps:
-                last["checkpoint"] = str(save(step))
-    finally:
-        bar.close()
-    if ctx.is_main:
-        from torchllama.train.plot import plot_log
-        plot_log(run_dir)
-    barrier()             # leave together: a Gloo rank exiting early can abort the other one
-    last["tokens"] = tokens_at(step)
-    last["rank"] = ctx.rank
-    return last
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and perplexity (when the split holds a window) and a text sample
+        (with --sample-tokens), in eval mode."""
+        config, out = self.config, {}
+        self.runnable.eval()
+        if len(self.val_tokens) > self.seq_len:
+            val_loss = evaluate(self.runnable, self.val_windows, config.batch_size,
+                                self.autocast, self.device)    # the module's evaluate()
+            out["val_loss"], out["val_ppl"] = val_loss, perplexity(val_loss)
+        if config.sample_tokens:
+            out["sample"] = sample_text(
+                self.wrapped if self.fsdp else self.model, self.data.tokenizer,
+                config.sample_prompt, config.sample_tokens, config.seed * 1_000_003 + self.step,
+                self.device, self.autocast)
+        self.runnable.train()
+        return out
+
+    def report(self, entry: dict) -> list[str]:
+        """After an evaluation: losses, throughput and MFU, and the sample."""
+        if "val_loss" not in entry and "sample" not in entry:
+            return []
+        line = f"step {entry['step']}: loss {entry['loss']:.4f}"
+        if "val_loss" in entry:
+            line += f", val_loss {entry['val_loss']:.4f} (ppl {entry['val_ppl']:.1f})"
+        lines = [line + f", {entry['tokens_per_s']:,.0f} tok/s, MFU {entry['mfu']:.1%}"]
+        if "sample" in entry:
+            lines.append("  sample: " + entry["sample"].strip().replace("\n", "\n  "))
+        return lines
+
+    def non_finite_error(self, loss: float, grad_norm: float) -> TrainingError:
+        good = ckpt_io.latest_checkpoint(self.run_dir)
+        return TrainingError(
+            f"the loss became {loss} (gradient norm {grad_norm}) at step {self.step + 1}; "
+            f"stopping. The last good checkpoint is "
+            f"{good if good else 'none (no checkpoint was saved yet)'}; lower --lr "
+            "or --grad-clip and --resume")
+
+    def train_state(self) -> dict[str, Any]:
+        """train_state.pt's run fields at the current step (see torchllama.train.checkpointing;
+        its keys are the checkpoint format: keep them)."""
+        return {"step": self.step, "micro_step": self.micro_at(self.step),
+                "tokens": self.tokens_at(self.step),
+                "model_args": dataclasses.asdict(self.args),
+                "config": dataclasses.asdict(self.config), "seq_len": self.seq_len,
+                "grad_accum": self.grad_accum,
+                "tokenizer_sha256": self.data.meta["tokenizer"]["sha256"],
+                "data_meta_sha256": self.data.meta_sha256,
+                "lr_schedule": dataclasses.asdict(self.schedule)}
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step (collective; `checkpointing.save_checkpoint`)."""
+        return ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
+                                       self.train_state(), self.data.tokenizer, self.ctx,
+                                       fsdp=self.fsdp, keep=self.config.keep)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to --max-steps; returns {"step", "loss", "val_loss", "checkpoint", "tokens",
+        "rank"}. Ranks leave together (a Gloo rank exiting early can abort the other one)."""
+        if self.step >= self.max_steps and self.is_main:
+            print(f"{self.run_dir} is already at step {self.step} ≥ --max-steps "
+                  f"{self.max_steps}: nothing to train (raise --max-steps to train on)",
+                  flush=True)
+        last = super().fit()
+        barrier()
+        return {**last, "tokens": self.tokens_at(self.step), "rank": self.ctx.rank}

@@ -19,6 +19,8 @@ Choices (each with its source):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -102,6 +104,36 @@ def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int, min_lr: float
         return min_lr
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)    # 0 → 1
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of every step of a run: `lr_at` with these settings.
+
+    Attributes:
+        lr: peak learning rate.
+        min_lr: final learning rate of the cosine decay.
+        warmup_steps: linear warmup steps.
+        max_steps: the run's optimizer steps (the cosine reaches min_lr there).
+    """
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    max_steps: int
+
+    @classmethod
+    def for_run(cls, lr: float, min_lr: Optional[float], warmup_steps: Optional[int],
+                max_steps: int, max_warmup: int) -> "LRSchedule":
+        """A run's schedule from its options: min_lr defaults to lr / 10, warmup_steps to 10%
+        of max_steps, at most `max_warmup`."""
+        return cls(lr=lr, min_lr=min_lr if min_lr is not None else lr / 10,
+                   warmup_steps=warmup_steps if warmup_steps is not None else
+                   min(max_warmup, max_steps // 10), max_steps=max_steps)
+
+    def at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (0-based)."""
+        return lr_at(step, self.lr, self.warmup_steps, self.max_steps, self.min_lr)
 
 
 def count_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
