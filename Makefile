@@ -88,16 +88,16 @@ $(VENV)/.peer: $(VENV)/.test
 	touch $@
 
 bench-peer: $(VENV)/.peer
-	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype auto
-	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype int8
-	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype bfloat16
-	$(VENV)/bin/torchllama bench --peer llama.cpp --dtype float32
+	$(VENV)/bin/torchllama bench decode --peer llama.cpp --dtype auto
+	$(VENV)/bin/torchllama bench decode --peer llama.cpp --dtype int8
+	$(VENV)/bin/torchllama bench decode --peer llama.cpp --dtype bfloat16
+	$(VENV)/bin/torchllama bench decode --peer llama.cpp --dtype float32
 
 bench: setup-test
-	$(VENV)/bin/torchllama bench --dtype float32
-	$(VENV)/bin/torchllama bench --dtype bfloat16
-	$(VENV)/bin/torchllama bench --train --preset shakespeare-small --dtype float32
-	$(VENV)/bin/torchllama bench --train --preset shakespeare-small --dtype bfloat16
+	$(VENV)/bin/torchllama bench decode --dtype float32
+	$(VENV)/bin/torchllama bench decode --dtype bfloat16
+	$(VENV)/bin/torchllama bench train --preset shakespeare-small --dtype float32
+	$(VENV)/bin/torchllama bench train --preset shakespeare-small --dtype bfloat16
 
 $(RUN)/tokenizer/tokenizer.model: $(CORPUS)/.done | $(VENV)/.base
 	$(VENV)/bin/torchllama train-tokenizer --input $(CORPUS) --vocab-size 4096 --out $(RUN)/tokenizer --force

@@ -1,6 +1,6 @@
 """`torchllama generate`'s decode rate with its default sampling, next to llama.cpp's, in one run.
 
-`torchllama bench --peer llama.cpp` times greedy decoding; users of `torchllama generate` get
+`torchllama bench decode --peer llama.cpp` times greedy decoding; users of `torchllama generate` get
 temperature 0.6 and top-p 0.9 (Meta's defaults), so sampling is part of every token. This
 script decodes the same prompt, interleaved, medians of --repeats:
 

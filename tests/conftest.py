@@ -59,13 +59,67 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf):
+def smollm2_auto(smollm2_gguf):
+    """(model, tokenizer) of the real SmolLM2 in the default dtype, as the CLI and the server
+    load it (the file's Q4_1/Q8_0 blocks kept quantized), shared."""
+    import torchllama
+
+    return torchllama.load(smollm2_gguf, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """The same GGUF's tokenizer as HF transformers reads it (the oracle), shared."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf, hf_smollm2_tokenizer):
     """(model, tokenizer) of the same GGUF loaded by HF transformers (the oracle), float32."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kwargs = dict(gguf_file=smollm2_gguf.name)
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32,
-                                                 **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
-    return model, tokenizer
+                                                 gguf_file=smollm2_gguf.name).eval()
+    return model, hf_smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def llama_spm_tokenizer():
+    """Llama 2's SentencePiece tokenizer (32,000 pieces) from the vocabulary-only GGUF, loaded by
+    `torchllama.load_tokenizer` once for the session (reading that GGUF takes seconds)."""
+    import torchllama
+
+    if not LLAMA_SPM_VOCAB.is_file():
+        pytest.skip(f"test vocabulary {LLAMA_SPM_VOCAB} not present")
+    return torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+
+
+_CLI_MODELS: dict = {}
+
+
+@pytest.fixture
+def shared_cli_models(monkeypatch):
+    """Opt-in (`@pytest.mark.usefixtures("shared_cli_models")`): in-process `main([...])` calls
+    share what they load. `torchllama.checkpoint.load` (which the commands import when they run)
+    and `torchllama.load` are memoized for the session on (model, dtype), for calls without an
+    adapter: the first call per key is the real load, later ones get the same (model, tokenizer),
+    as a server answering many requests would. Errors are not cached (a bad file fails every
+    time). Not for commands that change the model (--compile, --draft)."""
+    import torchllama
+    import torchllama.checkpoint as checkpoint
+
+    real = checkpoint.load
+
+    def load(path=None, *args, **kwargs):
+        if args or kwargs.get("adapter") is not None or set(kwargs) - {"dtype", "adapter"}:
+            return real(path, *args, **kwargs)
+        key = (None if path is None else str(path), kwargs.get("dtype", "auto"))
+        if key not in _CLI_MODELS:
+            _CLI_MODELS[key] = real(path, dtype=key[1])
+        return _CLI_MODELS[key]
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    monkeypatch.setattr(torchllama, "load", load)

@@ -11,7 +11,8 @@ import torch
 from torchllama.cli import main
 from torchllama.config import get_preset
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation.session import (SamplingParams, Session, encode_prompt, generate_batch)
+from torchllama.generation.session import SamplingParams, Session, encode_prompt
+from torchllama.serving.batch import generate_batch
 from torchllama.model import Transformer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30], [40, 41, 42, 43, 44]]
@@ -80,7 +81,8 @@ def test_per_prompt_seeds_are_independent_of_the_batch(tiny_model):
 def test_context_limit_and_errors(tiny_model):
     model = copy.deepcopy(tiny_model)                   # debug preset: 128 positions
     results = generate_batch(model, [list(range(1, 121)), [1, 2]], 50)
-    assert [len(r.token_ids) for r in results] == [8, 8]          # 120 + 8 = 128 slots
+    # 120 + 8 = 128 slots; the short prompt's row is its own: 50 tokens, as alone
+    assert [len(r.token_ids) for r in results] == [8, 50]
     assert all(r.finish_reason == "length" for r in results)
     with pytest.raises(ContextLengthError, match="at most 127"):
         generate_batch(model, [list(range(128))], 1)

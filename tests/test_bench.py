@@ -1,4 +1,4 @@
-"""`torchllama bench` (torchllama.bench.runs, torchllama.bench.peer) on a tiny random GGUF written here:
+"""`torchllama bench decode` (torchllama.bench.decode, .peer) on a tiny random GGUF written here:
 the batched decode of ours yields, row by row, the greedy tokens of the same prompt alone (and of
 a cache-free oracle); the table has its three figures and ratios; `--peer llama.cpp` without
 llama-cpp-python exits 1 naming `make bench-peer`; with it, llama.cpp runs on the same file and
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchllama
-from torchllama.bench.runs import OursDecodeRun, Throughput, _prompt_ids, format_table, run_bench
+from torchllama.bench.decode import OursDecodeRun, Throughput, _prompt_ids, format_table, run_bench
 from torchllama.checkpoint import save
 from torchllama.cli import main
 from torchllama.config import ModelArgs
@@ -116,8 +116,8 @@ def test_table_has_ratio_column_and_batch_speedup_row():
 
 
 def test_bench_cli_no_hf_alias_and_bad_values(tiny_gguf, capsys):
-    common = ["bench", "--model", str(tiny_gguf), "--prompt-tokens", "8", "--new-tokens", "2",
-              "--repeats", "1", "--batch", "2"]
+    common = ["bench", "decode", "--model", str(tiny_gguf), "--prompt-tokens", "8",
+              "--new-tokens", "2", "--repeats", "1", "--batch", "2"]
     assert main(common + ["--no-hf"]) == 0                 # the old spelling of --peer none
     out = capsys.readouterr().out
     assert "decode tok/s (batch 2, 2)" in out and "transformers" not in out
@@ -132,7 +132,7 @@ def test_bench_cli_no_hf_alias_and_bad_values(tiny_gguf, capsys):
 def test_peer_llama_cpp_without_llama_cpp_python_names_make_bench_peer(tiny_gguf, capsys,
                                                                        monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)        # `import llama_cpp` fails
-    assert main(["bench", "--model", str(tiny_gguf), "--peer", "llama.cpp",
+    assert main(["bench", "decode", "--model", str(tiny_gguf), "--peer", "llama.cpp",
                  "--repeats", "1"]) == 1
     err = capsys.readouterr().err
     assert "make bench-peer" in err and "llama-cpp-python" in err

@@ -71,6 +71,7 @@ def bad_files(tmp_path_factory, smollm2_gguf):
     ("dtype", ["--dtype", "float8"], "--dtype 'float8' is not supported"),
     ("too_long", ["--prompt", "hello " * 9000], "the context holds 8192"),
 ])
+@pytest.mark.usefixtures("shared_cli_models")          # one real load for the cases that load
 def test_bad_input_gives_one_clear_line(bad_files, capsys, case, args, words):
     args = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in args]
     if "--prompt" not in args:
@@ -101,6 +102,7 @@ def test_help_lists_options_from_signatures():
     assert "nucleus sampling" in result.stdout                 # help text from the docstring
 
 
+@pytest.mark.usefixtures("shared_cli_models")          # three runs, one load
 def test_seed_makes_sampling_reproducible(smollm2_gguf, capsys):
     def sample(seed):
         args = ["generate", "--prompt", "My favourite animal is", "--temperature", "1.0",

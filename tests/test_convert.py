@@ -13,12 +13,10 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, TorchLlamaError
 from torchllama.model import Transformer
 
-from conftest import LLAMA_SPM_VOCAB
-
 
 @pytest.fixture(scope="module")
-def spm_tokenizer():
-    return torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+def spm_tokenizer(llama_spm_tokenizer):
+    return llama_spm_tokenizer
 
 
 def random_model(n_kv_heads, seed=0):
@@ -35,7 +33,9 @@ def state(model):
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("n_kv_heads", [4, 2])       # MHA and GQA
+# GQA is the case that catches wk un-permuted with the wrong head count; MHA (every head its own
+# key) goes through the same code and is also read against transformers in test_hf_checkpoint.
+@pytest.mark.parametrize("n_kv_heads", [pytest.param(4, marks=pytest.mark.slow), 2])  # MHA, GQA
 def test_meta_hf_gguf_meta_round_trip_is_bit_identical(tmp_path, spm_tokenizer, n_kv_heads):
     model = random_model(n_kv_heads)
     tokens = torch.tensor([spm_tokenizer.encode("The capital of France is", bos=True)])
@@ -56,8 +56,12 @@ def test_meta_hf_gguf_meta_round_trip_is_bit_identical(tmp_path, spm_tokenizer, 
                                                       "tokenizer.model"]
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("float16", 1e-2), ("bfloat16", 5e-2),
-                                              ("q8_0", 5e-2), ("q4_0", 0.5), ("q4_1", 0.5)])
+# The block formats are written, read back and compared with the float model, within the same
+# tolerances, by test_quantize's test_a_quantized_gguf_loads_quantized_by_default too.
+@pytest.mark.parametrize("dtype, tolerance", [
+    ("float16", 1e-2), ("bfloat16", 5e-2), *(pytest.param(d, t, marks=pytest.mark.slow)
+                                             for d, t in [("q8_0", 5e-2), ("q4_0", 0.5),
+                                                          ("q4_1", 0.5)])])
 def test_gguf_outputs_in_lower_precision(tmp_path, spm_tokenizer, dtype, tolerance):
     model = random_model(2)
     save(model, spm_tokenizer, tmp_path / "m.gguf", "gguf", dtype, progress=False)

@@ -121,6 +121,58 @@ def test_stop_ids_sampling_and_cancel(tiny_model):
         engine.shutdown()
 
 
+class LetterTokenizer:
+    """Token i is the letter chr(65 + i % 26): text whose stop strings span tokens."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_a_stop_string_finishes_its_row_in_the_same_step(tiny_model):
+    from torchllama.generation.text import TextStream
+
+    prompt = [7, 8, 9]
+    free = alone(tiny_model, prompt, 12)
+    full = LetterTokenizer.decode(free)
+    stop = full[4:6]                                   # the 5th and 6th tokens' letters
+    cut = full.index(stop)                             # (or earlier, if they appear before)
+    engine = Engine(copy.deepcopy(tiny_model), max_batch_size=2).start()
+    try:
+        events = []
+        client = Client(prompt, 12)
+        client.request.text = TextStream(LetterTokenizer(), prompt, [stop])
+        client.request.on_token = lambda e, f=client.request.on_token: (events.append(e), f(e))
+        run(engine, [(0.0, client)])
+    finally:
+        engine.shutdown()
+    assert client.reason == "stop"
+    assert client.tokens == free[:cut + len(stop)]          # up to the stop string's last token
+    assert "".join(e.text for e in events) + client.request.tail == full[:cut]
+    assert [e.stopped for e in events] == [False] * (len(events) - 1) + [True]
+    assert engine.steps == len(client.tokens) - 1           # no step after it
+
+
+def test_offline_batches_end_at_their_stop_strings(tiny_model):
+    from torchllama.serving.batch import complete
+
+    prompts = [[7, 8, 9], [1, 2], [30, 31, 32, 33]]
+    free = [alone(tiny_model, p, 10) for p in prompts]
+    stop = LetterTokenizer.decode(free[0])[3:5]
+    results = list(complete(copy.deepcopy(tiny_model), prompts, 10, tokenizer=LetterTokenizer(),
+                            stop=[stop], max_batch_size=2))
+    for tokens, result in zip(free, results):
+        text = LetterTokenizer.decode(tokens)
+        if stop in text:
+            end = text.index(stop) + len(stop)
+            assert result.token_ids == tokens[:end] and result.finish_reason == "stop"
+            assert result.text == text[:end - len(stop)]
+        else:
+            assert result.token_ids == tokens and result.finish_reason == "length"
+            assert result.text == text
+    assert results[0].finish_reason == "stop"
+
+
 def test_submit_errors_and_queue_bound(tiny_model):
     engine = Engine(copy.deepcopy(tiny_model), max_batch_size=1, max_queue=1)   # not started
     with pytest.raises(ArgumentError, match="empty"):

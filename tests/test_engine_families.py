@@ -134,6 +134,9 @@ def _caches(model):
 # The real Gemma 3 270M: prompts past its 512-token window, together and mid-stream
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # make test-all; the default run proves the same on a Gemma-3-shaped model
+                    # (test_every_family_under_load_equals_alone[gemma3-int4]: a 16-token
+                    # window, prompts past it and its ring, chunked, int4 on our kernels)
 def test_real_gemma3_served_together_equals_alone():
     from tests.test_gemma3 import GEMMA_PACKAGE
     import importlib.util

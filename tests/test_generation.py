@@ -208,7 +208,7 @@ def test_generate_api_on_the_real_model(smollm2):
 
 
 def test_session_notices_when_its_cache_was_replaced(tiny_model):
-    from torchllama.generation.session import generate_batch
+    from torchllama.serving.batch import generate_batch
 
     model = copy.deepcopy(tiny_model)
     session = Session(model, StubTokenizer())

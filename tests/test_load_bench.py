@@ -1,4 +1,4 @@
-"""`torchllama bench --serve --load`: the load plan, the run against our in-process server (every
+"""`torchllama bench load`: the load plan, the run against our in-process server (every
 finished answer equals the request alone, dropped streams counted), the structured-output cost
 and the prefix cache's time to first token — small sizes, the real SmolLM2."""
 

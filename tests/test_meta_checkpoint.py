@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import torchllama
-from conftest import LLAMA_SPM_VOCAB
 from torchllama.checkpoint import meta
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ModelFileError
@@ -40,11 +39,9 @@ PROMPT = torch.tensor([[1, 15043, 3186, 29892, 920]])  # <s> Hello world , how
 
 
 @pytest.fixture(scope="module")
-def sp_model() -> bytes:
+def sp_model(llama_spm_tokenizer) -> bytes:
     """Llama 2's SentencePiece tokenizer.model, serialized."""
-    if not LLAMA_SPM_VOCAB.is_file():
-        pytest.skip(f"{LLAMA_SPM_VOCAB} is missing")
-    return torchllama.load_tokenizer(LLAMA_SPM_VOCAB)._sp.serialized_model_proto()
+    return llama_spm_tokenizer._sp.serialized_model_proto()
 
 
 def random_state(args: ModelArgs, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:

@@ -335,7 +335,7 @@ def test_max_tokens_beyond_the_context_is_not_an_error(client):
 def test_max_tokens_is_capped_by_the_context(smollm2):
     """The cap itself, on an in-process server whose model claims a 64-token context (a prompt
     near SmolLM2's real 8192 would take a minute to prefill on this machine)."""
-    from torchllama.bench.runs import serve_in_thread
+    from torchllama.bench.serve import serve_in_thread
     from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2
@@ -397,8 +397,8 @@ def test_eight_concurrent_streams_equal_single_answers(client, smollm2):
 def test_chunked_and_batched_prefill_equal_single_answers(smollm2):
     """An in-process server prefilling at most 16 prompt tokens per engine iteration: a long
     prompt goes in chunks while short ones are admitted and decode; every answer is still the
-    one `Session` gives alone. Also the non-streaming `bench --serve` figures."""
-    from torchllama.bench.runs import run_serve_bench, serve_in_thread
+    one `Session` gives alone. Also the non-streaming `bench serve` figures."""
+    from torchllama.bench.serve import run_serve_bench, serve_in_thread
     from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2
@@ -537,15 +537,16 @@ def test_a_failing_request_does_not_stop_the_engine(server, client):
 def test_bench_serve_cli(server, capsys):
     from torchllama.cli import main
 
-    assert main(["bench", "--serve", "--url", server.url, "--api-key", KEY,
+    assert main(["bench", "serve", "--url", server.url, "--api-key", KEY,
                  "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
     assert [row[0] for row in rows] == ["1", "4", "8"]
     assert all(0 < int(row[1]) <= 8 * 4 and row[4].endswith("x") for row in rows)
     assert "median TTFT" in out
-    assert main(["bench", "--url", server.url]) == 1              # --url needs --serve
-    assert "--serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:                  # --url is bench serve's
+        main(["bench", "decode", "--url", server.url])
+    assert exit_info.value.code == 2 and "--url" in capsys.readouterr().err
 
 
 def test_one_log_line_per_request(server, client, smollm2):

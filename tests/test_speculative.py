@@ -313,7 +313,7 @@ def smollm2_auto(smollm2_gguf):
 def test_server_with_a_draft_answers_as_without(smollm2_auto):
     """The real SmolLM2 served with --draft lookup answers what plain decoding gives, alone
     and with concurrent requests."""
-    from torchllama.bench.runs import serve_in_thread
+    from torchllama.bench.serve import serve_in_thread
     from torchllama.serving.app import create_app
 
     model, tokenizer = smollm2_auto
@@ -384,9 +384,9 @@ def test_cli_generate_with_a_draft_prints_the_same_text_and_the_acceptance(smoll
 
 
 def test_bench_session_runs_and_table(target):
-    """`bench --speculative`'s pieces on the tiny model: runs report decode tok/s and seconds
+    """`bench speculative`'s pieces on the tiny model: runs report decode tok/s and seconds
     and the drafted run's tokens equal the plain run's; the table shows speedups over plain."""
-    from torchllama.bench.runs import SessionRun, SpeculativeResult, format_speculative_table
+    from torchllama.bench.speculative import SessionRun, SpeculativeResult, format_speculative_table
 
     prompt = PROMPTS[2]
     plain_run = SessionRun(target, StubTokenizer(), prompt, 30)

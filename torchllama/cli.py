@@ -73,7 +73,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
-    from torchllama.generation.session import SamplingParams, Session, StreamDecoder, encode_prompt
+    from torchllama.generation.session import SamplingParams
     from torchllama.generation.stopping import StopStrings
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -87,7 +87,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
     _check_draft(draft, draft_tokens, prompt_file)
     parse_dtype(dtype)
-    stops = StopStrings(stop or [])                                  # validates the strings
+    StopStrings(stop or [])                                  # validates the strings first
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
     llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
     drafter = _load_draft(draft, model)
@@ -96,20 +96,31 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     if prompts is not None:
         return _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
                               batch_size, stop or [])
+    return _generate_one(llm, tokenizer, drafter, draft_tokens, prompt, chat, system,
+                         max_new_tokens, sampling, stop)
+
+
+def _generate_one(llm, tokenizer, drafter, draft_tokens, prompt, chat, system, max_new_tokens,
+                  sampling, stop) -> int:
+    """One prompt streamed to stdout through a `Session` (with the draft, if any) and its
+    `TextStream` (ended at a stop string); the session's stats on stderr."""
+    from torchllama.generation.session import Session, encode_prompt
+    from torchllama.generation.text import TextStream
+
     prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
     session = Session(llm, tokenizer, draft=drafter, draft_tokens=draft_tokens)
-    stream = StreamDecoder(tokenizer, prompt_ids)
+    text = TextStream(tokenizer, prompt_ids, stop)
     new_ids = session.generate(prompt_ids, max_new_tokens, sampling)
     first = next(new_ids, None)  # runs the prefill: a too-long prompt fails before any output
     if not chat:
         _write(prompt)
     for token_id in itertools.chain([] if first is None else [first], new_ids):
-        _write(stops.push(stream.push(token_id)))
-        if stops.stopped:
+        _write(text.push(token_id))
+        if text.stopped:
             new_ids.close()
             session.stats.finish_reason = "stop"
             break
-    _write(stops.push(stream.flush()) + stops.flush() + "\n")
+    _write(text.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
     return 0
 
@@ -165,38 +176,31 @@ def _read_prompt_file(path: str) -> list[str]:
 
 def _generate_file(llm, tokenizer, prompts, max_new_tokens, sampling, chat, system,
                    batch_size, stop: list[str]) -> int:
-    """Batched generation for --prompt-file: one JSON line per prompt, in order."""
+    """--prompt-file through the engine (`torchllama.serving.batch.complete`): batch_size
+    prompts decoded together, each ending at its own stop token or stop string; one JSON line
+    per prompt, in order."""
     import dataclasses
     import json
     import time
 
-    from torchllama.generation.session import StreamDecoder, encode_prompt, generate_batch
-    from torchllama.generation.stopping import StopStrings
+    from torchllama.generation.session import encode_prompt
+    from torchllama.serving.batch import complete
 
     t0, new_tokens = time.perf_counter(), 0
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids = [encode_prompt(tokenizer, p, chat=chat, system=system) for p in chunk]
-        # One seed per prompt (seed + index): reproducible whatever the batch size.
-        params = [dataclasses.replace(sampling, seed=None if sampling.seed is None
-                                      else sampling.seed + start + i) for i in range(len(chunk))]
-        results = generate_batch(llm, ids, max_new_tokens, params, tokenizer.stop_ids,
-                                 tokenizer.pad_id or 0)
-        for i, (prompt, prompt_ids, result) in enumerate(zip(chunk, ids, results)):
-            stream, stops = StreamDecoder(tokenizer, prompt_ids), StopStrings(stop)
-            text, used = "", 0
-            for t in result.token_ids:        # (stop strings are applied after generation)
-                if stops.stopped:
-                    break
-                text, used = text + stops.push(stream.push(t)), used + 1
-            text += stops.push(stream.flush()) + stops.flush()
-            reason = "stop" if stops.stopped else result.finish_reason
-            new_tokens += used
-            _write(json.dumps({"index": start + i, "prompt": prompt, "text": text,
-                               "finish_reason": reason,
-                               "prompt_tokens": result.prompt_tokens,
-                               "completion_tokens": used},
-                              ensure_ascii=False) + "\n")
+    ids = [encode_prompt(tokenizer, p, chat=chat, system=system) for p in prompts]
+    # One seed per prompt (seed + index): reproducible whatever the batch size.
+    params = [dataclasses.replace(sampling, seed=None if sampling.seed is None
+                                  else sampling.seed + i) for i in range(len(prompts))]
+    results = complete(llm, ids, max_new_tokens, params, tokenizer.stop_ids,
+                       tokenizer.pad_id or 0, tokenizer=tokenizer, stop=stop,
+                       max_batch_size=batch_size)
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        new_tokens += len(result.token_ids)
+        _write(json.dumps({"index": i, "prompt": prompt, "text": result.text,
+                           "finish_reason": result.finish_reason,
+                           "prompt_tokens": result.prompt_tokens,
+                           "completion_tokens": len(result.token_ids)},
+                          ensure_ascii=False) + "\n")
     seconds = time.perf_counter() - t0
     print(f"[{len(prompts)} prompts, {new_tokens} new tokens in {seconds:.1f} s: "
           f"{new_tokens / seconds:.1f} tok/s]", file=sys.stderr)
@@ -233,8 +237,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             to the model without merging.
     """
     from torchllama.checkpoint import load, parse_dtype
-    from torchllama.errors import ArgumentError, ContextLengthError
-    from torchllama.generation.session import SamplingParams, Session, chat_format, encode_chat
+    from torchllama.errors import ArgumentError
+    from torchllama.generation.session import SamplingParams, Session, chat_format
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens < 1:
@@ -268,49 +272,52 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
             session.reset()
             print("(conversation cleared)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": text})
-        try:
-            prompt_ids = encode_chat(tokenizer, messages)
-        except TorchLlamaError as e:              # e.g. Llama 2's special tags in the text
-            messages.pop()
-            print(f"torchllama: {e}", file=sys.stderr)
-            continue
-        try:
-            new_ids = list(_stream_answer(session, tokenizer, prompt_ids, max_new_tokens,
-                                          sampling))
-        except ContextLengthError as e:
-            messages.pop()
-            print(f"torchllama: {e}. Type /reset to start a new conversation.", file=sys.stderr)
-            continue
-        messages.append({"role": "assistant", "content": tokenizer.decode(new_ids).strip()})
-        print(session.stats.summary(), file=sys.stderr)
+        _chat_turn(session, messages, text, max_new_tokens, sampling)
     return 0
 
 
+def _chat_turn(session, messages: list[dict], text: str, max_new_tokens: int,
+               sampling) -> None:
+    """One turn of `chat`: the user's text in, the streamed answer out; `messages` gains both
+    (or neither, when the text cannot be encoded or the context is full)."""
+    from torchllama.errors import ContextLengthError
+    from torchllama.generation.session import encode_chat
+
+    tokenizer = session.tokenizer
+    messages.append({"role": "user", "content": text})
+    try:
+        prompt_ids = encode_chat(tokenizer, messages)
+    except TorchLlamaError as e:                  # e.g. Llama 2's special tags in the text
+        messages.pop()
+        print(f"torchllama: {e}", file=sys.stderr)
+        return
+    try:
+        new_ids = list(_stream_answer(session, tokenizer, prompt_ids, max_new_tokens,
+                                      sampling))
+    except ContextLengthError as e:
+        messages.pop()
+        print(f"torchllama: {e}. Type /reset to start a new conversation.", file=sys.stderr)
+        return
+    messages.append({"role": "assistant", "content": tokenizer.decode(new_ids).strip()})
+    print(session.stats.summary(), file=sys.stderr)
+
+
 def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
-    from torchllama.generation.session import StreamDecoder
+    from torchllama.generation.text import TextStream
 
-    stream = StreamDecoder(tokenizer, prompt_ids)
+    text = TextStream(tokenizer, prompt_ids)
     for token_id in session.generate(prompt_ids, max_new_tokens, sampling):
-        _write(stream.push(token_id))
+        _write(text.push(token_id))
         yield token_id
-    _write(stream.flush() + "\n")
+    _write(text.flush() + "\n")
 
 
-def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,
-          new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
-          batch: int = 8, no_hf: bool = False, serve: bool = False,
-          url: Optional[str] = None, api_key: Optional[str] = None, train: bool = False,
-          preset: str = "shakespeare-small", batch_size: int = 8, seq_len: int = 256,
-          steps: int = 5, device: str = "cpu", compile: bool = False, load: bool = False,
-          clients: int = 64, requests: int = 10, drop: float = 0.1, speculative: bool = False,
-          draft: str = "int4", draft_tokens: int = 12) -> int:
+def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,
+                 new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
+                 batch: int = 8, no_hf: bool = False, compile: bool = False) -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
-    llama.cpp, through llama-cpp-python: `make bench-peer` builds it). With --serve: the HTTP
-    server's generated tokens/s at 1, 4 and 8 concurrent streaming requests, and the median
-    time to first token. With --train: training tokens/s (forward, loss, backward, AdamW) of a
-    preset vs transformers' LlamaForCausalLM of the same config and weights.
+    llama.cpp, through llama-cpp-python: `make bench-peer` builds it).
 
     Args:
         model: a .gguf file, a Meta/Hugging Face checkpoint folder, a training run folder, or
@@ -319,96 +326,139 @@ def bench(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int =
         dtype: weights: auto (a quantized GGUF keeps its quantization), float32, bfloat16,
             float16, int8 or int4 (transformers runs float32 for the quantized choices).
         prompt_tokens: prompt length for the prefill figure (and of each decoded sequence).
-        new_tokens: tokens generated (greedy) for the decode figures; with --serve, the
-            max_tokens of every request.
+        new_tokens: tokens generated (greedy) for the decode figures.
         repeats: measurements per figure (the median is shown).
         peer: the library measured side by side: transformers, llama.cpp (same GGUF file, same
             threads, same token ids) or none.
         batch: sequences decoded together for the batched-decode figure (1: none).
         no_hf: the same as --peer none.
-        serve: benchmark an OpenAI-compatible server instead (8 prompts per concurrency level,
-            temperature 0, streaming completions).
-        url: with --serve, the server's base URL (e.g. http://127.0.0.1:8000); without it the
-            model is served in this process on a free loopback port for the run.
-        api_key: with --serve, the server's API key.
-        train: benchmark training instead (float32 or bfloat16 autocast).
-        preset: with --train, the model preset.
-        batch_size: with --train, sequences per step.
-        seq_len: with --train, tokens per sequence.
-        steps: with --train, optimizer steps per measurement.
-        device: with --train, cpu or cuda.
-        compile: with --train, torch.compile both models; otherwise compile our decode step
-            (the seconds it takes are printed).
-        load: with --serve, a load test instead: --clients clients each sending --requests chat
-            requests (shared system prompts, streaming or not, --drop of them dropped
-            mid-stream, up to --new-tokens tokens each) against our server and, where
-            llama-cpp-python's server is installed, against it on the same file (--peer none:
-            ours only); prints tokens/s, p50/p99 time to first token and inter-token latency.
-        clients: with --load, concurrent clients.
-        requests: with --load, requests per client.
-        drop: with --load, the fraction of requests whose client goes away mid-stream.
-        speculative: greedy decode tok/s of the float32 model plain, drafted by --draft and
-            by prompt lookup, on an open answer and on a summary quoting its input.
-        draft: with --speculative, the draft model: int4, int8, auto or a path.
-        draft_tokens: with --speculative, the most tokens drafted per step.
+        compile: compile our decode step first (the seconds it takes are printed).
     """
-    import http.client
-
+    from torchllama.bench.decode import run_bench
     from torchllama.errors import ArgumentError
 
-    if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
-        raise ArgumentError("--prompt-tokens, --new-tokens and --repeats must be ≥ 1")
-    if speculative:
-        return _bench_speculative(model, new_tokens, repeats, draft, draft_tokens,
-                                  serve or train or load)
-    if train:
-        from torchllama.bench.train import run_train_bench
-
-        if serve or model is not None:
-            raise ArgumentError("--train benchmarks a --preset; it does not take --serve or "
-                                "--model")
-        run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats, with_hf=not no_hf,
-                        device=device, compile=compile)
-        return 0
-    if load:
-        from torchllama.bench.load import run_load_bench
-
-        if not serve or url is not None:
-            raise ArgumentError("--load goes with --serve and serves the model in this process "
-                                "(no --url)")
-        run_load_bench(model, dtype, clients, requests, drop, new_tokens, batch,
-                       peer="none" if no_hf or peer == "none" else "llama.cpp")
-        return 0
-    if serve:
-        from torchllama.bench.runs import run_serve_bench
-
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
-        try:
-            run_serve_bench(url, api_key, new_tokens, model, dtype)
-        except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
-            raise ArgumentError(f"--serve: {e}") from e
-        return 0
-    if url is not None or api_key is not None:
-        raise ArgumentError("--url and --api-key go with --serve")
-    from torchllama.bench.runs import run_bench
-
-    if no_hf and peer != "transformers" and peer != "none":
+    _check_at_least_one(prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    if no_hf and peer not in ("transformers", "none"):
         raise ArgumentError(f"--no-hf means --peer none; it does not go with --peer {peer}")
     run_bench(model, dtype, prompt_tokens, new_tokens, repeats,
               peer="none" if no_hf else peer, batch=batch, compile=compile)
     return 0
 
 
-def _bench_speculative(model, new_tokens, repeats, draft, draft_tokens, other_mode) -> int:
-    from torchllama.bench.runs import run_speculative_bench
+def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
+                model: Optional[str] = None, dtype: str = "auto", new_tokens: int = 128) -> int:
+    """An OpenAI-compatible server's generated tokens/s at 1, 4 and 8 concurrent requests (8
+    prompts per level, temperature 0, streaming completions) and the median time to first
+    token.
+
+    Args:
+        url: the server's base URL (e.g. http://127.0.0.1:8000); without it --model is served
+            in this process on a free loopback port for the run.
+        api_key: the server's API key.
+        model: without --url, the model served (as `bench decode --model`; default: the
+            embedded SmolLM2-135M-Instruct).
+        dtype: without --url, its weights (as `bench decode --dtype`).
+        new_tokens: the max_tokens of every request.
+    """
+    import http.client
+
+    from torchllama.bench.serve import run_serve_bench
     from torchllama.errors import ArgumentError
 
-    if other_mode:
-        raise ArgumentError("--speculative does not go with --serve, --train or --load")
+    _check_at_least_one(new_tokens=new_tokens)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
+    try:
+        run_serve_bench(url, api_key, new_tokens, model, dtype)
+    except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
+        raise ArgumentError(f"bench serve: {e}") from e
+    return 0
+
+
+def bench_load(model: Optional[str] = None, dtype: str = "auto", clients: int = 64,
+               requests: int = 10, drop: float = 0.1, new_tokens: int = 128, batch: int = 8,
+               peer: str = "llama.cpp") -> int:
+    """A load test of our server, served in this process: --clients clients each sending
+    --requests chat requests (shared system prompts, streaming or not, --drop of them dropped
+    mid-stream, up to --new-tokens tokens each), and the same load against llama-cpp-python's
+    server on the same file where it is installed; prints tokens/s, p50/p99 time to first token
+    and inter-token latency.
+
+    Args:
+        model: the model served (as `bench decode --model`; default: the embedded
+            SmolLM2-135M-Instruct).
+        dtype: its weights (as `bench decode --dtype`).
+        clients: concurrent clients.
+        requests: requests per client.
+        drop: the fraction of requests whose client goes away mid-stream.
+        new_tokens: the most tokens of each answer (≥ 8).
+        batch: sequences our server decodes together.
+        peer: llama.cpp (its server, where installed, on the same GGUF file) or none.
+    """
+    from torchllama.bench.load import run_load_bench
+    from torchllama.errors import ArgumentError
+
+    if peer not in ("llama.cpp", "none"):
+        raise ArgumentError(f"--peer {peer!r}: use llama.cpp or none")
+    run_load_bench(model, dtype, clients, requests, drop, new_tokens, batch, peer=peer)
+    return 0
+
+
+def bench_speculative(model: Optional[str] = None, new_tokens: int = 128, repeats: int = 5,
+                      draft: str = "int4", draft_tokens: int = 12) -> int:
+    """Greedy decode tok/s of the float32 model plain, drafted by --draft and by prompt lookup,
+    on an open answer and on a summary quoting its input.
+
+    Args:
+        model: the target model (as `bench decode --model`; default: the embedded
+            SmolLM2-135M-Instruct).
+        new_tokens: the most tokens generated per answer.
+        repeats: measurements per figure (the median is shown).
+        draft: the draft model: int4, int8, auto or a path.
+        draft_tokens: the most tokens drafted per step.
+    """
+    from torchllama.bench.speculative import run_speculative_bench
+
+    _check_at_least_one(new_tokens=new_tokens, repeats=repeats)
     _check_draft(draft, draft_tokens)
     run_speculative_bench(model, new_tokens, repeats, draft, draft_tokens)
     return 0
+
+
+def bench_train(preset: str = "shakespeare-small", dtype: str = "float32", batch_size: int = 8,
+                seq_len: int = 256, steps: int = 5, repeats: int = 5, peer: str = "transformers",
+                device: str = "cpu", compile: bool = False) -> int:
+    """Training tokens/s (forward, loss, backward, AdamW) of a preset vs transformers'
+    LlamaForCausalLM of the same config and weights.
+
+    Args:
+        preset: the model preset.
+        dtype: float32, or bfloat16 (autocast).
+        batch_size: sequences per step.
+        seq_len: tokens per sequence.
+        steps: optimizer steps per measurement.
+        repeats: measurements per figure (the median is shown).
+        peer: transformers (side by side) or none.
+        device: cpu or cuda.
+        compile: torch.compile both models.
+    """
+    from torchllama.bench.train import run_train_bench
+    from torchllama.errors import ArgumentError
+
+    if peer not in ("transformers", "none"):
+        raise ArgumentError(f"--peer {peer!r}: use transformers or none")
+    run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats,
+                    with_hf=peer == "transformers", device=device, compile=compile)
+    return 0
+
+
+def _check_at_least_one(**values: int) -> None:
+    """ArgumentError naming the first option (by its --flag) whose value is below 1."""
+    from torchllama.errors import ArgumentError
+
+    for name, value in values.items():
+        if value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
 
 
 def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
@@ -742,8 +792,14 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
     return 0
 
 
-COMMANDS: dict[str, Callable[..., int]] = {
-    "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": bench,
+#: `torchllama bench SUBCOMMAND`: one measurement each, with only its own options.
+BENCH: dict[str, Callable[..., int]] = {
+    "decode": bench_decode, "serve": bench_serve, "load": bench_load,
+    "speculative": bench_speculative, "train": bench_train}
+
+#: `torchllama COMMAND`: a function, or a dict of subcommands (`torchllama bench decode`).
+COMMANDS: dict[str, Callable[..., int] | dict[str, Callable[..., int]]] = {
+    "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": BENCH,
     "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
     "train": train, "finetune": finetune, "plot-log": plot_log, "ablate": ablate,
     "anatomy": anatomy, "perplexity": perplexity}
@@ -830,8 +886,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoints (default: the embedded SmolLM2-135M-Instruct); train your own.")
     subparsers = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
-        _add_command(subparsers, name, fn)
+        if isinstance(fn, dict):
+            _add_group(subparsers, name, fn)
+        else:
+            _add_command(subparsers, name, fn)
     return parser
+
+
+def _add_group(subparsers, name: str, commands: dict[str, Callable[..., int]]) -> None:
+    """`torchllama NAME SUBCOMMAND [options]`: each subcommand a plain function, as above."""
+    choices = " | ".join(commands)
+    parser = subparsers.add_parser(name, help=f"subcommands: {choices}", description=(
+        f"torchllama {name} {choices}: `torchllama {name} SUBCOMMAND --help` lists the options "
+        "of each."))
+    nested = parser.add_subparsers(title="subcommands", required=True, metavar="SUBCOMMAND")
+    for sub, fn in commands.items():
+        _add_command(nested, sub, fn)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

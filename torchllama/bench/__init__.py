@@ -1,10 +1,19 @@
 """Measurements of the model and its engine, side by side with peers.
 
-    runs           decode / prefill throughput (ours, transformers, llama.cpp), the server
-                   bench and the speculative-decoding bench
+`torchllama bench decode | serve | load | speculative | train`, one module each:
+
+    decode         prefill, decode and batched-decode throughput (ours, transformers, llama.cpp)
+    serve          the server's throughput at 1, 4 and 8 concurrent requests; serve_in_thread
     load           the serving load test (many clients, prefix cache, structured-output cost)
+    speculative    greedy decode plain, drafted by a draft model and by prompt lookup
     train          training throughput against transformers
+
+and what else measures:
+
+    timing         the median of interleaved runs after a warm-up, a pause before each
     peer           llama.cpp through llama-cpp-python (the speed peer; never a dependency)
     perplexity     perplexity over a text file in windows, ours and llama.cpp's
+                   (`torchllama perplexity`)
     kv_cache_size  KV-cache bytes per token and per context for every attention variant
+                   (`torchllama kv-cache`)
 """

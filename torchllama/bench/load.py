@@ -1,4 +1,4 @@
-"""`torchllama bench --serve --load`: many clients against an OpenAI-compatible server at once.
+"""`torchllama bench load`: many clients against an OpenAI-compatible server at once.
 
 N clients each send R chat requests one after another: a mix of short questions and long
 shared system prompts (a few ~400-token "system" texts, so a prefix cache is hit), streaming and
@@ -261,7 +261,7 @@ def _metric(url: str, name: str, api_key: Optional[str]) -> float:
 def run_ours(path: str, dtype: str, plan: list[list[Job]], batch: int, check: bool,
              system_repeat: int) -> LoadResult:
     """The load against torchllama's server, in this process."""
-    from torchllama.bench.runs import serve_in_thread
+    from torchllama.bench.serve import serve_in_thread
     from torchllama.serving.app import create_app, load_for_engine
 
     model, tokenizer = load_for_engine(path, dtype, progress=False)
@@ -331,7 +331,7 @@ def prefix_cache_ttft(path: str, dtype: str, questions: int = 10, system_repeat:
     with another question, one at a time, after one warm-up request with the same system
     prompt), on our server with its prefix cache and without (prefix_cache_mb=0): (with,
     without, prompt tokens) in seconds."""
-    from torchllama.bench.runs import serve_in_thread
+    from torchllama.bench.serve import serve_in_thread
     from torchllama.generation.session import encode_chat
     from torchllama.serving.app import create_app, load_for_engine
 

@@ -1,8 +1,9 @@
-"""llama.cpp as the speed peer of `torchllama bench --peer llama.cpp`, through llama-cpp-python's
-low-level ctypes bindings (the C API of llama.h: `llama_decode` on a `llama_batch`).
+"""llama.cpp as the speed peer of `torchllama bench decode --peer llama.cpp`, through
+llama-cpp-python's low-level ctypes bindings (the C API of llama.h: `llama_decode` on a
+`llama_batch`).
 
-The same loops as ours in torchllama.bench.runs, on the same GGUF file with the same threads and
-token ids:
+The same loops as ours in torchllama.bench.decode, on the same GGUF file with the same threads
+and token ids:
 
 - prefill: one `llama_decode` of the whole prompt (n_batch = n_ubatch = 512, so a 512-token
   prompt is one call), only the last position's logits requested, from an empty KV cache;

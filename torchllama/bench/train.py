@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from torchllama.bench.runs import _measure
+from torchllama.bench.timing import measure as _measure
 from torchllama.checkpoint.hf import hf_config, to_hf_state_dict
 from torchllama.config import ModelArgs, get_preset
 from torchllama.errors import ArgumentError
@@ -110,24 +110,9 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
         ArgumentError: unknown preset or dtype, non-positive sizes, seq_len above max_seq_len.
         ImportError: with_hf and transformers is not installed.
     """
-    if dtype not in _DTYPES:
-        raise ArgumentError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    args = get_preset(preset)
-    if min(batch_size, seq_len, steps, repeats) < 1:
-        raise ArgumentError("batch_size, seq_len, steps and repeats must be positive")
-    if seq_len > args.max_seq_len:
-        raise ArgumentError(f"seq_len {seq_len} exceeds preset {preset!r}'s max_seq_len "
-                            f"{args.max_seq_len}")
+    args = _checked_preset(preset, batch_size, seq_len, dtype, steps, repeats)
     autocast = dtype == "bfloat16"
-
-    if with_hf:
-        ours, hf = build_pair(args)
-    else:
-        torch.manual_seed(0)
-        ours, hf = Transformer(args), None
-        init_weights(ours, args.n_layers)
-        ours.train()
-
+    ours, hf = _models(args, with_hf)
     from torchllama.train.distributed import resolve_device
 
     dev = resolve_device(device)
@@ -137,66 +122,107 @@ def run_train_bench(preset: str = "shakespeare-small", batch_size: int = 8, seq_
     batch = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=g)  # (B, T+1)
     batch = batch.to(dev)
     inputs, targets = batch[:, :-1], batch[:, 1:]                                      # (B, T)
-    tokens_per_step = batch_size * seq_len
-
-    # Ours: the training path, forward(targets=...) with the output layer fused into the loss
-    # (torchllama.nn.loss). HF: its logits, then F.cross_entropy (HF's own loss does the same).
-    run_ours = torch.compile(ours) if compile else ours
-    run_hf = torch.compile(hf) if compile and hf is not None else hf
-    loss_fns = {"torchllama": lambda x, y: run_ours(x, targets=y)}  # () fp32
-    models = {"torchllama": ours}
-    if hf is not None:
-        loss_fns["transformers"] = lambda x, y: _loss(
-            run_hf(input_ids=x, use_cache=False).logits, y)
-        models["transformers"] = hf
-
+    loss_fns = _loss_fns(ours, hf, compile)
     initial_loss = {}
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         for name, loss_fn in loss_fns.items():
             initial_loss[name] = loss_fn(inputs, targets).item()
-
-    def timed(loss_fn, optimizer):
-        def run():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                _train_step(loss_fn, optimizer, inputs, targets, autocast, dev.type)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            return tokens_per_step * steps, time.perf_counter() - t0
-        return run
-
-    runs = {name: timed(loss_fn, make_optimizer(models[name], lr=3e-4))
+    models = {"torchllama": ours, "transformers": hf}
+    runs = {name: _timed_run(loss_fn, make_optimizer(models[name], lr=3e-4), inputs, targets,
+                             steps, autocast, dev)
             for name, loss_fn in loss_fns.items()}
     rates = _measure(runs, repeats)
+    result = {"preset": preset, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
+              "steps": steps, "repeats": repeats, "threads": torch.get_num_threads(),
+              "n_params": count_params(ours), "tokens_per_step": batch_size * seq_len}
+    return _report(result, args, ours, rates, initial_loss, dev, write)
 
-    n_params = count_params(ours)
-    write(f"preset {preset} ({n_params / 1e6:.2f}M parameters), {dtype}"
-          f"{' autocast' if autocast else ''}, batch {batch_size} x {seq_len} tokens, "
-          f"{torch.get_num_threads()} threads; {steps} optimizer steps per run, median of "
-          f"{repeats} runs, interleaved")
+
+def _timed_run(loss_fn, optimizer, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
+               autocast: bool, dev: torch.device) -> Callable[[], tuple[int, float]]:
+    """A run for `measure`: `steps` optimizer steps on (B, T) inputs and targets, returning
+    (tokens, seconds); CUDA work is waited for."""
+    def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _train_step(loss_fn, optimizer, inputs, targets, autocast, dev.type)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return inputs.numel() * steps, time.perf_counter() - t0
+    return run
+
+
+def _checked_preset(preset: str, batch_size: int, seq_len: int, dtype: str, steps: int,
+                    repeats: int) -> ModelArgs:
+    """The preset's ModelArgs, after checking the benchmark's arguments.
+
+    Raises:
+        ArgumentError: unknown preset or dtype, non-positive sizes, seq_len above max_seq_len.
+    """
+    if dtype not in _DTYPES:
+        raise ArgumentError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    args = get_preset(preset)
+    if min(batch_size, seq_len, steps, repeats) < 1:
+        raise ArgumentError("batch_size, seq_len, steps and repeats must be positive")
+    if seq_len > args.max_seq_len:
+        raise ArgumentError(f"seq_len {seq_len} exceeds preset {preset!r}'s max_seq_len "
+                            f"{args.max_seq_len}")
+    return args
+
+
+def _models(args: ModelArgs, with_hf: bool):
+    """(ours, HF's or None) in train mode: `build_pair`, or ours alone initialised the same
+    way."""
+    if with_hf:
+        ours, hf = build_pair(args)
+    else:
+        torch.manual_seed(0)
+        ours, hf = Transformer(args), None
+        init_weights(ours, args.n_layers)
+        ours.train()
+    return ours, hf
+
+
+def _loss_fns(ours, hf, compile: bool) -> dict[str, Callable]:
+    """name → loss(inputs, targets), compiled with `compile`. Ours: the training path,
+    forward(targets=...) with the output layer fused into the loss (torchllama.nn.loss). HF: its
+    logits, then F.cross_entropy (HF's own loss does the same)."""
+    run_ours = torch.compile(ours) if compile else ours
+    loss_fns = {"torchllama": lambda x, y: run_ours(x, targets=y)}  # () fp32
+    if hf is not None:
+        run_hf = torch.compile(hf) if compile else hf
+        loss_fns["transformers"] = lambda x, y: _loss(
+            run_hf(input_ids=x, use_cache=False).logits, y)
+    return loss_fns
+
+
+def _report(result: dict, args: ModelArgs, ours, rates: dict[str, float],
+            initial_loss: dict[str, float], dev: torch.device,
+            write: Callable[[str], None]) -> dict:
+    """Write the table (tokens/s, ms/step, initial loss and MFU per model, and the ratio) and
+    return `result` with those figures added."""
     from torchllama.train.loop import peak_flops
     from torchllama.train.optim import flops_per_token
 
-    flops_tok = flops_per_token(args, count_params(ours, exclude_embeddings=not args.tie_embeddings),
-                                seq_len)
+    preset, dtype, seq_len = result["preset"], result["dtype"], result["seq_len"]
+    autocast, tokens_per_step = dtype == "bfloat16", result["tokens_per_step"]
+    write(f"preset {preset} ({result['n_params'] / 1e6:.2f}M parameters), {dtype}"
+          f"{' autocast' if autocast else ''}, batch {result['batch_size']} x {seq_len} tokens, "
+          f"{result['threads']} threads; {result['steps']} optimizer steps per run, median of "
+          f"{result['repeats']} runs, interleaved")
+    flops_tok = flops_per_token(
+        args, count_params(ours, exclude_embeddings=not args.tie_embeddings), seq_len)
     peak, peak_source = peak_flops(dev, torch.bfloat16 if autocast else torch.float32)
     write(f"{'':14}{'tok/s':>10}{'ms/step':>10}{'initial loss':>14}{'MFU':>8}")
-    mfu = {}
     for name, rate in rates.items():
-        mfu[name] = flops_tok * rate / peak
+        mfu = flops_tok * rate / peak
         write(f"{name:14}{rate:10.1f}{tokens_per_step / rate * 1e3:10.1f}"
-              f"{initial_loss[name]:14.6f}{mfu[name]:8.1%}")
+              f"{initial_loss[name]:14.6f}{mfu:8.1%}")
+        result.update({f"{name}_tok_s": rate, f"{name}_ms_per_step": tokens_per_step / rate * 1e3,
+                       f"{name}_initial_loss": initial_loss[name], f"{name}_mfu": mfu})
     write(f"MFU: (6N + 12·L·H·Q·T)·tok/s over a peak of {peak / 1e12:.2f} TFLOP/s "
           f"({peak_source})")
-    result = {"preset": preset, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
-              "steps": steps, "repeats": repeats, "threads": torch.get_num_threads(),
-              "n_params": n_params, "tokens_per_step": tokens_per_step}
-    for name, rate in rates.items():
-        result[f"{name}_tok_s"] = rate
-        result[f"{name}_ms_per_step"] = tokens_per_step / rate * 1e3
-        result[f"{name}_initial_loss"] = initial_loss[name]
-        result[f"{name}_mfu"] = mfu[name]
-    if hf is not None:
+    if "transformers" in rates:
         result["ratio"] = rates["torchllama"] / rates["transformers"]
         write(f"{'ratio':14}{result['ratio']:9.2f}x")
     return result

@@ -1,4 +1,4 @@
-"""Generation: prefill/decode with the KV cache, batches, streaming text, stop tokens, chat formats.
+"""Generation: prefill/decode with the KV cache, stop tokens, chat formats (text: `generation.text`).
 
     prompt ids ──prefill (one forward over the prompt, start_pos = cached prefix)──▶ logits
     loop: sample(logits) ──▶ token ──stop id?──▶ decode_one_token(token, start_pos) ──▶ logits
@@ -18,8 +18,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError
-from torchllama.generation.sampling import SamplingParams, sample, token_logprobs
+from torchllama.generation.sampling import SamplingParams, sample
 from torchllama.generation.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
+from torchllama.generation.text import StreamDecoder  # noqa: F401  (also exported here)
 from torchllama.transforms.fuse import runs_one_op_layers  # noqa: F401  (also exported here)
 
 
@@ -294,146 +295,9 @@ class Session:
             stats.decode_s += time.perf_counter() - t1
 
 
-@dataclass
-class Completion:
-    """One sequence of a batch: its new token ids (stop token excluded) and why it ended.
-
-    logprobs: with SamplingParams.logprobs = n > 0, one (log p(token), [(id, log p)] × n most
-    likely) per new token, from the model's raw logits (`torchllama.generation.sampling.token_logprobs`).
-    """
-
-    token_ids: list[int]
-    finish_reason: str             # "stop" (a stop token) or "length" (max_new_tokens/context)
-    prompt_tokens: int
-    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
-
-
-@torch.inference_mode()
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256,
-                   sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                   stop_ids: frozenset[int] = frozenset(), pad_id: int = 0) -> list[Completion]:
-    """Generate for several prompts at once: one left-padded prefill, then one decode step per
-    token for the whole batch; each sequence stops on its own.
-
-    Prompts are left-padded to the longest; the model is told how much padding each row has
-    (`Transformer.forward(pad=...)`), so padded slots are never attended and every row gets the
-    RoPE positions it would have alone: at temperature 0 each sequence equals what `Session`
-    generates for its prompt alone. Rows that have finished keep being fed `pad_id` (static
-    shapes) and their outputs are ignored.
-
-    Args:
-        model: a `Transformer`; its KV caches are (re)allocated for this batch.
-        prompts: B lists of token ids (BOS included if wanted), each non-empty.
-        max_new_tokens: at most this many new tokens per sequence (≥ 1); fewer where the
-            context (model.args.max_seq_len slots for the longest prompt) runs out.
-        sampling: one SamplingParams for all, or one per prompt (own seed each).
-        stop_ids: token ids that end a sequence (not included in its output).
-        pad_id: token id fed into padding slots (any valid id: they are never attended).
-
-    Returns:
-        One `Completion` per prompt, in order.
-
-    Raises:
-        ArgumentError: no prompts, an empty prompt, max_new_tokens < 1, or a sampling list of
-            another length.
-        ContextLengthError: the longest prompt leaves no room for a new token.
-    """
-    B = len(prompts)
-    if B == 0:
-        raise ArgumentError("generate_batch needs at least one prompt")
-    if any(len(p) == 0 for p in prompts):
-        raise ArgumentError("a prompt is empty (no tokens)")
-    if max_new_tokens < 1:
-        raise ArgumentError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    params = [sampling] * B if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(params) != B:
-        raise ArgumentError(f"{len(params)} sampling settings for {B} prompts")
-    T = max(len(p) for p in prompts)
-    context = model.args.max_seq_len
-    if T >= context:
-        raise ContextLengthError(f"a prompt has {T} tokens but the context holds {context}; "
-                                 f"shorten it to at most {context - 1} tokens")
-    budget = min(max_new_tokens, context - T)
-    device = model.device
-    generators = [p.make_generator(device) for p in params]
-    pad = torch.tensor([T - len(p) for p in prompts], device=device)           # (B,)
-    tokens = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts],
-                          device=device)                                        # (B, T)
-    with torch.inference_mode(False):
-        model.setup_caches(B, T + budget)
-    logits = model(tokens, 0, pad=pad, last_only=True)[:, -1]                  # (B, V)
-
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    logprobs: list[list] = [[] for _ in range(B)]
-    reasons: list[Optional[str]] = [None] * B
-    for step in range(budget):
-        next_ids = []
-        for b in range(B):
-            token = pad_id
-            if reasons[b] is None:
-                token = int(sample(logits[b:b + 1], params[b], generators[b],
-                                   [list(prompts[b]) + outputs[b]], [outputs[b]])[0])
-                if token in stop_ids:
-                    reasons[b], token = "stop", pad_id
-                else:
-                    outputs[b].append(token)
-                    if params[b].logprobs:
-                        chosen, top_ids, top_lp = token_logprobs(
-                            logits[b:b + 1], torch.tensor([token]), params[b].logprobs)
-                        logprobs[b].append((float(chosen[0]),
-                                            list(zip(top_ids[0].tolist(), top_lp[0].tolist()))))
-                    if len(outputs[b]) == budget:
-                        reasons[b] = "length"
-            next_ids.append(token)
-        if all(r is not None for r in reasons):
-            break
-        step_tokens = torch.tensor(next_ids, device=device)[:, None]           # (B, 1)
-        logits = model(step_tokens, T + step, pad=pad)[:, -1]                   # (B, V)
-    return [Completion(out, reason or "length", len(p), lp if param.logprobs else None)
-            for out, reason, p, lp, param in zip(outputs, reasons, prompts, logprobs, params)]
-
-
 # --------------------------------------------------------------------------------------------
 # Text in, text out
 # --------------------------------------------------------------------------------------------
-
-class StreamDecoder:
-    """Turns a growing list of token ids into text pieces, safe to print as they come.
-
-    Decoding tokens one at a time drops SentencePiece's leading spaces and cuts multi-byte
-    characters in half. Instead (as text-generation-inference's incremental detokenizer): keep a
-    few tokens of left context, decode context+new tokens and context alone, and emit the
-    difference, but only once it no longer ends in an incomplete character (U+FFFD).
-
-    Args:
-        tokenizer: has decode(ids) -> str.
-        context_ids: tokens before the generated ones (the end of the prompt), for spacing.
-    """
-
-    def __init__(self, tokenizer, context_ids: Sequence[int] = ()):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = list(context_ids[-6:])
-        self.prefix_offset = 0                  # start of the left context window
-        self.read_offset = len(self.ids)        # tokens before this are already emitted
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes ('' while a character is incomplete)."""
-        self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return new_text[len(prefix_text):]
-        return ""
-
-    def flush(self) -> str:
-        """Text still held back at the end (e.g. an incomplete character)."""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
-
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = False,
                   system: Optional[str] = None) -> list[int]:

@@ -7,8 +7,10 @@
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not
 
 Every request is tokenized here and handed to `torchllama.serving.engine.Engine`, which decodes all
-running requests together (with `--draft`, a request decoding alone runs speculative rounds);
-tokens come back to the request's handler through an asyncio queue.
+running requests together (with `--draft`, a request decoding alone runs speculative rounds),
+turns their tokens into text and ends them at their stop strings (each request's `TextStream`);
+tokens and their text come back to the request's handler through an asyncio queue. The bodies
+of requests and answers are `torchllama.serving.protocol`'s.
 Streaming responses are server-sent events ending with `data: [DONE]`. Errors use OpenAI's body,
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid fields (naming them) and prompts
 that do not fit, 401 without the API key, 429 when the waiting queue is full, 500 when generation
@@ -19,95 +21,33 @@ has its generation cancelled.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from pathlib import Path
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional
 
 from torchllama.serving.engine import Engine, QueueFull, Request, TokenEvent
 from torchllama.errors import ArgumentError, TorchLlamaError
-from torchllama.generation.session import StreamDecoder, encode_chat, encode_prompt
+from torchllama.generation.session import encode_chat, encode_prompt
 from torchllama.generation.grammar import Grammars, GrammarError
 from torchllama.serving.metrics import ServerMetrics
+from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, Reply, SamplingBody,
+                                         chunk, constraint_of, delta, error_event, error_response,
+                                         finish_payload, first_payloads, response)
 from torchllama.generation.sampling import SamplingParams
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
-from torchllama.generation.stopping import StopStrings
+from torchllama.generation.text import TextStream
 
 log = logging.getLogger("torchllama.serving.app")
 
 try:  # the server's own dependencies; the rest of torchllama works without them
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from pydantic import BaseModel, Field
+    from fastapi.responses import Response, StreamingResponse
 except ImportError as e:  # pragma: no cover - fastapi is a dependency of the package
     raise ImportError("torchllama serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
         from e
-
-
-# --------------------------------------------------------------------------------------------
-# Request bodies (OpenAI's fields; top_k, min_p and repetition_penalty are extensions)
-# --------------------------------------------------------------------------------------------
-
-class _Sampling(BaseModel):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: Optional[dict[str, float]] = None
-    n: int = Field(1, ge=1, le=16)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    user: Optional[str] = None
-    # structured output: OpenAI's response_format, and (extensions) a Lark/GBNF grammar or a
-    # regular expression the output must match
-    response_format: Optional[dict[str, Any]] = None
-    grammar: Optional[str] = None
-    regex: Optional[str] = None
-
-
-class CompletionBody(_Sampling):
-    prompt: str
-    max_tokens: Optional[int] = Field(16, ge=1)          # OpenAI's default for completions
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def _error_response(status: int, message: str, param: Optional[str] = None,
-                    kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": kind, "param": param, "code": None}})
 
 
 class _APIKey:
@@ -122,61 +62,28 @@ class _APIKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health" and \
                 dict(scope["headers"]).get(b"authorization") != self.expected:
-            response = _error_response(401, "invalid or missing API key (Authorization: "
-                                       "Bearer ...)", kind="authentication_error")
+            response = error_response(401, "invalid or missing API key (Authorization: "
+                                      "Bearer ...)", kind="authentication_error")
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def constraint_of(body: _Sampling) -> Optional[tuple[str, Any]]:
-    """(kind, spec) of the request's output constraint for `torchllama.generation.grammar`, or None.
-
-    Raises:
-        APIError: 400 for a malformed response_format or more than one constraint.
-    """
-    found = []
-    fmt = body.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            found.append(("json_object", None))
-        elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
-                                    "is required", "response_format")
-            found.append(("json_schema", schema))
-        elif kind != "text":
-            raise APIError(400, "response_format.type must be text, json_object or "
-                                f"json_schema, got {kind!r}", "response_format")
-    if body.grammar is not None:
-        found.append(("grammar", body.grammar))
-    if body.regex is not None:
-        found.append(("regex", body.regex))
-    if len(found) > 1:
-        raise APIError(400, "give one of response_format (JSON), grammar and regex",
-                       "response_format")
-    return found[0] if found else None
-
-
 # --------------------------------------------------------------------------------------------
-# One choice: engine events → text, stop strings, logprobs
+# One choice: engine events (tokens with their text, stop strings decided) → the client
 # --------------------------------------------------------------------------------------------
 
 class _Choice:
     """Collects one generated sequence: its engine request and what the client sees of it."""
 
-    def __init__(self, index: int, tokenizer, prompt_ids: list[int], stops: Optional[StopStrings],
-                 loop: asyncio.AbstractEventLoop, metrics: Optional[ServerMetrics] = None,
-                 endpoint: str = "", started: float = 0.0):
+    def __init__(self, index: int, tokenizer, loop: asyncio.AbstractEventLoop,
+                 metrics: Optional[ServerMetrics] = None, endpoint: str = "",
+                 started: float = 0.0):
         self.index = index
         self.metrics, self.endpoint = metrics, endpoint
         self.started = started                  # perf_counter() when the request arrived
         self.last_token_at: Optional[float] = None
         self.tokenizer = tokenizer
-        self.stream = StreamDecoder(tokenizer, prompt_ids)
-        self.stops = stops
         self.events: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         self.token_ids: list[int] = []
@@ -204,67 +111,26 @@ class _Choice:
         self.loop.call_soon_threadsafe(self.events.put_nowait, ("finish", reason))
 
     async def pieces(self) -> AsyncIterator[tuple[str, Optional[TokenEvent]]]:
-        """Yield (text, event) as tokens arrive; sets finish_reason at the end."""
+        """Yield (text, event) as tokens arrive (their text from the engine's TextStream, which
+        ends the request at a stop string); sets finish_reason at the end."""
         while True:
             kind, value = await self.events.get()
             if kind == "finish":
                 if value == "error":
                     raise APIError(500, "generation failed for this request (see the server "
                                         "log)", kind="server_error")
-                tail = self.stream.flush()
-                if self.stops is not None:
-                    tail = self.stops.push(tail) + (self.stops.flush()
-                                                    if not self.stops.stopped else "")
-                if tail:
-                    yield tail, None
+                if self.request.tail:                  # what the TextStream held back
+                    yield self.request.tail, None
                 self.finish_reason = "length" if value == "length" else "stop"
                 return
             self.token_ids.append(value.token_id)
             self.token_events.append(value)
-            text = self.stream.push(value.token_id)
-            if self.stops is not None:
-                text = self.stops.push(text)
-                if self.stops.stopped:                 # a stop string: never emitted, end here
-                    self.request.cancel()
-                    if text:
-                        yield text, value
-                    await self._drain()
-                    self.finish_reason = "stop"
-                    return
-            yield text, value
-
-    async def _drain(self) -> None:
-        while True:
-            kind, _ = await self.events.get()
-            if kind == "finish":
-                return
+            if value.stopped and not value.text:       # the stop string's own token: no piece
+                continue
+            yield value.text, value
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
-
-
-@dataclass
-class _Reply:
-    """One request being answered: its id, kind and choices."""
-
-    rid: str
-    chat: bool
-    logprobs: Optional[int]
-    prompt_tokens: int
-    choices: list
-    created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.perf_counter)
-
-    def usage(self) -> dict:
-        out = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out,
-                "total_tokens": self.prompt_tokens + out}
-
-    def log(self) -> None:
-        out = sum(len(c.token_ids) for c in self.choices)
-        seconds = time.perf_counter() - self.started
-        log.info("%s prompt_tokens=%d completion_tokens=%d latency=%.2fs tok/s=%.1f", self.rid,
-                 self.prompt_tokens, out, seconds, out / seconds if seconds else 0.0)
 
 
 class _Completions:
@@ -278,7 +144,7 @@ class _Completions:
         self.context = engine.context
 
     @staticmethod
-    def sampling_of(body: _Sampling, index: int, top_logprobs: int) -> SamplingParams:
+    def sampling_of(body: SamplingBody, index: int, top_logprobs: int) -> SamplingParams:
         try:
             bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         except ValueError:
@@ -294,7 +160,7 @@ class _Completions:
             param = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param) from None
 
-    async def constraints_for(self, body: _Sampling) -> list:
+    async def constraints_for(self, body: SamplingBody) -> list:
         """One grammar constraint per choice (None each without one); compiled off the event
         loop (the first one builds the vocabulary's token table)."""
         spec = constraint_of(body)
@@ -307,7 +173,7 @@ class _Completions:
             raise APIError(400, str(e), param) from None
         return [first] + [first.copy() for _ in range(body.n - 1)]
 
-    def check(self, body: _Sampling, prompt_ids: list[int], chat: bool,
+    def check(self, body: SamplingBody, prompt_ids: list[int], chat: bool,
               max_tokens: Optional[int]) -> tuple[int, list[str]]:
         """(max_tokens capped by the context, stop strings) of a valid request.
 
@@ -327,7 +193,7 @@ class _Completions:
             raise APIError(400, "stop: up to 4 non-empty strings", "stop")
         return min(max_tokens or context, context - len(prompt_ids)), stops
 
-    async def submit(self, body: _Sampling, prompt_ids: list[int], chat: bool,
+    async def submit(self, body: SamplingBody, prompt_ids: list[int], chat: bool,
                      max_tokens: Optional[int], logprobs: Optional[int]) -> list[_Choice]:
         """Check the request and queue one engine request per choice."""
         max_tokens, stops = self.check(body, prompt_ids, chat, max_tokens)
@@ -336,12 +202,13 @@ class _Completions:
         choices = []
         started = time.perf_counter()
         for i in range(body.n):
-            choice = _Choice(i, self.tokenizer, prompt_ids, StopStrings(stops) if stops else None,
-                             loop, self.metrics, "chat" if chat else "completions", started)
+            choice = _Choice(i, self.tokenizer, loop, self.metrics,
+                             "chat" if chat else "completions", started)
             choice.request = Request(prompt_ids, max_tokens,
                                      self.sampling_of(body, i, logprobs or 0),
                                      self.tokenizer.stop_ids, choice.on_token, choice.on_finish,
-                                     logprobs=logprobs, constraint=constraints[i])
+                                     logprobs=logprobs, constraint=constraints[i],
+                                     text=TextStream(self.tokenizer, prompt_ids, stops))
             choices.append(choice)
         try:
             for choice in choices:
@@ -357,11 +224,11 @@ class _Completions:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return choices
 
-    async def respond(self, http: HTTPRequest, body: _Sampling, prompt_ids: list[int],
+    async def respond(self, http: HTTPRequest, body: SamplingBody, prompt_ids: list[int],
                       chat: bool, max_tokens: Optional[int], logprobs: Optional[int]):
         """The response to a completion request: a JSON body, or a stream of events."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reply = _Reply(rid, chat, logprobs, len(prompt_ids), [])
+        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name)
         reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs)
         if not body.stream:
             return await self.whole(http, reply)
@@ -369,7 +236,7 @@ class _Completions:
         return StreamingResponse(self.events(reply, include_usage),
                                  media_type="text/event-stream")
 
-    async def whole(self, http: HTTPRequest, reply: _Reply) -> dict:
+    async def whole(self, http: HTTPRequest, reply: Reply) -> dict:
         """Wait for every choice; cancel them if the client goes away first."""
         choices = reply.choices
 
@@ -392,74 +259,40 @@ class _Completions:
             watcher.cancel()
             for choice in choices:
                 choice.request.cancel()
-        out = []
-        for choice, text in zip(choices, texts):
-            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
-            if reply.chat:
-                entry["message"] = {"role": "assistant", "content": text}
-                entry["logprobs"] = _chat_logprobs(choice) if reply.logprobs is not None else None
-            else:
-                entry["text"] = text
-                entry["logprobs"] = (_completion_logprobs(choice) if reply.logprobs is not None
-                                     else None)
-            out.append(entry)
-        reply.log()
-        return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
-                "created": reply.created, "model": self.model_name, "choices": out,
-                "usage": reply.usage()}
+        _log_reply(reply)
+        return response(reply, texts)
 
-    def chunk(self, reply: _Reply, choice_payload: list[dict],
-              extra: Optional[dict] = None) -> str:
-        data = {"id": reply.rid,
-                "object": "chat.completion.chunk" if reply.chat else "text_completion",
-                "created": reply.created, "model": self.model_name, "choices": choice_payload,
-                **(extra or {})}
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    def delta(self, reply: _Reply, choice: _Choice, text: str,
-              event: Optional[TokenEvent]) -> dict:
-        """One choice's payload in a stream chunk: its new text (and log-probabilities)."""
-        payload: dict[str, Any] = {"index": choice.index, "finish_reason": None}
-        if reply.chat:
-            payload["delta"] = {"content": text}
-            if reply.logprobs is not None and event is not None:
-                payload["logprobs"] = {"content": [_chat_token(choice, event)]}
-        else:
-            payload["text"] = text
-            if reply.logprobs is not None and event is not None:
-                payload["logprobs"] = _completion_logprobs(choice, [event])
-        return payload
-
-    async def events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events of every choice as their tokens arrive, then [DONE]."""
         choices = reply.choices
         pieces = _merged(choices)
         try:
             if reply.chat:
-                yield self.chunk(reply, [{"index": c.index, "finish_reason": None,
-                                          "delta": {"role": "assistant", "content": ""}}
-                                         for c in choices])
+                yield chunk(reply, first_payloads(reply))
             async for choice, text, event in pieces:
                 if text is None:
                     if choice.error is not None:       # OpenAI's in-stream error event
-                        e = choice.error
-                        yield "data: " + json.dumps({"error": {
-                            "message": e.message, "type": e.kind, "param": e.param,
-                            "code": None}}) + "\n\n"
+                        yield error_event(choice.error)
                         return
-                    payload = {"index": choice.index, "finish_reason": choice.finish_reason}
-                    payload.update({"delta": {}} if reply.chat else {"text": ""})
-                    yield self.chunk(reply, [payload])
+                    yield chunk(reply, [finish_payload(reply, choice)])
                 elif text or event is not None:
-                    yield self.chunk(reply, [self.delta(reply, choice, text, event)])
+                    yield chunk(reply, [delta(reply, choice, text, event)])
             if include_usage:
-                yield self.chunk(reply, [], {"usage": reply.usage()})
+                yield chunk(reply, [], {"usage": reply.usage()})
             yield "data: [DONE]\n\n"
-            reply.log()
+            _log_reply(reply)
         finally:                          # client gone or done: free the engine's rows
             for choice in choices:
                 choice.request.cancel()
             await pieces.aclose()
+
+
+def _log_reply(reply: Reply) -> None:
+    """The request's one log line: its token counts, latency and rate."""
+    out = reply.completion_tokens
+    seconds = time.perf_counter() - reply.started
+    log.info("%s prompt_tokens=%d completion_tokens=%d latency=%.2fs tok/s=%.1f", reply.rid,
+             reply.prompt_tokens, out, seconds, out / seconds if seconds else 0.0)
 
 
 async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple]:
@@ -542,21 +375,33 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
     app = FastAPI(title="torchllama", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    _add_error_handlers(app)
+    if api_key is not None:
+        app.add_middleware(_APIKey, api_key=api_key)
+    _add_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Invalid bodies and `APIError`s answered with OpenAI's error body."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = (".".join(loc) or None) if first.get("type") != "json_invalid" else None
-        return _error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
-                               param)
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                              param)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return _error_response(exc.status, exc.message, exc.param, exc.kind)
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
 
-    if api_key is not None:
-        app.add_middleware(_APIKey, api_key=api_key)
+
+def _add_routes(app: FastAPI, service: "_Completions") -> None:
+    """The endpoints (see the module docstring)."""
+    engine, metrics, tokenizer = service.engine, service.metrics, service.tokenizer
+    model_name = service.model_name
 
     @app.get("/health")
     async def health():
@@ -589,30 +434,6 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await service.respond(http, body, prompt_ids, True,
                                      body.max_completion_tokens or body.max_tokens, logprobs)
-
-    return app
-
-
-def _completion_logprobs(choice: _Choice, events: Optional[list[TokenEvent]] = None) -> dict:
-    """The legacy completions `logprobs` object."""
-    events = events if events is not None else choice.token_events
-    return {"tokens": [choice.token_text(e.token_id) for e in events],
-            "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{choice.token_text(t): lp for t, lp in (e.top_logprobs or [])}
-                             for e in events],
-            "text_offset": []}
-
-
-def _chat_token(choice: _Choice, event: TokenEvent) -> dict:
-    text = choice.token_text(event.token_id)
-    return {"token": text, "logprob": event.logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": choice.token_text(t), "logprob": lp,
-                              "bytes": list(choice.token_text(t).encode())}
-                             for t, lp in (event.top_logprobs or [])]}
-
-
-def _chat_logprobs(choice: _Choice) -> dict:
-    return {"content": [_chat_token(choice, e) for e in choice.token_events]}
 
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,

@@ -1,0 +1,98 @@
+"""What a request sees of its tokens: token events (log-probs, text) and the end of a request.
+
+    sampled token ─▶ a stop id?                     ─▶ finish "stop" (the token not reported)
+                  ─▶ grammar accepts it, log-probs, TextStream delta ─▶ TokenEvent ─▶ on_token
+                  ─▶ a stop string completed?       ─▶ finish "stop" (text before it only)
+                  ─▶ grammar complete?              ─▶ finish "stop" ("error" if it failed)
+                  ─▶ max_tokens or context reached? ─▶ finish "length"
+
+A request ends in the step that decides it, and its row is free for the next request at once.
+At the end, the text its TextStream still held back is put in `Request.tail` before
+`on_finish` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from torchllama.generation.sampling import token_logprobs
+from torchllama.serving.request import TokenEvent, notify
+from torchllama.serving.scheduler import Scheduler
+
+log = logging.getLogger("torchllama.serving.engine")
+
+
+class OutputProcessor:
+    """Turns the rows' sampled tokens into their requests' events, and finishes requests.
+
+    Args:
+        scheduler: whose rows these are (a finished request's row is released there).
+        context: cache slots per row: prompt + output never exceed it (as with `Session`).
+    """
+
+    def __init__(self, scheduler: Scheduler, context: int):
+        self.scheduler, self.context = scheduler, context
+
+    def emit(self, b: int, token: int, logits: torch.Tensor) -> bool:
+        """Report row b's next token, chosen from `logits` (1, V) (its log-probs come from
+        them), or finish the row: a stop token, a stop string, the grammar complete, the length
+        reached. Returns whether the row goes on."""
+        row = self.scheduler.rows[b]
+        request = row.request
+        constraint = request.constraint
+        try:
+            if token in request.stop_ids:
+                self.finish(b, "stop")
+                return False
+            if constraint is not None:
+                constraint.accept(token)
+            event = self.event(request, token, logits)
+        except Exception:
+            log.exception("sampling failed")
+            self.finish(b, "error")
+            return False
+        row.generated.append(event.token_id)
+        row.pending = event.token_id
+        if not notify(request.on_token, event):   # its consumer broke: end it, not the batch
+            self.finish(b, "error")
+            return False
+        if event.stopped:                         # a stop string: its text ends here
+            self.finish(b, "stop")
+            return False
+        if constraint is not None and constraint.finished:        # nothing more may follow
+            self.finish(b, "stop" if constraint.error is None else "error")
+            return False
+        # Like Session: prompt + output never exceed the context.
+        if len(row.generated) >= request.max_tokens or \
+                len(request.prompt_ids) + len(row.generated) >= self.context:
+            self.finish(b, "length")
+            return False
+        return True
+
+    @staticmethod
+    def event(request, token: int, logits: torch.Tensor) -> TokenEvent:
+        """The TokenEvent of a request's token: its log-probs if asked (from `logits` (1, V)),
+        its text delta and whether it completed a stop string (the request's TextStream)."""
+        event = TokenEvent(token)
+        if request.logprobs is not None:
+            chosen, top_ids, top_lp = token_logprobs(logits, torch.tensor([token]),
+                                                     request.logprobs)
+            event.logprob = float(chosen[0])
+            event.top_logprobs = list(zip(top_ids[0].tolist(), top_lp[0].tolist()))
+        if request.text is not None:
+            event.text = request.text.push(token)
+            event.stopped = request.text.stopped
+        return event
+
+    def finish(self, b: int, reason: str) -> None:
+        """End row b's request with this finish reason; its row is free at once."""
+        request = self.scheduler.release(b).request
+        if request.text is not None and reason != "error":
+            try:
+                request.tail = request.text.flush()
+            except Exception:
+                log.exception("detokenizing failed")
+                reason = "error"
+        notify(request.on_finish, reason)

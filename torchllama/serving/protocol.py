@@ -1,0 +1,236 @@
+"""OpenAI's protocol: request bodies, errors, and the bodies and chunks of the answers.
+
+    CompletionBody, ChatBody   the request bodies (OpenAI's fields; top_k, min_p,
+                               repetition_penalty, grammar and regex are extensions)
+    APIError, error_response   errors, as {"error": {"message", "type", "param", "code"}}
+    constraint_of              a body's output constraint (response_format, grammar, regex)
+    Reply                      one request being answered: id, kind, choices, usage
+    response, chunk, delta     the whole answer, a server-sent event, one choice's new text
+    *_logprobs                 OpenAI's two log-probability formats
+
+A choice here is anything with index, finish_reason, token_events (the engine's `TokenEvent`s)
+and token_text(id) (the app's `_Choice`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from torchllama.serving.request import TokenEvent
+
+try:  # the server's own dependencies; the rest of torchllama works without them
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, Field
+except ImportError as e:  # pragma: no cover - fastapi is a dependency of the package
+    raise ImportError("torchllama serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
+        from e
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies (OpenAI's fields; top_k, min_p and repetition_penalty are extensions)
+# --------------------------------------------------------------------------------------------
+
+class SamplingBody(BaseModel):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = Field(1, ge=1, le=16)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    # structured output: OpenAI's response_format, and (extensions) a Lark/GBNF grammar or a
+    # regular expression the output must match
+    response_format: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
+    regex: Optional[str] = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str
+    max_tokens: Optional[int] = Field(16, ge=1)          # OpenAI's default for completions
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse(status_code=status, content={
+        "error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+
+def constraint_of(body: SamplingBody) -> Optional[tuple[str, Any]]:
+    """(kind, spec) of the request's output constraint for `torchllama.generation.grammar`, or None.
+
+    Raises:
+        APIError: 400 for a malformed response_format or more than one constraint.
+    """
+    found = []
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("json_object", None))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
+                                    "is required", "response_format")
+            found.append(("json_schema", schema))
+        elif kind != "text":
+            raise APIError(400, "response_format.type must be text, json_object or "
+                                f"json_schema, got {kind!r}", "response_format")
+    if body.grammar is not None:
+        found.append(("grammar", body.grammar))
+    if body.regex is not None:
+        found.append(("regex", body.regex))
+    if len(found) > 1:
+        raise APIError(400, "give one of response_format (JSON), grammar and regex",
+                       "response_format")
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------------------------
+# Answers
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Reply:
+    """One request being answered: its id, kind, model and choices."""
+
+    rid: str
+    chat: bool
+    logprobs: Optional[int]
+    prompt_tokens: int
+    choices: list
+    model: str = "torchllama"
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        out = self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out,
+                "total_tokens": self.prompt_tokens + out}
+
+
+def response(reply: Reply, texts: list[str]) -> dict:
+    """The whole answer (stream=false): every choice's text, finish reason and log-probs."""
+    out = []
+    for choice, text in zip(reply.choices, texts):
+        entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+        if reply.chat:
+            entry["message"] = {"role": "assistant", "content": text}
+            entry["logprobs"] = chat_logprobs(choice) if reply.logprobs is not None else None
+        else:
+            entry["text"] = text
+            entry["logprobs"] = (completion_logprobs(choice) if reply.logprobs is not None
+                                 else None)
+        out.append(entry)
+    return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
+            "created": reply.created, "model": reply.model, "choices": out,
+            "usage": reply.usage()}
+
+
+def chunk(reply: Reply, choice_payload: list[dict], extra: Optional[dict] = None) -> str:
+    """One server-sent event of a streamed answer."""
+    data = {"id": reply.rid,
+            "object": "chat.completion.chunk" if reply.chat else "text_completion",
+            "created": reply.created, "model": reply.model, "choices": choice_payload,
+            **(extra or {})}
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def first_payloads(reply: Reply) -> list[dict]:
+    """A chat stream's first chunk: every choice's assistant role."""
+    return [{"index": c.index, "finish_reason": None,
+             "delta": {"role": "assistant", "content": ""}} for c in reply.choices]
+
+
+def delta(reply: Reply, choice, text: str, event: Optional[TokenEvent]) -> dict:
+    """One choice's payload in a stream chunk: its new text (and log-probabilities)."""
+    payload: dict[str, Any] = {"index": choice.index, "finish_reason": None}
+    if reply.chat:
+        payload["delta"] = {"content": text}
+        if reply.logprobs is not None and event is not None:
+            payload["logprobs"] = {"content": [chat_token(choice, event)]}
+    else:
+        payload["text"] = text
+        if reply.logprobs is not None and event is not None:
+            payload["logprobs"] = completion_logprobs(choice, [event])
+    return payload
+
+
+def finish_payload(reply: Reply, choice) -> dict:
+    """A choice's last payload in a stream: its finish reason."""
+    payload = {"index": choice.index, "finish_reason": choice.finish_reason}
+    payload.update({"delta": {}} if reply.chat else {"text": ""})
+    return payload
+
+
+def error_event(e: APIError) -> str:
+    """OpenAI's in-stream error event."""
+    return "data: " + json.dumps({"error": {"message": e.message, "type": e.kind,
+                                            "param": e.param, "code": None}}) + "\n\n"
+
+
+def completion_logprobs(choice, events: Optional[list[TokenEvent]] = None) -> dict:
+    """The legacy completions `logprobs` object."""
+    events = events if events is not None else choice.token_events
+    return {"tokens": [choice.token_text(e.token_id) for e in events],
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{choice.token_text(t): lp for t, lp in (e.top_logprobs or [])}
+                             for e in events],
+            "text_offset": []}
+
+
+def chat_token(choice, event: TokenEvent) -> dict:
+    """One token of the chat `logprobs.content` list."""
+    text = choice.token_text(event.token_id)
+    return {"token": text, "logprob": event.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": choice.token_text(t), "logprob": lp,
+                              "bytes": list(choice.token_text(t).encode())}
+                             for t, lp in (event.top_logprobs or [])]}
+
+
+def chat_logprobs(choice) -> dict:
+    """The chat completions `logprobs` object."""
+    return {"content": [chat_token(choice, e) for e in choice.token_events]}
+
