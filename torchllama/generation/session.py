@@ -183,7 +183,7 @@ class Session:
         self.cached_ids = []
 
     def _ensure_cache(self) -> None:
-        # Our own caches, not just ones of the right shape: generate_batch, the engine or another
+        # Our own caches, not just ones of the right shape: the engine or another
         # Session may have replaced them since (then what we remember is not in them).
         if self._caches is None or self.model.caches is not self._caches:
             with torch.inference_mode(False):   # normal tensors: usable outside inference mode
