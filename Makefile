@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU, pinned), torchllama and the embedded model, runs it
 #   make test   the same set-up plus the test-only dependencies, then the test suite
+#   make test-slow / test-all   the tests marked slow / every test (CI runs test, then test-slow)
 #   make test-fallback   the quantized-model tests on torch's kernels (ours disabled)
 #   make train-demo   trains a small Llama on Shakespeare (tokenizer, data, ≈6½ min on 2 CPU cores)
 #   make finetune-demo   LoRA and QLoRA adapters for SmolLM2 on Shakespeare, PPL before → after
@@ -24,7 +25,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check setup setup-test clean
+.PHONY: demo test test-slow test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -66,15 +67,25 @@ anatomy: setup
 anatomy-check: setup-test anatomy
 	$(PY) -m torchllama.anatomy.browser anatomy/index.html --screenshot docs/anatomy.png
 
+# Two pytest workers (pytest-xdist), one torch thread each (tests/conftest.py); each test file
+# runs on one worker, so its module fixtures (test_serve's servers) start once.
+# TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: setup-test $(CORPUS)/.done
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# only the tests marked slow (CI runs them after `make test`)
+test-slow: setup-test $(CORPUS)/.done
+	$(PYTEST) -m slow
 
 test-all: setup-test $(CORPUS)/.done
-	$(PY) -m pytest -q -m ""
+	$(PYTEST) -m ""
 
 # The same tests on torch's own int4/int8 kernels, as on a machine where ours cannot be built.
 test-fallback: setup-test $(CORPUS)/.done
-	TORCHLLAMA_KERNELS=0 $(PY) -m pytest -q tests/test_quantize.py tests/test_engine.py \
+	TORCHLLAMA_KERNELS=0 $(PYTEST) tests/test_quantize.py tests/test_engine.py \
 		tests/test_engine_families.py \
 		tests/test_kernels.py tests/test_gguf_loader.py tests/test_gemma3.py
 

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # transformers must never reach a hub
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest workers on two cores: one torch thread each (and for the CLI
+    # and server processes they start), not two threads each competing for the same cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,3 +127,21 @@ def shared_cli_models(monkeypatch):
 
     monkeypatch.setattr(checkpoint, "load", load)
     monkeypatch.setattr(torchllama, "load", load)
+
+
+# The files that take longest (on 2 cores), longest first. `make test` runs each file on one of
+# two workers (pytest-xdist --dist loadfile --no-loadscope-reorder), taking files in collection
+# order: starting these first keeps one worker from running a long file alone at the end.
+SLOWEST_FILES_FIRST = ("test_train.py", "test_serve.py", "test_parity_real.py",
+                       "test_gemma3.py", "test_speculative.py", "test_load_bench.py",
+                       "test_cli.py", "test_anatomy.py", "test_quantize.py", "test_convert.py",
+                       "test_batch.py", "test_finetune.py", "test_bench.py", "test_kernels.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return SLOWEST_FILES_FIRST.index(name) if name in SLOWEST_FILES_FIRST else \
+            len(SLOWEST_FILES_FIRST)
+
+    items.sort(key=rank)                                # stable: the order within a file stays

@@ -2,7 +2,8 @@
 page writer and the `torchllama anatomy` command.
 
 Oracles: transformers' eager attention (output_attentions) and hidden states
-(output_hidden_states) for the capture, on a tiny random GQA Llama and on the real SmolLM2;
+(output_hidden_states) for the capture, on a tiny random GQA Llama (the real SmolLM2's:
+test_parity_real.py);
 hand-built attention patterns whose scores are known; the model's own final logits for the
 logit lens.
 """
@@ -154,20 +155,6 @@ def test_padded_batch_attention_equals_each_row_alone(smollm2):
     assert pad[short] > 0
     assert probs[:, short, :, pad[short]:, :pad[short]].abs().max() == 0   # padding unseen
     assert len(section.figures) == 3
-
-
-def test_real_model_attention_equals_transformers(smollm2, hf_smollm2):
-    model, tok = smollm2
-    hf, _ = hf_smollm2
-    tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of")])
-    previous = hf.config._attn_implementation
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            expected = torch.stack(hf(tokens, output_attentions=True).attentions)
-    finally:
-        hf.set_attn_implementation(previous)
-    torch.testing.assert_close(attention_probs(model, tokens), expected, atol=2e-5, rtol=0)
 
 
 # ---- heads, sampling, logit lens on the real model --------------------------------------------

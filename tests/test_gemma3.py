@@ -8,7 +8,9 @@ window, token ids, the chat format.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,51 +163,86 @@ def hf_gemma(gemma_path):
     return model, tokenizer
 
 
-def test_real_gemma3_facts(gemma):
-    model, tokenizer = gemma
-    a = model.args
-    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim) == \
-        (640, 18, 4, 1, 256, 2048)
-    assert (a.rope_theta, a.rope_local_theta, a.sliding_window, a.vocab_size) == \
-        (1_000_000.0, 10_000.0, 512, 262_144)
-    assert a.layer_types == (["local"] * 5 + ["global"]) * 3
-    assert sum(p.numel() for p in model.parameters()) == 268_098_176
-    assert (tokenizer.bos_id, tokenizer.eos_id) == (2, 1)
-    assert tokenizer.special_tokens["<end_of_turn>"] in tokenizer.stop_ids
+# What transformers computes on the real file (its own GGUF loader and tokenizer), recorded by
+# `python -m tests.test_gemma3` and checked against a live transformers by the slow
+# test_reference_is_what_transformers_computes: loading the 262k-piece vocabulary and
+# dequantizing the file in transformers takes ≈ 70 s, so the default run compares with this.
+REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_transformers.json"
+TOKENIZER_TEXTS = ["Hello world", " leading space",
+                   "Hello  world\n\n  code:\tdef f(x):\n    return x**2",
+                   "naïve café 東京 🚀 12345 3.14159", "don't I'LL   many    spaces",
+                   LONG_TEXT[:400]]
+TOP_K = 64           # the reference keeps the last position's 64 largest logits per prompt
 
 
-def test_real_gemma3_logits_and_greedy_match_transformers(gemma, hf_gemma):
+def transformers_reference(hf_model, hf_tokenizer, tokenizer) -> dict:
+    """transformers' answers on PROMPTS (prompt ids from our tokenizer, as the tests feed
+    both models): argmax at every position, the last position's top-64 logits and logsumexp,
+    32 greedy tokens; and its token ids of TOKENIZER_TEXTS."""
     from tests.test_parity_real import hf_greedy
+    from torchllama.generation.session import encode_prompt
+
+    prompts = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt)
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids])).logits.float()[0]     # (T, V)
+        top = logits[-1].topk(TOP_K)
+        prompts.append({"ids": ids, "argmax": logits.argmax(-1).tolist(),
+                        "top_ids": top.indices.tolist(), "top_logits": top.values.tolist(),
+                        "logsumexp": float(logits[-1].logsumexp(-1)),
+                        "greedy": hf_greedy(hf_model, ids, 32)})
+    return {"transformers": transformers.__version__, "prompts": prompts,
+            "token_ids": [hf_tokenizer.encode(t, add_special_tokens=False)
+                          for t in TOKENIZER_TEXTS]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return json.loads(REFERENCE.read_text())
+
+
+def test_real_gemma3_logits_and_greedy_match_transformers(gemma, reference):
     from torchllama.generation.session import Session, encode_prompt
 
     model, tokenizer = gemma
-    hf_model, _ = hf_gemma
     session = Session(model, tokenizer)
-    lengths = []
-    for prompt in PROMPTS:
+    for prompt, theirs in zip(PROMPTS, reference["prompts"], strict=True):
         ids = encode_prompt(tokenizer, prompt)
-        lengths.append(len(ids))
-        tokens = torch.tensor([ids])
+        assert ids == theirs["ids"]
         with torch.inference_mode():
-            ours, theirs = model(tokens), hf_model(tokens).logits.float()
-        assert (ours[0, -1] - theirs[0, -1]).abs().max() < 1e-3
-        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+            ours = model(torch.tensor([ids]))[0]                          # (T, V)
+        assert ours.argmax(-1).tolist() == theirs["argmax"]              # every position
+        top = torch.tensor(theirs["top_ids"])
+        assert (ours[-1, top] - torch.tensor(theirs["top_logits"])).abs().max() < 1e-3
+        assert set(ours[-1].topk(TOP_K).indices.tolist()) == set(theirs["top_ids"])
+        assert abs(float(ours[-1].logsumexp(-1)) - theirs["logsumexp"]) < 1e-3
         got = list(session.generate(ids, max_new_tokens=32, stop_ids=frozenset()))
-        assert got == hf_greedy(hf_model, ids, 32), tokenizer.decode(got)
-    assert max(lengths) > 512 + 32            # the sliding window is exercised
+        assert got == theirs["greedy"], tokenizer.decode(got)
+    assert max(len(p["ids"]) for p in reference["prompts"]) > 512 + 32   # past the window
 
 
-def test_real_gemma3_token_ids_equal_transformers(gemma, hf_gemma):
+def test_real_gemma3_token_ids_equal_transformers(gemma, reference):
     _, tokenizer = gemma
-    _, hf_tokenizer = hf_gemma
-    texts = ["Hello world", " leading space", "Hello  world\n\n  code:\tdef f(x):\n    return x**2",
-             "naïve café 東京 🚀 12345 3.14159", "don't I'LL   many    spaces", LONG_TEXT[:400]]
-    for text in texts:
-        assert tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), text
+    for text, theirs in zip(TOKENIZER_TEXTS, reference["token_ids"], strict=True):
+        assert tokenizer.encode(text) == theirs, text
         assert tokenizer.decode(tokenizer.encode(text)) == text
     chat = torchllama.generation.session.encode_chat(tokenizer, [{"role": "user", "content": "Hi"}])
     assert chat == [2, 105, *tokenizer.encode("user\nHi"), 106, *tokenizer.encode("\n"), 105,
                     *tokenizer.encode("model\n")]
+
+
+@pytest.mark.slow      # transformers' load of the real file: ≈ 70 s
+def test_reference_is_what_transformers_computes(gemma, hf_gemma, reference):
+    """The recorded reference equals a live transformers run (ids exact, logits within 1e-4):
+    the default tests above compare with transformers, not with an old copy of ourselves."""
+    live = transformers_reference(*hf_gemma, gemma[1])
+    assert live["token_ids"] == reference["token_ids"]
+    for got, want in zip(live["prompts"], reference["prompts"], strict=True):
+        for key in ("ids", "argmax", "top_ids", "greedy"):
+            assert got[key] == want[key], key
+        assert max(abs(a - b) for a, b in zip(got["top_logits"], want["top_logits"])) < 1e-4
+        assert abs(got["logsumexp"] - want["logsumexp"]) < 1e-4
 
 
 @pytest.mark.slow      # loads the model once more (≈ 20 s); the fixture's load is the same path
@@ -262,3 +299,25 @@ def test_damaged_chunk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
         common.resolve_model_path("gemma3-270m")
     assert list((tmp_path / "cache").iterdir()) == []
     sys.modules.pop("fake_gemma_chunks", None)
+
+
+
+def write_reference() -> None:
+    """Records REFERENCE from transformers (after a transformers upgrade; the slow test says
+    when it is due): `python -m tests.test_gemma3`. Written to a temporary file, then renamed."""
+    from torchllama.checkpoint.common import resolve_model_path
+
+    path = resolve_model_path("gemma3-270m")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _, tokenizer = torchllama.load(path, dtype="float32", progress=False)
+    data = transformers_reference(hf_model, hf_tokenizer, tokenizer)
+    REFERENCE.parent.mkdir(exist_ok=True)
+    tmp = REFERENCE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    os.replace(tmp, REFERENCE)
+
+
+if __name__ == "__main__":
+    write_reference()

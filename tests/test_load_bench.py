@@ -21,16 +21,17 @@ def test_load_plan_mixes_prompts_streams_and_drops():
     assert load_plan(40, 10, 0.1, 32, seed=1)[3][4].key() == plan[3][4].key()   # reproducible
 
 
+@pytest.mark.usefixtures("shared_cli_models")          # one load of the model for the file
 def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
     import torchllama.bench.load as lb
 
     monkeypatch.setattr(lb, "prefix_cache_ttft", lambda path, dtype: (0.01, 0.1, 447))
     monkeypatch.setattr(lb, "grammar_mask_cost", lambda tokenizer: (4e-5, 1e-4, 1e-3))
     lines = []
-    results = run_load_bench(str(smollm2_gguf), clients=6, requests=2, drop=0.5, max_tokens=12,
+    results = run_load_bench(str(smollm2_gguf), clients=4, requests=2, drop=0.5, max_tokens=10,
                              batch=4, peer="none", print_fn=lines.append)
     (ours,) = results
-    assert len(ours.outcomes) == 12 and not any(o.error for o in ours.outcomes)
+    assert len(ours.outcomes) == 8 and not any(o.error for o in ours.outcomes)
     assert sum(o.dropped for o in ours.outcomes) >= 1
     equal, checked = ours.exact
     assert equal == checked == sum(not o.dropped for o in ours.outcomes)
@@ -39,10 +40,11 @@ def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
     assert "prefix cache" in lines[-1] and "10.0× lower" in lines[-1]
 
 
+@pytest.mark.usefixtures("shared_cli_models")
 def test_grammar_cost_and_prefix_cache_ttft(smollm2_gguf):
     from torchllama.checkpoint import load_tokenizer
 
     median, p99, first = grammar_mask_cost(load_tokenizer(smollm2_gguf), steps=40)
     assert 0 < median <= p99 and first > 0
-    with_cache, without, n = prefix_cache_ttft(str(smollm2_gguf), "auto", questions=2)
+    with_cache, without, n = prefix_cache_ttft(str(smollm2_gguf), "auto", questions=1)
     assert n > 400 and with_cache > 0 and without > 0     # (speed: the bench, not a test)

@@ -1,5 +1,8 @@
 """The real checkpoint: SmolLM2-135M-Instruct (Q4_1 GGUF) loaded by torchllama and by HF
-transformers' own GGUF loader (the oracle, dequantizing the same file) must agree."""
+transformers' own GGUF loader (the oracle, dequantizing the same file) must agree: logits, greedy
+continuations, attention probabilities (the anatomy report's), a LoRA adapter read by PEFT.
+Every test that needs transformers' SmolLM2 is in this file, so that `make test`'s two workers
+load it once."""
 
 import pytest
 import torch
@@ -61,11 +64,14 @@ def hf_greedy(hf_model, ids, n):
     return new
 
 
-def test_greedy_continuations_match_transformers(smollm2, hf_smollm2):
+@pytest.mark.parametrize("prompts", [slice(0, 6, 2), pytest.param(slice(1, 6, 2),
+                                                                   marks=pytest.mark.slow)])
+def test_greedy_continuations_match_transformers(smollm2, hf_smollm2, prompts):
+    """Three of the six prompts (two plain, one chat) by default, the others in test-all."""
     model, tokenizer = smollm2
     hf_model, _ = hf_smollm2
     session = Session(model, tokenizer)
-    for ids in all_prompt_ids(tokenizer):
+    for ids in all_prompt_ids(tokenizer)[prompts]:
         # No stop tokens: 32 tokens each, compared token for token.
         ours = list(session.generate(ids, max_new_tokens=32, stop_ids=frozenset()))
         theirs = hf_greedy(hf_model, ids, 32)
@@ -90,3 +96,52 @@ def test_bfloat16_close_to_float32(smollm2_gguf, smollm2):
     log_a, log_b = a.log_softmax(-1), b.log_softmax(-1)
     kl = (log_a.exp() * (log_a - log_b)).sum()
     assert a.argmax() == b.argmax() and kl < 5e-3
+
+
+def test_attention_probabilities_equal_transformers(smollm2, hf_smollm2):
+    """The anatomy report's attention maps: every layer's and head's softmax(QKᵀ/√d) equals
+    transformers' eager attention (output_attentions)."""
+    from torchllama.anatomy.attention import attention_probs
+
+    model, tok = smollm2
+    hf, _ = hf_smollm2
+    tokens = torch.tensor([tok.encode("The capital of France is Paris, and the capital of")])
+    previous = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            expected = torch.stack(hf(tokens, output_attentions=True).attentions)
+    finally:
+        hf.set_attn_implementation(previous)
+    torch.testing.assert_close(attention_probs(model, tokens), expected, atol=2e-5, rtol=0)
+
+
+def test_peft_loads_our_adapter(smollm2, hf_smollm2, tmp_path):
+    """The real SmolLM2 (GQA 9/3 heads, q/k rows permuted in HF's layout, tied embeddings): our
+    adapter on our float32 model equals PEFT's on transformers' model of the same GGUF, to the
+    base models' own agreement."""
+    import copy
+
+    from torchllama.transforms.lora import LoRAConfig, apply_lora, lora_modules, save_adapter
+
+    peft = pytest.importorskip("peft")
+    hf, _ = hf_smollm2
+    model, tokenizer = copy.deepcopy(smollm2[0]), smollm2[1]      # the shared one stays as is
+    tokens = torch.tensor([tokenizer.encode("The quick brown fox jumps over the lazy dog")])
+    with torch.no_grad():
+        base_ours = model(tokens)
+    config = LoRAConfig(r=4, alpha=8, targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+    apply_lora(model, config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():                     # non-zero B: a trained adapter's state
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.05)
+    save_adapter(model, config, tmp_path)
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    with torch.no_grad():
+        base_theirs = hf(tokens).logits
+        theirs = peft_model(tokens).logits
+        ours = model(tokens)
+    assert (ours - base_ours).abs().max() > 0.1
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert (ours - theirs).abs().max() <= 2 * (base_ours - base_theirs).abs().max() + 1e-5

@@ -729,13 +729,14 @@ QUESTIONS = ["What time do you open?", "Do you have croissants?", "Can I order a
              "How much is a baguette?", "Are you open on Sunday?"]
 
 
-def test_load_with_shared_prefixes_and_dropped_streams_equals_alone(server, smollm2):
-    """24 clients × 3 chat requests on two shared system prompts, every tenth stream dropped
-    mid-way: each finished answer is the answer alone (greedy), the prefix cache is hit, and
-    the server answers normally afterwards."""
+@pytest.mark.parametrize("n_jobs", [24, pytest.param(72, marks=pytest.mark.slow)])
+def test_load_with_shared_prefixes_and_dropped_streams_equals_alone(server, smollm2, n_jobs):
+    """24 clients, 24 chat requests (72 in test-all: three each) on two shared system prompts,
+    every tenth stream dropped mid-way: each finished answer is the answer alone (greedy), the
+    prefix cache is hit, and the server answers normally afterwards."""
     model, tokenizer = smollm2
     jobs = [(SYSTEM_PROMPTS[i % 2], QUESTIONS[i % len(QUESTIONS)], 6 + i % 11, i % 10 == 9)
-            for i in range(72)]
+            for i in range(n_jobs)]
     messages = {job: [{"role": "system", "content": job[0]}, {"role": "user", "content": job[1]}]
                 for job in jobs}
     before = metric_values(server)
@@ -761,9 +762,12 @@ def test_load_with_shared_prefixes_and_dropped_streams_equals_alone(server, smol
                 expected[key] = greedy(smollm2, encode_chat(tokenizer, messages[job]), job[2])[0]
             assert text == expected[key], job
     after = metric_values(server)
+    hits = n_jobs - 2 - n_jobs // 10      # all but the first of each system prompt (measured:
+    #                                        23 of 24 and 72 of 72, ≈ 120 tokens each)
     assert after["torchllama_prefix_cache_hits_total"] - \
-        before.get("torchllama_prefix_cache_hits_total", 0) >= 50
-    assert after["torchllama_prefix_cache_tokens_reused_total"] > 50 * 100
+        before.get("torchllama_prefix_cache_hits_total", 0) >= hits * 3 // 4
+    assert after["torchllama_prefix_cache_tokens_reused_total"] - \
+        before.get("torchllama_prefix_cache_tokens_reused_total", 0) > hits * 3 // 4 * 100
     wait_idle(server, timeout=30)
     status, _ = http_json(server.port, "GET", "/health", key=None)
     assert status == 200

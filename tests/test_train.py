@@ -471,6 +471,7 @@ def test_plot_log_command(dataset, tmp_path, tiny_config):
     assert done.returncode == 1 and "log.jsonl is missing" in done.stderr
 
 
+@pytest.mark.slow      # torch.compile of the model and its backward: ≈ 15-40 s on 2 cores
 def test_compiled_training_matches_eager(dataset, tmp_path, tiny_config):
     base = options(dataset, None, tiny_config, max_steps=3, sample_tokens=0)
     train(TrainConfig(**{**base, "out": str(tmp_path / "eager")}))
