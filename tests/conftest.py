@@ -133,7 +133,7 @@ def shared_cli_models(monkeypatch):
 # two workers (pytest-xdist --dist loadfile --no-loadscope-reorder), taking files in collection
 # order: starting these first keeps one worker from running a long file alone at the end.
 SLOWEST_FILES_FIRST = ("test_train.py", "test_serve.py", "test_parity_real.py",
-                       "test_gemma3.py", "test_speculative.py", "test_load_bench.py",
+                       "test_gemma3.py", "test_speculative.py",
                        "test_cli.py", "test_anatomy.py", "test_quantize.py", "test_convert.py",
                        "test_batch.py", "test_finetune.py", "test_bench.py", "test_kernels.py")
 

@@ -138,18 +138,33 @@ def test_peer_llama_cpp_without_llama_cpp_python_names_make_bench_peer(tiny_gguf
     assert "make bench-peer" in err and "llama-cpp-python" in err
 
 
+def test_the_peer_is_compared_at_its_faster_setting():
+    """llama.cpp measured with flash attention on and off: each figure the faster one (on a
+    CPU, off decodes faster and on can prefill faster), both settings printed."""
+    from torchllama.bench.decode import _fastest_setting
+
+    lines: list[str] = []
+    got = _fastest_setting([Throughput("torchllama", 600.0, 50.0, 200.0),
+                            Throughput("llama.cpp fa=on", 300.0, 54.0, 150.0),
+                            Throughput("llama.cpp fa=off", 280.0, 96.0, 160.0)], lines.append)
+    assert got == [Throughput("torchllama", 600.0, 50.0, 200.0),
+                   Throughput("llama.cpp", 300.0, 96.0, 160.0)]
+    assert lines == ["  llama.cpp fa=on: prefill 300.0, decode 54.0, batch decode 150.0 tok/s",
+                     "  llama.cpp fa=off: prefill 280.0, decode 96.0, batch decode 160.0 tok/s"]
+
+
 def test_llama_cpp_peer_runs_on_the_same_file(tiny_gguf, tiny):
     pytest.importorskip("llama_cpp")
     from torchllama.bench import peer
 
     prompts = _prompt_ids(tiny.args.vocab_size, 16, rows=3).tolist()
     with peer.LlamaCpp(str(tiny_gguf), torch.get_num_threads()) as llm:
-        tokens, seconds = peer.PrefillRun(llm, prompts[0])()
+        tokens, seconds = peer.PrefillRun(llm, prompts[0], True)()
         assert tokens == 16 and seconds > 0
-        batched = peer.DecodeRun(llm, prompts, 5)
+        batched = peer.DecodeRun(llm, prompts, 5, False)
         assert batched()[0] == 15 and batched()[1] > 0
         for row in range(3):                        # llama.cpp's own batch-1 oracle
-            alone = peer.DecodeRun(llm, prompts[row:row + 1], 5)
+            alone = peer.DecodeRun(llm, prompts[row:row + 1], 5, True)
             alone()
             assert alone.tokens[0].tolist() == batched.tokens[row].tolist(), row
     assert "llama-cpp-python" in peer.peer_version()
@@ -161,3 +176,5 @@ def test_llama_cpp_peer_runs_on_the_same_file(tiny_gguf, tiny):
     for r in results:
         assert r.prefill_tok_s > 0 and r.decode_tok_s > 0 and r.batch_decode_tok_s > 0
     assert any(line.startswith("peer llama-cpp-python") for line in lines)
+    assert any(line.startswith("  llama.cpp fa=on: prefill") for line in lines)
+    assert any(line.startswith("  llama.cpp fa=off: prefill") for line in lines)

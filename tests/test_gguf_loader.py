@@ -570,7 +570,7 @@ def test_unreadable_file_mapping_fails(small_file, monkeypatch):
     def failing_reader(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(gguf_format.gguf, "GGUFReader", failing_reader)
+    monkeypatch.setattr(gguf_format, "_Reader", failing_reader)
     assert_model_file_error(path, "cannot read", "Permission denied")
 
 
@@ -648,3 +648,66 @@ def test_smollm2_metadata_and_shapes():
         assert t.tensor_type in gguf_format.SUPPORTED_TYPES, (t.name, t.tensor_type.name)
         seen.add(name)
     assert seen == set(expected) - {"output.weight"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_bytes(smollm2_gguf):
+    """The real SmolLM2 file's bytes and its tensors (Q8_0 embeddings, Q4_1 matrices)."""
+    return bytearray(smollm2_gguf.read_bytes()), {t.name: t for t in
+                                                  gguf.GGUFReader(smollm2_gguf).tensors}
+
+
+def _tensor_info_at(data: bytearray, name: str) -> int:
+    """Offset of a tensor's n_dims in its tensor info (after its name)."""
+    key = name.encode()
+    return data.index(len(key).to_bytes(8, "little") + key) + 8 + len(key)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+@pytest.mark.parametrize("tensor, block_bytes, scale", [
+    ("token_embd.weight", 34, 0x7E00),           # Q8_0: f16 d + 32 int8; d = NaN
+    ("blk.0.ffn_gate.weight", 20, 0x7C00),       # Q4_1: f16 d, f16 m + 16 bytes; d = +inf
+])
+def test_a_block_scale_that_is_not_finite_names_the_tensor(tmp_path, smollm2_bytes, dtype,
+                                                           tensor, block_bytes, scale):
+    """Dequantized (float32) or kept in blocks (auto): one ModelFileError naming the tensor,
+    at load, before any forward (the model would compute NaN logits)."""
+    data, tensors = smollm2_bytes
+    damaged = bytearray(data)
+    at = tensors[tensor].data_offset + 7 * block_bytes
+    damaged[at:at + 2] = scale.to_bytes(2, "little")
+    path = tmp_path / "scale.gguf"
+    path.write_bytes(damaged)
+    with pytest.raises(ModelFileError, match=rf"{tensor}.*not finite"):
+        torchllama.load(path, dtype=dtype, progress=False)
+
+
+def test_a_row_that_is_not_whole_blocks_names_the_tensor(tmp_path, smollm2_bytes):
+    data, _ = smollm2_bytes
+    damaged = bytearray(data)
+    at = _tensor_info_at(damaged, "blk.0.ffn_down.weight")
+    assert int.from_bytes(damaged[at + 4:at + 12], "little") == 1536       # dims[0]
+    damaged[at + 4:at + 12] = (1530).to_bytes(8, "little")
+    path = tmp_path / "rows.gguf"
+    path.write_bytes(damaged)
+    with pytest.raises(ModelFileError, match=r"truncated or corrupt GGUF file: tensor "
+                                             r"'blk.0.ffn_down.weight': .*row size \(1530\) is "
+                                             r"not a multiple of Q4_1 block size"):
+        torchllama.load(path, progress=False)
+
+
+def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes):
+    data, tensors = smollm2_bytes
+    last = max(tensors.values(), key=lambda t: t.data_offset)
+    damaged = bytearray(data)
+    at = _tensor_info_at(damaged, last.name)
+    n_dims = int.from_bytes(damaged[at:at + 4], "little")
+    offset_at = at + 4 + 8 * n_dims + 4                         # after the dims and the type
+    offset = int.from_bytes(damaged[offset_at:offset_at + 8], "little")
+    damaged[offset_at:offset_at + 8] = (offset + 10_000_000).to_bytes(8, "little")
+    path = tmp_path / "past.gguf"
+    path.write_bytes(damaged)
+    with pytest.raises(ModelFileError, match=rf"truncated or corrupt GGUF file: tensor "
+                                             rf"'{last.name}': its bytes .* run past the end of "
+                                             r"the file"):
+        torchllama.load(path, progress=False)

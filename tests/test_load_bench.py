@@ -21,6 +21,9 @@ def test_load_plan_mixes_prompts_streams_and_drops():
     assert load_plan(40, 10, 0.1, 32, seed=1)[3][4].key() == plan[3][4].key()   # reproducible
 
 
+# The two runs of the bench (≈ 45 s, mostly its warm-up and checks) are in `make test-slow`; the
+# server under the same kind of load is test_serve's test_load_with_shared_prefixes_…
+@pytest.mark.slow
 @pytest.mark.usefixtures("shared_cli_models")          # one load of the model for the file
 def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
     import torchllama.bench.load as lb
@@ -40,6 +43,7 @@ def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
     assert "prefix cache" in lines[-1] and "10.0× lower" in lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("shared_cli_models")
 def test_grammar_cost_and_prefix_cache_ttft(smollm2_gguf):
     from torchllama.checkpoint import load_tokenizer

@@ -41,6 +41,7 @@ def test_pair_is_the_same_model_through_an_optimizer_step():
     assert losses["ours"][1] < losses["ours"][0]
 
 
+@pytest.mark.slow      # a second run of the bench (≈ 13 s); the first is the test above
 def test_without_hf_and_bfloat16():
     r = run_train_bench("debug", batch_size=1, seq_len=8, dtype="bfloat16", steps=1, repeats=1,
                         with_hf=False, write=lambda s: None)

@@ -192,8 +192,10 @@ def weight_dtypes(model) -> str:
 
 def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_tokens: int,
                batch: int, print_fn: Callable[[str], None]):
-    """(name, prefill run, batch-1 decode run, batch-N decode run or None, header note) of the
-    peer, or None when it cannot run (the reason printed)."""
+    """({setting: (prefill run, batch-1 decode run, batch-N decode run or None)}, header note)
+    of the peer, and the llama.cpp model to close (or None); (None, None) when it cannot run
+    (the reason printed). llama.cpp runs twice, flash attention on and off (settings
+    "llama.cpp fa=on" / "llama.cpp fa=off"); `run_bench` keeps the faster of each figure."""
     from torchllama.checkpoint.common import DTYPES, resolve_dtype
 
     prompt, T = prompts[:1], prompts.shape[1]
@@ -202,11 +204,15 @@ def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_toke
 
         peer_model = llama_cpp_peer.LlamaCpp(path, torch.get_num_threads())
         ids = prompts.tolist()
-        runs = (llama_cpp_peer.PrefillRun(peer_model, ids[0]),
-                llama_cpp_peer.DecodeRun(peer_model, ids[:1], new_tokens),
-                llama_cpp_peer.DecodeRun(peer_model, ids, new_tokens) if batch > 1 else None)
-        return ("llama.cpp", *runs, f"peer {llama_cpp_peer.peer_version()}, same file, "
-                f"n_threads = n_threads_batch = {torch.get_num_threads()}"), peer_model
+        settings = {}
+        for fa in (True, False):
+            settings[f"llama.cpp fa={'on' if fa else 'off'}"] = (
+                llama_cpp_peer.PrefillRun(peer_model, ids[0], fa),
+                llama_cpp_peer.DecodeRun(peer_model, ids[:1], new_tokens, fa),
+                llama_cpp_peer.DecodeRun(peer_model, ids, new_tokens, fa) if batch > 1 else None)
+        return (settings, f"peer {llama_cpp_peer.peer_version()}, same file, n_threads = "
+                f"n_threads_batch = {torch.get_num_threads()}, flash attention on and off "
+                "(each figure: the faster)"), peer_model
     # transformers: it holds float weights only
     hf_dtype = resolve_dtype(dtype) if dtype in DTYPES else torch.float32
     note = "" if dtype in DTYPES else (f" in float32 (it dequantizes: --dtype {dtype} is "
@@ -223,7 +229,7 @@ def _peer_runs(peer: str, path: str, dtype: str, prompts: torch.Tensor, new_toke
         return None, None
     run_prefill, run_decode = hf_runs(hf_model, prompt, new_tokens)
     run_batch = HFDecodeRun(hf_model, prompts, new_tokens) if batch > 1 else None
-    return ("transformers", run_prefill, run_decode, run_batch,
+    return ({"transformers": (run_prefill, run_decode, run_batch)},
             f"peer transformers {transformers.__version__}{note}"), None
 
 
@@ -295,25 +301,55 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
     peer_model = None
     try:
         if peer != "none":
-            spec, peer_model = _peer_runs(peer, path, dtype, prompts, new_tokens, batch,
-                                          print_fn)
-            if spec is not None:
-                name, *peer_run, note = spec
-                runs[name] = tuple(peer_run)
+            settings, peer_model = _peer_runs(peer, path, dtype, prompts, new_tokens, batch,
+                                              print_fn)
+            if settings is not None:
+                settings, note = settings
+                runs.update(settings)
                 print_fn(note)
         print_fn(f"prompt {prompt_tokens} tokens, {new_tokens} new tokens (greedy), median of "
                  f"{repeats} after a warm-up, interleaved")
-        prefill_rates = measure({name: r[0] for name, r in runs.items()}, repeats)
-        decode_rates = measure({name: r[1] for name, r in runs.items()}, repeats)
-        batch_rates = (measure({name: r[2] for name, r in runs.items()}, repeats)
-                       if batch > 1 else {})
+        measured = [Throughput(name, *rates) for name, rates in _measure_runs(runs, repeats,
+                                                                              batch).items()]
     finally:
         if peer_model is not None:
             peer_model.close()
-    results = [Throughput(name, prefill_rates[name], decode_rates[name], batch_rates.get(name))
-               for name in runs]
+    results = _fastest_setting(measured, print_fn)
     for line in format_table(results, prompt_tokens, new_tokens, batch):
         print_fn(line)
+    return results
+
+
+def _measure_runs(runs: dict, repeats: int, batch: int) -> dict[str, tuple]:
+    """{name: (prefill, decode, batch decode or None)} tokens/s of each (prefill, decode,
+    batch decode) run triple, every figure measured interleaved across the names."""
+    prefill = measure({name: r[0] for name, r in runs.items()}, repeats)
+    decode = measure({name: r[1] for name, r in runs.items()}, repeats)
+    batched = measure({name: r[2] for name, r in runs.items()}, repeats) if batch > 1 else {}
+    return {name: (prefill[name], decode[name], batched.get(name)) for name in runs}
+
+
+def _fastest_setting(measured: list[Throughput], print_fn: Callable[[str], None]
+                     ) -> list[Throughput]:
+    """One Throughput per library: a library measured under several settings ("llama.cpp
+    fa=on", "llama.cpp fa=off") gets the faster of each figure (printed first, every setting)."""
+    by_library: dict[str, list[Throughput]] = {}
+    for t in measured:
+        by_library.setdefault(t.name.split(" ")[0], []).append(t)
+    results = []
+    for library, group in by_library.items():
+        if len(group) == 1:
+            results.append(group[0])
+            continue
+        for t in group:
+            batched = "" if t.batch_decode_tok_s is None else \
+                f", batch decode {t.batch_decode_tok_s:.1f}"
+            print_fn(f"  {t.name}: prefill {t.prefill_tok_s:.1f}, decode "
+                     f"{t.decode_tok_s:.1f}{batched} tok/s")
+        batch_rates = [t.batch_decode_tok_s for t in group if t.batch_decode_tok_s is not None]
+        results.append(Throughput(library, max(t.prefill_tok_s for t in group),
+                                  max(t.decode_tok_s for t in group),
+                                  max(batch_rates) if batch_rates else None))
     return results
 
 

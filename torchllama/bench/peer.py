@@ -13,8 +13,10 @@ and token ids:
   (`llama_memory_seq_rm`) and decodes the same steps again, as llama.cpp's examples/batched does
   after its prefill.
 
-Contexts use llama.cpp's own defaults (`llama_context_default_params`: flash attention "auto",
-f16 KV cache, one KV stream per sequence) except for sizes and threads. Nothing here is imported
+Contexts use llama.cpp's own defaults (`llama_context_default_params`: f16 KV cache, one KV
+stream per sequence) except for sizes, threads and flash attention, which every run sets on or
+off: neither is faster everywhere (its default "auto" turns it on, which on a CPU can decode at
+half the speed of off), so the bench measures both and compares with the faster. Nothing here is imported
 by the package unless the peer is asked for: llama-cpp-python is optional (`make bench-peer`
 builds it from source with native CPU flags).
 """
@@ -85,10 +87,14 @@ class LlamaCpp:
         self._contexts: list = []
         self._batches: list = []
 
-    def context(self, n_seq: int, n_ctx_seq: int):
+    def context(self, n_seq: int, n_ctx_seq: int, flash_attn: bool):
         """A new context for `n_seq` sequences of up to `n_ctx_seq` positions each (rounded up
-        to llama.cpp's padding of 256), freed by `close`."""
+        to llama.cpp's padding of 256), with flash attention on or off, freed by `close`."""
         params = self.lib.llama_context_default_params()
+        if hasattr(params, "flash_attn_type"):        # llama.cpp's enum: −1 auto, 0 off, 1 on
+            params.flash_attn_type = int(flash_attn)
+        else:
+            params.flash_attn = flash_attn
         n_ctx_seq = -(-n_ctx_seq // 256) * 256
         params.n_ctx = n_seq * n_ctx_seq
         params.n_batch = params.n_ubatch = N_BATCH
@@ -151,9 +157,9 @@ class PrefillRun:
     """`run()` → (prompt tokens, seconds) of one prefill of `prompt` into an emptied KV cache,
     last position's logits only (one `llama_decode` per 512 tokens)."""
 
-    def __init__(self, peer: LlamaCpp, prompt: Sequence[int]):
+    def __init__(self, peer: LlamaCpp, prompt: Sequence[int], flash_attn: bool):
         self.lib, self.prompt = peer.lib, [int(t) for t in prompt]
-        self.ctx = peer.context(1, len(self.prompt))
+        self.ctx = peer.context(1, len(self.prompt), flash_attn)
         self.memory = self.lib.llama_get_memory(self.ctx)
         self.batch = peer.batch(N_BATCH)
 
@@ -180,13 +186,14 @@ class DecodeRun:
     (N, new_tokens) (the prefill's token, which they start from, not included).
     """
 
-    def __init__(self, peer: LlamaCpp, prompts: Sequence[Sequence[int]], new_tokens: int):
+    def __init__(self, peer: LlamaCpp, prompts: Sequence[Sequence[int]], new_tokens: int,
+                 flash_attn: bool):
         self.lib, self.n_vocab, self.new_tokens = peer.lib, peer.n_vocab, new_tokens
         self.prompts = [[int(t) for t in p] for p in prompts]
         if len({len(p) for p in self.prompts}) != 1:
             raise ValueError("DecodeRun: all prompts must have the same length")
         self.n_seq, self.T = len(self.prompts), len(self.prompts[0])
-        self.ctx = peer.context(self.n_seq, self.T + new_tokens)
+        self.ctx = peer.context(self.n_seq, self.T + new_tokens, flash_attn)
         self.memory = self.lib.llama_get_memory(self.ctx)
         self.batch = peer.batch(max(N_BATCH, self.n_seq))
         self.first: Optional[np.ndarray] = None          # (N,) greedy token after each prompt

@@ -15,8 +15,10 @@ GGUF (llama.cpp's file format) holds three things we need:
 deepseek2, ...), which turns the ``{arch}.*`` keys into `ModelArgs` (it may read tensors that
 are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name and layout.
 
-Damaged files raise `ModelFileError` (a string that is not UTF-8 names its key; a tensor type
-the `gguf` library cannot dequantize names the tensor, its type and the supported types).
+Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
+key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
+supported types; a tensor whose data runs past the end of the file, whose row length is not a
+multiple of its block size, or whose block scales are not finite names the tensor).
 
 Shapes in GGUF are listed innermost-first (ggml order): a (out, in) matrix is listed as [in, out].
 The numpy arrays that ``GGUFReader`` exposes are already in row-major (out, in) order.
@@ -44,11 +46,54 @@ from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, qu
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
+class _TensorInfoError(ValueError):
+    """A tensor whose info the `gguf` reader refused (its name and the reader's reason)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(reason)
+        self.name = name
+
+
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` that says which tensor it refused. The library checks each tensor's
+    info while mapping it (a row length that is not a multiple of its type's block size, data
+    that runs past the end of the file) but names only the type; here each tensor is mapped on
+    its own first, so the error can name it."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            name = bytes(field.parts[1]).decode("utf-8", "replace")
+            data_offset, n_bytes = _tensor_extent(start_offs, field)
+            if data_offset + n_bytes > len(self.data):
+                raise _TensorInfoError(name, f"its bytes {data_offset:,}–"
+                                             f"{data_offset + n_bytes:,} run past the end of "
+                                             f"the file ({len(self.data):,} bytes)")
+            try:
+                super()._build_tensors(start_offs, [field])
+            except (ValueError, KeyError) as e:
+                raise _TensorInfoError(name, str(e)) from e
+        super()._build_tensors(start_offs, fields)
+
+
+def _tensor_extent(start_offs: int, field) -> tuple[int, int]:
+    """(first byte, length in bytes) of a tensor's data from its info field, ggml's sizes:
+    elements × type size / block size (the library's own formula)."""
+    _, _, _, dims, raw_type, offset = field.parts
+    try:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+    except (ValueError, KeyError):                     # an unknown type: the library says so
+        return 0, 0
+    n_elements = int(np.prod(dims.astype(np.float64)))  # no integer overflow on damaged dims
+    return int(start_offs + int(offset[0])), n_elements * type_size // block_size
+
+
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """Open a GGUF file for reading (memory-mapped; nothing is copied).
 
     Raises:
-        ModelFileError: the file is missing, unreadable, not GGUF, or truncated.
+        ModelFileError: the file is missing, unreadable, not GGUF, or truncated; a tensor whose
+            data runs past the end of the file or whose row length is not a multiple of its
+            type's block size (naming the tensor).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -63,7 +108,10 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
     try:
-        return gguf.GGUFReader(path, "r")
+        return _Reader(path, "r")
+    except _TensorInfoError as e:
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF file: tensor {e.name!r}: {e}"
+                             ) from e
     except OSError as e:  # mapping the file failed: not a truncation
         raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from e
     except UnicodeDecodeError as e:  # a key or tensor name (decoded while parsing the header)
@@ -178,9 +226,17 @@ def _dequantize(t: Any, source: str) -> torch.Tensor:
             raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
             values = raw.view(np_dtype).reshape(shape).copy()     # out of the file mapping
             return torch.from_numpy(values).view(stored)
-        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+        with np.errstate(all="ignore"):               # a damaged scale: reported below
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        values = torch.from_numpy(values.reshape(shape))
     except (ValueError, IndexError, TypeError) as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
+    if not bool(torch.isfinite(values).all()):      # finite codes × a damaged block scale
+        n = int((~torch.isfinite(values)).sum())
+        raise ModelFileError(f"{source}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes "
+                             f"to {n} values that are not finite numbers (a block scale is "
+                             "damaged)")
+    return values
 
 
 class TensorIndex(dict):
