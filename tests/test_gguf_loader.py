@@ -657,6 +657,14 @@ def smollm2_bytes(smollm2_gguf):
                                                   gguf.GGUFReader(smollm2_gguf).tensors}
 
 
+def _refused(tmp_path, damaged: bytearray, match: str, dtype: str = "auto") -> None:
+    """The damaged bytes, written to a file, fail to load with a ModelFileError matching."""
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(damaged)
+    with pytest.raises(ModelFileError, match=match):
+        torchllama.load(path, dtype=dtype, progress=False)
+
+
 def _tensor_info_at(data: bytearray, name: str) -> int:
     """Offset of a tensor's n_dims in its tensor info (after its name)."""
     key = name.encode()
@@ -676,10 +684,7 @@ def test_a_block_scale_that_is_not_finite_names_the_tensor(tmp_path, smollm2_byt
     damaged = bytearray(data)
     at = tensors[tensor].data_offset + 7 * block_bytes
     damaged[at:at + 2] = scale.to_bytes(2, "little")
-    path = tmp_path / "scale.gguf"
-    path.write_bytes(damaged)
-    with pytest.raises(ModelFileError, match=rf"{tensor}.*not finite"):
-        torchllama.load(path, dtype=dtype, progress=False)
+    _refused(tmp_path, damaged, rf"{tensor}.*not finite", dtype)
 
 
 def test_a_row_that_is_not_whole_blocks_names_the_tensor(tmp_path, smollm2_bytes):
@@ -688,12 +693,8 @@ def test_a_row_that_is_not_whole_blocks_names_the_tensor(tmp_path, smollm2_bytes
     at = _tensor_info_at(damaged, "blk.0.ffn_down.weight")
     assert int.from_bytes(damaged[at + 4:at + 12], "little") == 1536       # dims[0]
     damaged[at + 4:at + 12] = (1530).to_bytes(8, "little")
-    path = tmp_path / "rows.gguf"
-    path.write_bytes(damaged)
-    with pytest.raises(ModelFileError, match=r"truncated or corrupt GGUF file: tensor "
-                                             r"'blk.0.ffn_down.weight': .*row size \(1530\) is "
-                                             r"not a multiple of Q4_1 block size"):
-        torchllama.load(path, progress=False)
+    _refused(tmp_path, damaged, r"truncated or corrupt GGUF file: tensor 'blk.0.ffn_down.weight': "
+                                r".*row size \(1530\) is not a multiple of Q4_1 block size")
 
 
 def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes):
@@ -705,9 +706,5 @@ def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes)
     offset_at = at + 4 + 8 * n_dims + 4                         # after the dims and the type
     offset = int.from_bytes(damaged[offset_at:offset_at + 8], "little")
     damaged[offset_at:offset_at + 8] = (offset + 10_000_000).to_bytes(8, "little")
-    path = tmp_path / "past.gguf"
-    path.write_bytes(damaged)
-    with pytest.raises(ModelFileError, match=rf"truncated or corrupt GGUF file: tensor "
-                                             rf"'{last.name}': its bytes .* run past the end of "
-                                             r"the file"):
-        torchllama.load(path, progress=False)
+    _refused(tmp_path, damaged, rf"truncated or corrupt GGUF file: tensor '{last.name}': its "
+                                r"bytes .* run past the end of the file")
