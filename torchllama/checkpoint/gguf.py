@@ -57,22 +57,29 @@ class _TensorInfoError(ValueError):
 class _Reader(gguf.GGUFReader):
     """`gguf.GGUFReader` that says which tensor it refused. The library checks each tensor's
     info while mapping it (a row length that is not a multiple of its type's block size, data
-    that runs past the end of the file) but names only the type; here each tensor is mapped on
-    its own first, so the error can name it."""
+    that runs past the end of the file) but names only the type; when it refuses a file, each
+    tensor is mapped again on its own, so the error can name it."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            name = bytes(field.parts[1]).decode("utf-8", "replace")
-            data_offset, n_bytes = _tensor_extent(start_offs, field)
-            if data_offset + n_bytes > len(self.data):
-                raise _TensorInfoError(name, f"its bytes {data_offset:,}–"
-                                             f"{data_offset + n_bytes:,} run past the end of "
-                                             f"the file ({len(self.data):,} bytes)")
-            try:
-                super()._build_tensors(start_offs, [field])
-            except (ValueError, KeyError) as e:
-                raise _TensorInfoError(name, str(e)) from e
-        super()._build_tensors(start_offs, fields)
+        try:
+            super()._build_tensors(start_offs, fields)
+        except (ValueError, KeyError):              # find which tensor it was (bad files only)
+            for field in fields:
+                self._build_one(start_offs, field)
+            raise
+
+    def _build_one(self, start_offs: int, field) -> None:
+        """Map one tensor; `_TensorInfoError` naming it where the library refuses it."""
+        name = bytes(field.parts[1]).decode("utf-8", "replace")
+        data_offset, n_bytes = _tensor_extent(start_offs, field)
+        if data_offset + n_bytes > len(self.data):
+            raise _TensorInfoError(name, f"its bytes {data_offset:,}–{data_offset + n_bytes:,} "
+                                         f"run past the end of the file ({len(self.data):,} "
+                                         "bytes)")
+        try:
+            super()._build_tensors(start_offs, [field])
+        except (ValueError, KeyError) as e:
+            raise _TensorInfoError(name, str(e)) from e
 
 
 def _tensor_extent(start_offs: int, field) -> tuple[int, int]:
