@@ -16,7 +16,8 @@ import torch
 from torchllama import kernels
 from torchllama.checkpoint.gguf import BLOCK_TYPES, _quantized, read_blocks
 from torchllama.errors import ModelFileError
-from torchllama.transforms.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear, quantized_linear
+from torchllama.transforms.quantize import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, pack_rows,
+                                            quantized_embedding, quantized_linear, unpack_rows)
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(),
@@ -100,7 +101,7 @@ def test_quantized_activations_equal_the_numpy_reference():
     np.testing.assert_array_equal(s, d_ref * q_ref.astype(np.int32).sum(-1).astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16", "q8-16-small"])
 def test_integer_dot_products_are_exact(kind):
     """With unit scales and integer activations whose block maxima are 127 (so d_x = 1 and
     q_x = x), the kernel's output is the integer matmul, which NumPy computes in int64."""
@@ -115,10 +116,13 @@ def test_integer_dot_products_are_exact(kind):
         blocks = Q4Blocks.from_values(torch.from_numpy(q), ones, torch.zeros(N, K // 32))
     else:
         B = 32 if kind == "q8" else 16
-        q = rng.integers(-128, 128, (N, K))
-        q[0], q[1] = 127, -128
+        lo, hi = (-32, 32) if kind.endswith("small") else (-128, 127)       # int16 sums longer
+        q = rng.integers(lo, hi + 1, (N, K))
+        q[0], q[1] = hi, lo
         blocks = Q8Blocks(torch.from_numpy(q.astype(np.int8)), torch.ones(N, K // B))
-    y = linear_for(blocks)(torch.from_numpy(x)).numpy()
+    linear = linear_for(blocks)
+    assert kind == "q4" or bool(linear.small) == kind.endswith("small")
+    y = linear(torch.from_numpy(x)).numpy()
     np.testing.assert_array_equal(y, (x.astype(np.int64) @ q.T).astype(np.float32))
 
 
@@ -172,7 +176,10 @@ q8 = Q8Blocks(torch.randint(-128, 128, (20, 256), generator=g, dtype=torch.int8)
               torch.rand(20, 16, generator=g))
 half = Q8Blocks(q8.codes, torch.rand(20, 8, generator=g).half().float())   # kept as float16
 assert Q8Linear(half).d.dtype == torch.float16 and Q8Linear(q8).d.dtype == torch.float32
-y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x)], 1)
+small = Q8Blocks(torch.randint(-32, 33, (20, 256), generator=g, dtype=torch.int8),
+                 torch.rand(20, 16, generator=g))                       # Q6_K-like codes
+assert bool(Q8Linear(small).small) and not bool(Q8Linear(q8).small)
+y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x), Q8Linear(small)(x)], 1)
 x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
 y7 = torch.cat([Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))(x7),
                 Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
@@ -218,14 +225,17 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
 
 def test_each_kernel_comes_from_the_highest_level_that_has_it():
     """The tables of every level, this CPU's or not (assembled, never run): without VNNI an
-    AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; rope_head is
-    the scalar one everywhere."""
-    blocks = ("quantize_block", "q4_rows", "q8_rows")
+    AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; the block
+    products on the packed layout are AVX2's on every AVX-512 CPU; rope_head is the scalar one
+    everywhere."""
+    products = ("q4_rows", "q8_rows")
     floats = ("rms_norm_rows", "attend_one", "linear_rows", "linear_cols")
-    expected = {"scalar": ("scalar", "scalar"), "avx2": ("avx2", "avx2"),
-                "avx512": ("avx2", "avx512"), "avx512_vnni": ("avx512_vnni", "avx512")}
-    for isa, (block_level, float_level) in expected.items():
-        assert kernels.kernel_levels(isa) == {**dict.fromkeys(blocks, block_level),
+    expected = {"scalar": ("scalar", "scalar", "scalar"), "avx2": ("avx2", "avx2", "avx2"),
+                "avx512": ("avx2", "avx2", "avx512"),
+                "avx512_vnni": ("avx512_vnni", "avx2", "avx512")}   # no VNNI products yet
+    for isa, (quantize_level, product_level, float_level) in expected.items():
+        assert kernels.kernel_levels(isa) == {"quantize_block": quantize_level,
+                                              **dict.fromkeys(products, product_level),
                                               **dict.fromkeys(floats, float_level),
                                               "rope_head": "scalar"}, isa
     assert kernels.kernel_levels() == kernels.kernel_levels(kernels.isa())
@@ -239,13 +249,15 @@ def test_every_source_file_is_in_the_build_key():
     assert set(kernels.COMPILED) == {name for name in on_disk if name.endswith(".cpp")}
 
 
-def test_a_row_length_off_the_block_is_refused():
-    with pytest.raises(RuntimeError, match="not a multiple of the block"):
+def test_weights_off_the_packed_layout_are_refused():
+    with pytest.raises(RuntimeError, match=r"codes must be contiguous int8 \(N/8, K/32, 256\) "
+                                            r"\(the packed layout\)"):
         torch.ops.torchllama.q8_linear(torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.int8),
                                        torch.ones(4, 1))
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight has K = 32"):
-        torch.ops.torchllama.q4_linear(torch.randn(1, 64), torch.zeros(4, 16, dtype=torch.uint8),
-                                       torch.ones(4, 1), torch.ones(4, 1))
+        torch.ops.torchllama.q4_linear(torch.randn(1, 64),
+                                       torch.zeros(1, 1, 128, dtype=torch.uint8),
+                                       torch.ones(1, 1, 8), torch.ones(1, 1, 8))
 
 
 @pytest.mark.parametrize("typ", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
@@ -285,10 +297,11 @@ def test_linear_modules_use_the_kernels_and_keep_bias():
 
 def test_fake_implementations_give_shapes_on_the_meta_device():
     x = torch.empty(3, 64, device="meta")
-    y = torch.ops.torchllama.q4_linear(x, torch.empty(8, 32, dtype=torch.uint8, device="meta"),
-                                       torch.empty(8, 2, device="meta"),
-                                       torch.empty(8, 2, device="meta"))
-    assert y.shape == (3, 8) and y.device.type == "meta"
+    y = torch.ops.torchllama.q4_linear(x, torch.empty(2, 2, 128, dtype=torch.uint8,
+                                                      device="meta"),
+                                       torch.empty(2, 2, 8, device="meta"),
+                                       torch.empty(2, 2, 8, device="meta"))
+    assert y.shape == (3, 16) and y.device.type == "meta"
 
 
 # ---- the float32 layer ops (csrc/layers.cpp) ----------------------------------------------------
@@ -603,3 +616,40 @@ def test_float32_model_gives_the_same_logits_one_token_at_a_time(layout):
     assert torch.equal(logits(slice(0, 2), [5, 1, 9, 1, 5]), whole)
     assert torch.equal(logits(slice(1, 2), [21]), whole[1:])
     assert torch.equal(logits(slice(0, 1), [1] * 21), whole[:1])
+
+
+# ---- the packed layout (transforms/quantize.py pack_rows, blocks_impl.h) -----------------------
+
+def test_packing_rows_round_trips_and_pads_with_zero_rows():
+    codes = torch.randint(0, 256, (13, 64), dtype=torch.uint8)             # 4 blocks of Q4
+    packed = pack_rows(codes, 4, 4)
+    assert packed.shape == (2, 4, 128)
+    assert torch.equal(unpack_rows(packed, 4, 13), codes)
+    assert not unpack_rows(packed, 4, 16)[13:].any()                        # padding: zeros
+    ids = torch.tensor([12, 0, 7, 8, 7])
+    assert torch.equal(unpack_rows(packed, 4, ids), codes[ids])
+    # group 1, block 2, chunk 3 holds bytes 12..15 of block 2 of rows 8..15, row by row
+    assert torch.equal(packed[1, 2, 96:96 + 20].view(5, 4), codes[8:13, 2 * 16 + 12:2 * 16 + 16])
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_a_row_count_off_the_groups_gives_the_same_rows(kind):
+    """N = 13: the last group padded with zero rows, their outputs cut off; each row equals
+    the same row inside a multiple-of-8 matrix, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(16, 96, generator=g)
+    make = Q4Blocks.from_float if kind == "q4" else Q8Blocks.from_float
+    full, cut = linear_for(make(w)), linear_for(make(w[:13]))
+    x = torch.randn(5, 96, generator=g)
+    assert cut(x).shape == (5, 13)
+    assert torch.equal(cut(x), full(x)[:, :13])
+    assert torch.equal(cut.weight_blocks().dequantize(), make(w[:13]).dequantize())
+
+
+def test_a_tied_embedding_reads_the_packed_rows():
+    blocks = Q4Blocks.from_float(torch.randn(40, 64, generator=torch.Generator().manual_seed(12)))
+    linear = linear_for(blocks)
+    embedding = quantized_embedding(blocks, linear)
+    assert embedding.codes.data_ptr() == linear.codes.data_ptr()           # one copy
+    ids = torch.tensor([[3, 39, 8], [0, 0, 17]])
+    assert torch.equal(embedding(ids), blocks.dequantize()[ids])

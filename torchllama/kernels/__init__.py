@@ -13,8 +13,10 @@ Where the build is impossible (no compiler, no ninja) or `TORCHLLAMA_KERNELS=0` 
 warning is printed and the callers (`torchllama.transforms.quantize`) use torch's own int4/int8 kernels.
 
 Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float32):
-    torch.ops.torchllama.q4_linear(x, codes (N, K/2) uint8, d (N, K/32) f32, m (N, K/32) f32)
-    torch.ops.torchllama.q8_linear(x, codes (N, K) int8, d (N, K/32 or K/16) f32)
+    torch.ops.torchllama.q4_linear(x, codes (N/8, K/32, 128) uint8, d (N/8, K/32, 8), m (same))
+    torch.ops.torchllama.q8_linear(x, codes (N/8, K/32, 256) int8, d (N/8, K/32 or K/16, 8),
+                                   small)
+    (weights in the packed layout: csrc/blocks_impl.h; transforms.quantize packs them)
     torch.ops.torchllama.quantize_act(x) → (q (M, K) int8, d (M, K/32) f32, s (M, K/32) f32)
 and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rms_norm(x (..., D), w (D,), eps, unit_offset) → (..., D)
@@ -113,11 +115,11 @@ def _register_fakes() -> None:
     """Shapes for torch.compile and the meta device (no data is read)."""
     @torch.library.register_fake("torchllama::q4_linear")
     def _(x, codes, d, m):
-        return x.new_empty((x.shape[0], codes.shape[0]))
+        return x.new_empty((x.shape[0], 8 * codes.shape[0]))
 
     @torch.library.register_fake("torchllama::q8_linear")
-    def _(x, codes, d):
-        return x.new_empty((x.shape[0], codes.shape[0]))
+    def _(x, codes, d, small=False):
+        return x.new_empty((x.shape[0], 8 * codes.shape[0]))
 
     @torch.library.register_fake("torchllama::rms_norm")
     def _(x, w, eps, unit_offset):

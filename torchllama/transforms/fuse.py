@@ -38,7 +38,7 @@ from torchllama.nn.norms import RMSNorm
 
 class LayerWeights(NamedTuple):
     """A block's tensors as the op takes them. A block weight is [codes, d, m] (Q4 blocks) or
-    [codes, d] (Q8 blocks), from the module's own `kernel_weight()`."""
+    [codes, d, small] (Q8 blocks), packed, from the module's own `kernel_weight()`."""
     norms: list[torch.Tensor]       # attention_norm, ffn_norm (, post_attention_norm,
                                     # post_ffn_norm): (D,) each
     wqkv: list[torch.Tensor]        # wq, wk, wv stacked: (H·hd + 2·KV·hd) rows
@@ -86,7 +86,7 @@ def decoder_layer(x: torch.Tensor, weights: LayerWeights, config: LayerConfig,
 
 
 def _block_weight(module: Optional[nn.Module]) -> Optional[list[torch.Tensor]]:
-    """[codes, d, m] of a Q4 block linear, [codes, d] of a Q8 one (no bias), else None: the
+    """[codes, d, m] of a Q4 block linear, [codes, d, small] of a Q8 one (no bias), else None: the
     module says so itself (`kernel_weight`)."""
     kernel_weight = getattr(module, "kernel_weight", None)
     return kernel_weight() if callable(kernel_weight) else None

@@ -425,79 +425,141 @@ def compact_scales(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.float().contiguous() for t in scales)
 
 
-class Q4Linear(WeightOnlyLinear):
+# --------------------------------------------------------------------------------------------
+# The kernels' packed layout (kernels/csrc/blocks_impl.h): rows in groups of 8, interleaved
+# `chunk` bytes at a time within each block, so one 32-byte load holds 4 weights of 8 rows
+# --------------------------------------------------------------------------------------------
+
+def pack_rows(t: torch.Tensor, blocks: int, chunk: int) -> torch.Tensor:
+    """(N, blocks·P) → (⌈N/8⌉, blocks, 8·P): each group of 8 rows' block b side by side, `chunk`
+    elements of row 0, of row 1, …, of row 7, then the next chunk. Rows past N (to a multiple of
+    8) are zeros (weights 0: their outputs are cut off). Codes: chunk 4 (P = 16 bytes of a Q4
+    block, 32 codes of a Q8 block); scales (N, blocks): P = chunk = 1."""
+    N, width = t.shape
+    if N % 8:
+        t = torch.cat([t, t.new_zeros(8 - N % 8, width)])                   # (8G, width)
+    P = width // blocks
+    v = t.reshape(-1, 8, blocks, P // chunk, chunk)                        # (G, 8, b, P/c, c)
+    return v.permute(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * P).contiguous()  # (G, b, 8·P)
+
+
+def unpack_rows(packed: torch.Tensor, chunk: int, rows: torch.Tensor | int) -> torch.Tensor:
+    """The inverse of `pack_rows`: rows 0..rows−1 (an int) or the given row indices (a (R,)
+    int64 tensor, e.g. token ids of a tied embedding: only those rows are read) → (R, blocks·P)."""
+    G, blocks, P8 = packed.shape
+    P = P8 // 8
+    v = packed.view(G, blocks, P // chunk, 8, chunk)                       # (G, b, P/c, 8, c)
+    if isinstance(rows, int):
+        out = v.permute(0, 3, 1, 2, 4).reshape(8 * G, blocks * P)         # (8G, b·P)
+        return out[:rows]
+    return v[rows // 8, :, :, rows % 8, :].reshape(len(rows), blocks * P)  # (R, b·P)
+
+
+class BlockLinear(WeightOnlyLinear):
+    """What `Q4Linear` and `Q8Linear` share: packed buffers (`NAMES`), the output cut to N rows,
+    the op's weight list."""
+
+    NAMES: tuple[str, ...] = ()
+
+    def _init(self, N: int, K: int, packed: list[torch.Tensor], bias) -> None:
+        WeightOnlyLinear.__init__(self)
+        self.out_features, self.in_features = N, K
+        for name, t in zip(self.NAMES, packed):
+            self.register_buffer(name, t, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def from_packed(cls, N: int, K: int, packed: list[torch.Tensor], bias=None) -> "BlockLinear":
+        """A module over buffers already packed (in `NAMES` order; no copy)."""
+        module = cls.__new__(cls)
+        module._init(N, K, packed, bias)
+        return module
+
+    def packed(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.NAMES]
+
+    def kernel_weight(self) -> Optional[list[torch.Tensor]]:
+        """The packed buffers as `decoder_layer` takes the product ([codes, d, m] for Q4,
+        [codes, d, small] for Q8); None with a bias or with padded rows (N not a multiple of 8)."""
+        return None if self.bias is not None or self.out_features % 8 else self.packed()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_blocks().dequantize()                            # (N, K) fp32
+
+    def _output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The op's (M, 8G) output as (..., N) in x's dtype, plus the bias."""
+        if y.shape[1] != self.out_features:                               # padded rows
+            y = y[:, :self.out_features].contiguous()                       # (M, N)
+        y = y.view(*x.shape[:-1], self.out_features)                        # (..., N)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Q4Linear(BlockLinear):
     """y = x · Wᵀ (+ b) with W in 4-bit blocks (`Q4Blocks`), on torchllama's kernel
     `torch.ops.torchllama.q4_linear` (torchllama.kernels: int8 activations per block of 32,
     integer dot products; each output row is independent of the others, bit for bit).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent): codes (N, K/2) uint8, d and m (N, K/32) float16 where exact, else float32
-    (`compact_scales`).
+    persistent), in the kernels' packed layout (`pack_rows`; G = ⌈N/8⌉): codes (G, K/32, 128)
+    uint8, d and m (G, K/32, 8) float16 where exact, else float32 (`compact_scales`).
     """
 
+    NAMES = ("codes", "d", "m")
+
     def __init__(self, weight: Q4Blocks, bias: Optional[torch.Tensor] = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        N, K = weight.shape
         d, m = compact_scales(weight.d, weight.m)
-        self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
-        self.register_buffer("d", d, persistent=False)
-        self.register_buffer("m", m, persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._init(N, K, [pack_rows(weight.codes, K // 32, 4), pack_rows(d, K // 32, 1),
+                          pack_rows(m, K // 32, 1)], bias)
 
-    def weight_blocks(self) -> Q4Blocks:
-        return Q4Blocks(self.codes, self.d, self.m)
-
-    def kernel_weight(self) -> Optional[list[torch.Tensor]]:
-        """[codes, d, m] as `decoder_layer` takes a q4 product; None with a bias (it has none)."""
-        return None if self.bias is not None else [self.codes, self.d, self.m]
-
-    def dequantize(self) -> torch.Tensor:
-        return self.weight_blocks().dequantize()                            # (N, K) fp32
+    def weight_blocks(self, rows: torch.Tensor | None = None) -> Q4Blocks:
+        """The canonical blocks (a copy): every row, or the given (R,) row indices."""
+        r = self.out_features if rows is None else rows
+        return Q4Blocks(unpack_rows(self.codes, 4, r), unpack_rows(self.d, 1, r),
+                        unpack_rows(self.m, 1, r))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
         y = torch.ops.torchllama.q4_linear(x2 if x2.dtype == torch.float32 else x2.float(),
-                                        self.codes, self.d, self.m)  # (M, N) fp32
-        y = y.view(*x.shape[:-1], self.out_features)                        # (..., N)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+                                        self.codes, self.d, self.m)  # (M, 8G) fp32
+        return self._output(x, y)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4 blocks"
 
 
-class Q8Linear(WeightOnlyLinear):
+class Q8Linear(BlockLinear):
     """y = x · Wᵀ (+ b) with W in int8 blocks (`Q8Blocks`, B = 32 or 16), on
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent): codes (N, K) int8, d (N, K/B) float16 where exact, else float32.
+    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, d (G, K/B, 8) float16 where
+    exact, else float32; small: a bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the
+    kernel sum longer in int16 (the same bits either way).
     """
 
+    NAMES = ("codes", "d", "small")
+
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
-        self.register_buffer("d", compact_scales(weight.d)[0], persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        N, K = weight.shape
+        codes = weight.codes
+        small = torch.tensor(codes.numel() > 0 and int(codes.amin()) >= -32
+                             and int(codes.amax()) <= 32)
+        self._init(N, K, [pack_rows(codes, K // 32, 4),
+                          pack_rows(compact_scales(weight.d)[0], weight.d.shape[1], 1), small],
+                   bias)
 
-    def weight_blocks(self) -> Q8Blocks:
-        return Q8Blocks(self.codes, self.d)
-
-    def kernel_weight(self) -> Optional[list[torch.Tensor]]:
-        """[codes, d] as `decoder_layer` takes a q8 product; None with a bias (it has none)."""
-        return None if self.bias is not None else [self.codes, self.d]
-
-    def dequantize(self) -> torch.Tensor:
-        return self.weight_blocks().dequantize()                            # (N, K) fp32
+    def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
+        """The canonical blocks (a copy): every row, or the given (R,) row indices."""
+        r = self.out_features if rows is None else rows
+        return Q8Blocks(unpack_rows(self.codes, 4, r), unpack_rows(self.d, 1, r))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
         y = torch.ops.torchllama.q8_linear(x2 if x2.dtype == torch.float32 else x2.float(),
-                                        self.codes, self.d)          # (M, N) fp32
-        y = y.view(*x.shape[:-1], self.out_features)                        # (..., N)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+                                        self.codes, self.d, bool(self.small))  # (M, 8G)
+        return self._output(x, y)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -505,25 +567,35 @@ class Q8Linear(WeightOnlyLinear):
 
 
 class BlockEmbedding(nn.Module):
-    """Token embeddings looked up in a block table (`Q4Blocks` / `Q8Blocks`: the tied output
-    projection's, or its own), dequantized row by row: (B, T) int64 ids → (B, T, dim) float32.
-    A tied table shares the output projection's buffers (one copy in memory)."""
+    """Token embeddings looked up in a block table, dequantized row by row: (B, T) int64 ids →
+    (B, T, dim) float32. The table is the tied output projection's (a `Q4Linear` / `Q8Linear`:
+    its packed buffers shared, one copy in memory, only the ids' rows read) or its own
+    (`Q4Blocks` / `Q8Blocks`, kept as they are)."""
 
-    def __init__(self, weight: BlockWeight):
+    def __init__(self, weight: BlockWeight | BlockLinear):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.bits = 4 if isinstance(weight, Q4Blocks) else 8
-        self.register_buffer("codes", weight.codes, persistent=False)
-        self.register_buffer("d", weight.d, persistent=False)
-        if self.bits == 4:
-            self.register_buffer("m", weight.m, persistent=False)
+        self.packed = isinstance(weight, BlockLinear)
+        if self.packed:
+            self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+            self.bits = 4 if isinstance(weight, Q4Linear) else 8
+            tensors = weight.packed()
+        else:
+            self.num_embeddings, self.embedding_dim = weight.shape
+            self.bits = 4 if isinstance(weight, Q4Blocks) else 8
+            tensors = [weight.codes, weight.d] + ([weight.m] if self.bits == 4 else [])
+        for name, t in zip(("codes", "d", "m") if self.bits == 4 else ("codes", "d"), tensors):
+            self.register_buffer(name, t, persistent=False)
+
+    def _row(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        t = getattr(self, name)
+        return unpack_rows(t, 4 if name == "codes" else 1, flat) if self.packed else t[flat]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         flat = tokens.reshape(-1)                                           # (B·T,)
         if self.bits == 4:
-            rows = Q4Blocks(self.codes[flat], self.d[flat], self.m[flat])
+            rows = Q4Blocks(self._row("codes", flat), self._row("d", flat), self._row("m", flat))
         else:
-            rows = Q8Blocks(self.codes[flat], self.d[flat])
+            rows = Q8Blocks(self._row("codes", flat), self._row("d", flat))
         return rows.dequantize().view(*tokens.shape, self.embedding_dim)    # (B, T, D)
 
     def extra_repr(self) -> str:
@@ -590,8 +662,8 @@ def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = Non
 def quantized_embedding(weight: QuantizedWeight, linear: Optional[nn.Module] = None) -> nn.Module:
     """Token embeddings from a quantized table: the tied output projection's `linear` (its
     buffers shared), or `weight` alone."""
-    if isinstance(linear, (Q4Linear, Q8Linear)):
-        return BlockEmbedding(linear.weight_blocks())
+    if isinstance(linear, BlockLinear):
+        return BlockEmbedding(linear)
     if isinstance(linear, Int8Linear):
         return QuantizedEmbedding(Int8Weight(linear.weight_int8, linear.scale_fp32), linear)
     if isinstance(weight, (Q4Blocks, Q8Blocks)):
@@ -640,17 +712,17 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
 def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
     """One block linear whose output is the given linears' outputs side by side (their weight
     rows stacked), or None unless all are `Q4Linear`s, or all `Q8Linear`s, with the same scale
-    layout and dtype, and all or none with a bias. The parts keep working: their buffers become
-    views of the fused ones (no second copy).
+    layout and dtype, whole groups of 8 rows (the packed layout), and all or none with a bias.
+    The parts keep working: their buffers become views of the fused ones (no second copy).
 
     Each output row of the kernels depends only on its weight row and the activation row
     (blocks.cpp), so the fused product equals the separate ones bit for bit; it quantizes the
     activations once and wakes the threads once instead of once per part."""
     first = linears[0]
-    if not isinstance(first, (Q4Linear, Q8Linear)) or \
-            any(type(lin) is not type(first) for lin in linears):
+    if not isinstance(first, BlockLinear) or \
+            any(type(lin) is not type(first) or lin.out_features % 8 for lin in linears):
         return None
-    names = ("codes", "d", "m") if isinstance(first, Q4Linear) else ("codes", "d")
+    names = first.NAMES[:2] + (("m",) if isinstance(first, Q4Linear) else ())
     for lin in linears:
         for n in names:
             a, b = getattr(lin, n), getattr(first, n)
@@ -658,15 +730,18 @@ def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
                 return None
     if len({lin.bias is None for lin in linears}) > 1:
         return None
-    parts = [torch.cat([getattr(lin, n) for lin in linears]) for n in names]  # (ΣN, ·)
+    parts = [torch.cat([getattr(lin, n) for lin in linears]) for n in names]  # (ΣG, ·, ·)
+    if isinstance(first, Q8Linear):                         # small where every part is
+        parts.append(torch.tensor(all(bool(lin.small) for lin in linears)))
     bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
-    fused = (Q4Linear(Q4Blocks(*parts), bias) if isinstance(first, Q4Linear)
-             else Q8Linear(Q8Blocks(*parts), bias))
+    N = sum(lin.out_features for lin in linears)
+    fused = type(first).from_packed(N, first.in_features, parts, bias)
     start = 0
     for lin in linears:
         rows = slice(start, start + lin.out_features)
+        groups = slice(rows.start // 8, rows.stop // 8)
         for n in names:
-            setattr(lin, n, getattr(fused, n)[rows])           # (N_i, ·) view
+            setattr(lin, n, getattr(fused, n)[groups])         # (G_i, ·, ·) view
         if bias is not None:
             lin.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
         start = rows.stop

@@ -2,213 +2,38 @@
 // instruction set. arch/scalar.cpp, arch/avx2.cpp and arch/avx512_vnni.cpp each include this
 // file once, inside a namespace (`ISA`) and (but for scalar) a `#pragma GCC target`, with
 // ISA_LEVEL set to
-//   0  scalar (any CPU): the 8 lanes of the vector paths emulated with plain loops,
+//   0  scalar (any CPU): plain loops, the reference,
 //   1  AVX2 + FMA + F16C: _mm256_maddubs_epi16 / _mm256_madd_epi16 (llama.cpp's
-//      ggml-cpu/quants.c idiom),
-//   2  AVX-512 F/VL/BW + VNNI: _mm512_dpbusd_epi32, a pair of blocks per instruction.
+//      ggml-cpu/quants.c idiom) on 8 weight rows at once,
+//   2  AVX-512 F/VL/BW + VNNI: only the activation quantization (the products are AVX2's
+//      there: dispatch.cpp takes them from the level below).
 // Every level computes each output with the same float operations in the same order (the
-// integer lanes are exact, so they are equal however they are formed): one answer on every CPU,
+// integer sums are exact, so they are equal however they are formed): one answer on every CPU,
 // for every batch size (see blocks.cpp for the contract). The arguments (Act, Q4Weight,
 // Q8Weight) are kernels.h's; q4_rows, q8_rows and quantize_block are the table's entries.
+//
+// ---- The packed layout: weight rows in groups of 8, interleaved 4 bytes at a time -------------
+// (the interleaved-row idea of llama.cpp's ggml-cpu/repack.cpp "q4_0_8x8" and ik_llama.cpp's
+// `_R8` types; the layout here is ours.) For group g (rows 8g..8g+7) and block b of 32 weights:
+//   Q4: 128 bytes, chunk c = 0..3 of 32 bytes: for r = 0..7 the file's bytes 4c..4c+3 of row
+//       8g+r's block (low nibbles: q[4c..4c+3], high nibbles: q[16+4c..16+4c+3]);
+//   Q8: 256 bytes, chunk c = 0..7: for r = 0..7 the codes 4c..4c+3 of row 8g+r's block;
+//   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8).
+// One 32-byte load thus holds 4 weights of each of 8 rows, one broadcast holds the 4
+// activations they meet, and maddubs + madd leave row r's partial sum in int32 lane r: a
+// block's integer sums for 8 rows end in one register, and the float epilogue runs once per
+// 8 rows instead of once per row (the old per-row epilogue was half of a prefill's work).
+//
+// ---- The float order of one output y[m, n] (every level, every tile, every M) -----------------
+//   y = 0;  for b = 0 .. K/32 − 1:
+//     Q4:        y = fma(float(isum_b), d_w,b · d_x,b, y);  y = fma(m_w,b, s_x,b, y)
+//     Q8, B=32:  y = fma(float(isum_b), d_w,b · d_x,b, y)
+//     Q8, B=16:  y = fma(float(isum_b,0), d_w,2b · d_x,b, y);  y = fma(float(isum_b,1), d_w,2b+1 · d_x,b, y)
+// with isum the exact integer dot product of the block's (sub-block's) codes and q_x, and
+// d_w·d_x one IEEE product. A chain over blocks in file order: nothing depends on M, the tile,
+// the thread or the vector width.
 
 namespace ISA {
-
-// ---- Two blocks side by side ------------------------------------------------------------------
-// Every output accumulates its blocks in pairs (b, b+1) into 16 float lanes, each lane the
-// integer dot product of 4 byte pairs (an exact int32) times its block's scale, by one fused
-// multiply-add per lane per pair; the 16 lanes are summed at the end by one fixed tree. Which
-// bytes feed which lane (the "lane map") is fixed per weight kind:
-//   Q8: lanes 0-7 block b (lane l: bytes 4l..4l+3), lanes 8-15 block b+1;
-//   Q4: lanes 0-3 block b bytes 0-15 (the low nibbles), 4-7 block b+1 bytes 0-15,
-//       8-11 block b bytes 16-31 (the high nibbles), 12-15 block b+1 bytes 16-31,
-// so one AVX-512 register holds a pair (one VNNI instruction for 64 weights), AVX2 two, and the
-// scalar path loops; all three give the same bits. An odd last block fills only its lanes (the
-// others get + 0·0, which leaves a lane's bits as they are: a lane is never −0).
-
-#if ISA_LEVEL == 0
-struct Lanes { int32_t v[16]; };                 // int32 dot products of a pair
-struct Scales { float v[16]; };                  // the scale of each lane
-#elif ISA_LEVEL == 1
-struct Lanes { __m256i lo, hi; };                // lanes 0-7, 8-15
-struct Scales { __m256 lo, hi; };
-#else
-typedef __m512i Lanes;
-typedef __m512 Scales;
-#endif
-
-struct Acc {
-#if ISA_LEVEL == 0
-  float v[16];
-  inline Acc() { for (int l = 0; l < 16; ++l) v[l] = 0.f; }
-  inline void add(const Lanes& p, const Scales& s) {
-    for (int l = 0; l < 16; ++l) v[l] = std::fma(float(p.v[l]), s.v[l], v[l]);
-  }
-  inline float sum() const {                     // lane l + lane l + w for w = 8, 4, 2, 1
-    float a[8], b[4];
-    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
-    for (int l = 0; l < 4; ++l) b[l] = a[l] + a[l + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
-  }
-#elif ISA_LEVEL == 1
-  __m256 lo, hi;
-  inline Acc() : lo(_mm256_setzero_ps()), hi(_mm256_setzero_ps()) {}
-  inline void add(const Lanes& p, const Scales& s) {
-    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.lo), s.lo, lo);
-    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.hi), s.hi, hi);
-  }
-  inline float sum() const { return sum8(_mm256_add_ps(lo, hi)); }
-#else
-  __m512 v;
-  inline Acc() : v(_mm512_setzero_ps()) {}
-  inline void add(const Lanes& p, const Scales& s) {
-    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, v);
-  }
-  inline float sum() const {
-    const __m256 hi8 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi8));
-  }
-#endif
-#if ISA_LEVEL != 0
-  static inline float sum8(__m256 a) {           // lane l + lane l + w for w = 4, 2, 1
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                 // b0+b2, b1+b3
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-  }
-#endif
-};
-
-// ---- block scales stored as float32, or as float16 bits where that is exact (half the bytes) --
-static inline float scale_at(const float* p, int64_t i) { return p[i]; }
-static inline float scale_at(const uint16_t* p, int64_t i) {
-#if ISA_LEVEL == 0
-  return c10::detail::fp16_ieee_to_fp32_value(p[i]);
-#else
-  return _cvtsh_ss(p[i]);
-#endif
-}
-
-// The 16 lane scales of a pair from c = (c0, c1, c2, c3), one per lane quarter (the lane
-// map's): Q8 quarters (b, b, b+1, b+1), or with B = 16 (b lo, b hi, b+1 lo, b+1 hi); Q4
-// quarters (b, b+1, b, b+1). A lane's scale is d_w·d_x, one IEEE product on every path
-// (`mul` of the weight's and the activation's lane scales).
-#if ISA_LEVEL == 0
-struct F4 { float v[4]; };
-static inline Scales quarters(F4 c) {
-  Scales s;
-  for (int l = 0; l < 16; ++l) s.v[l] = c.v[l / 4];
-  return s;
-}
-#else
-typedef __m128 F4;
-static inline Scales quarters(F4 c) {
-#if ISA_LEVEL == 1
-  const __m256 c8 = _mm256_castps128_ps256(c);
-  return Scales{_mm256_permutevar8x32_ps(c8, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0)),
-                _mm256_permutevar8x32_ps(c8, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2))};
-#else
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(c));
-#endif
-}
-#endif
-
-// Lane-wise products of two lane scale vectors (quarters(a) ⊙ quarters(b) = quarters(a ⊙ b)).
-static inline Scales mul(const Scales& a, const Scales& b) {
-#if ISA_LEVEL == 0
-  Scales s;
-  for (int l = 0; l < 16; ++l) s.v[l] = a.v[l] * b.v[l];
-  return s;
-#elif ISA_LEVEL == 1
-  return Scales{_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
-#else
-  return _mm512_mul_ps(a, b);
-#endif
-}
-
-// a·b + c rounded once, lane by lane (4 lanes), and b broadcast.
-static inline F4 fma4(F4 a, F4 b, F4 c) {
-#if ISA_LEVEL == 0
-  for (int q = 0; q < 4; ++q) c.v[q] = std::fma(a.v[q], b.v[q], c.v[q]);
-  return c;
-#else
-  return _mm_fmadd_ps(a, b, c);
-#endif
-}
-static inline F4 splat4(float x) {
-#if ISA_LEVEL == 0
-  return F4{{x, x, x, x}};
-#else
-  return _mm_set1_ps(x);
-#endif
-}
-static inline F4 F4_of(float a, float b, float c, float d) {   // lanes (a, b, c, d)
-#if ISA_LEVEL == 0
-  return F4{{a, b, c, d}};
-#else
-  return _mm_set_ps(d, c, b, a);
-#endif
-}
-static inline float lane4(F4 v, int i) {
-#if ISA_LEVEL == 0
-  return v.v[i];
-#else
-  float t[4];
-  _mm_storeu_ps(t, v);
-  return t[i];
-#endif
-}
-
-// n (1, 2 or 4) consecutive scales from p as (p[0], .., p[n-1], 0, ..) in 4 float lanes, and
-// four lanes picked from them (lane q = v[I_q]).
-template <typename S>
-static inline F4 load_scales(const S* p, int n) {
-#if ISA_LEVEL == 0
-  F4 v{{0.f, 0.f, 0.f, 0.f}};
-  for (int i = 0; i < n; ++i) v.v[i] = scale_at(p, i);
-  return v;
-#else
-  if constexpr (std::is_same<S, float>::value) {
-    if (n == 4) return _mm_loadu_ps(p);
-    if (n == 2) return _mm_castpd_ps(_mm_load_sd((const double*)p));
-    return _mm_load_ss(p);
-  } else {
-    if (n == 4) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
-    uint32_t bits = p[0];
-    if (n == 2) std::memcpy(&bits, p, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)));
-  }
-#endif
-}
-
-template <int I0, int I1, int I2, int I3>
-static inline F4 pick(F4 v) {
-#if ISA_LEVEL == 0
-  return F4{{v.v[I0], v.v[I1], v.v[I2], v.v[I3]}};
-#else
-  return _mm_shuffle_ps(v, v, _MM_SHUFFLE(I3, I2, I1, I0));
-#endif
-}
-
-// quarters of (c0, c1, c0, c1) (the Q4 pattern: b, b+1, b, b+1) from c's first two lanes; on
-// AVX2 the two halves are the same register.
-static inline Scales quarters_q4(F4 c) {
-#if ISA_LEVEL == 1
-  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c),
-                                             _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
-  return Scales{lo, lo};
-#else
-  return quarters(pick<0, 1, 0, 1>(c));
-#endif
-}
-
-static inline F4 mul4(F4 a, F4 b) {
-#if ISA_LEVEL == 0
-  for (int q = 0; q < 4; ++q) a.v[q] *= b.v[q];
-  return a;
-#else
-  return _mm_mul_ps(a, b);
-#endif
-}
 
 // ---- activation quantization: one block of 32 floats → int8, d = amax / 127, s = d·Σq ------
 // The exact float operations of blocks.cpp's contract (and the tests' NumPy reference) on every
@@ -267,349 +92,269 @@ static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* 
   *s = db * float(sum);
 }
 
-// ---- Q4 pair: weight bytes as the lane map wants them, activations likewise (once per row) ---
-// A Q4 block is 16 bytes: byte t holds q[t] (low nibble) and q[t+16] (high nibble).
+#if ISA_LEVEL != 2
+// ---- scales stored as float32, or as float16 bits where that is exact (half the bytes) --------
+static inline float scale_at(const float* p, int64_t i) { return p[i]; }
+static inline float scale_at(const uint16_t* p, int64_t i) {
 #if ISA_LEVEL == 0
-struct Q4Pair { uint8_t u[64]; };                // lane l: bytes 4l..4l+3
-struct XPair { int8_t s[64]; };
-// byte position of lane-map byte i (0..63) in (block 0|1, index within the block 0..31)
-static inline void q4_map(int i, int& blk, int& t) {
-  const int lane = i / 4;
-  blk = (lane / 4) % 2;
-  t = 16 * (lane / 8) + 4 * (lane % 4) + i % 4;
-}
-#elif ISA_LEVEL == 1
-struct Q4Pair { __m256i lo, hi; };
-struct XPair { __m256i lo, hi; };
+  return c10::detail::fp16_ieee_to_fp32_value(p[i]);
 #else
-typedef __m512i Q4Pair;
-typedef __m512i XPair;
-#endif
-
-// `two`: blocks b and b+1 both exist (else b+1 reads as zeros).
-static inline Q4Pair q4_pair(const uint8_t* p, bool two) {
-#if ISA_LEVEL == 0
-  Q4Pair w;
-  for (int i = 0; i < 64; ++i) {
-    int blk, t;
-    q4_map(i, blk, t);
-    const uint8_t byte = (blk == 0 || two) ? p[16 * blk + t % 16] : 0;
-    w.u[i] = t < 16 ? (byte & 15) : (byte >> 4);
-  }
-  return w;
-#else
-  const __m256i raw = two ? _mm256_loadu_si256((const __m256i*)p)
-                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)p));
-  const __m256i m4 = _mm256_set1_epi8(15);
-  const __m256i lo = _mm256_and_si256(raw, m4);                       // q[0..15] of b, b+1
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);  // q[16..31]
-#if ISA_LEVEL == 1
-  return Q4Pair{lo, hi};
-#else
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-#endif
+  return _cvtsh_ss(p[i]);
 #endif
 }
 
-static inline XPair q4_x_pair(const int8_t* x, bool two) {
 #if ISA_LEVEL == 0
-  XPair v;
-  for (int i = 0; i < 64; ++i) {
-    int blk, t;
-    q4_map(i, blk, t);
-    v.s[i] = (blk == 0 || two) ? x[32 * blk + t] : 0;
-  }
-  return v;
-#else
-  const __m256i x0 = _mm256_loadu_si256((const __m256i*)x);
-  const __m256i x1 = two ? _mm256_loadu_si256((const __m256i*)(x + 32)) : _mm256_setzero_si256();
-  const __m256i lo = _mm256_permute2x128_si256(x0, x1, 0x20);        // x0[0:16], x1[0:16]
-  const __m256i hi = _mm256_permute2x128_si256(x0, x1, 0x31);        // x0[16:32], x1[16:32]
-#if ISA_LEVEL == 1
-  return XPair{lo, hi};
-#else
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-#endif
-#endif
+// ---- the reference: one output row at a time, the order above spelled out --------------------
+template <typename S>
+static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
+  const int64_t nb = w.K / 32, N = w.G * 8;
+  const S* wd = static_cast<const S*>(w.d);
+  const S* wm = static_cast<const S*>(w.m);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < 8; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = w.codes + (g * nb + b) * 128;
+          const int8_t* x = a.q + m * a.K + 32 * b;
+          int32_t isum = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = blk[32 * c + 4 * r + j];
+              isum += int32_t(byte & 15) * x[4 * c + j] + int32_t(byte >> 4) * x[16 + 4 * c + j];
+            }
+          const int64_t k = (g * nb + b) * 8 + r;
+          const float dd = scale_at(wd, k) * a.d[m * nb + b];
+          acc = std::fma(float(isum), dd, acc);
+          acc = std::fma(scale_at(wm, k), a.s[m * nb + b], acc);
+        }
+        y[m * N + 8 * g + r] = acc;
+      }
 }
 
-// A pair of activation blocks already in the lane map's order (Act::q4): 64 bytes.
-static inline XPair q4_x_laid_out(const int8_t* p) {
-#if ISA_LEVEL == 0
-  XPair v;
-  std::memcpy(v.s, p, 64);
-  return v;
-#elif ISA_LEVEL == 1
-  return XPair{_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
+template <int B, typename S>
+static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const S* wd = static_cast<const S*>(w.d);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < 8; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int8_t* blk = w.codes + (g * nb + b) * 256;
+          const int8_t* x = a.q + m * a.K + 32 * b;
+          for (int h = 0; h < 32 / B; ++h) {          // the block's one or two scales
+            int32_t isum = 0;
+            for (int c = h * B / 4; c < (h + 1) * B / 4; ++c)
+              for (int j = 0; j < 4; ++j) isum += int32_t(blk[32 * c + 4 * r + j]) * x[4 * c + j];
+            const float dd = scale_at(wd, (g * nd + b * (32 / B) + h) * 8 + r) * a.d[m * nb + b];
+            acc = std::fma(float(isum), dd, acc);
+          }
+        }
+        y[m * N + 8 * g + r] = acc;
+      }
+}
 #else
-  return _mm512_loadu_si512(p);
-#endif
+// ---- AVX2: TM activation rows × TG groups of 8 weight rows per tile ---------------------------
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in every int32 lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-static inline Lanes q4_dot(const Q4Pair& w, const XPair& x) {
-#if ISA_LEVEL == 0
-  Lanes p;
-  for (int l = 0; l < 16; ++l) {
-    int32_t acc = 0;
-    for (int t = 0; t < 4; ++t) acc += int32_t(w.u[4 * l + t]) * int32_t(x.s[4 * l + t]);
-    p.v[l] = acc;
-  }
-  return p;
-#elif ISA_LEVEL == 1
-  const __m256i one = _mm256_set1_epi16(1);
-  return Lanes{_mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x.lo), one),
-               _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x.hi), one)};
-#else
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-#endif
-}
+// Decode tiles (one activation row) prefetch each group's stream PF blocks ahead: the rows
+// stream from memory once per token, and the hardware prefetcher alone leaves bandwidth unused.
+constexpr int64_t PF = 4;
 
-// ---- Q8 pair: 64 weight bytes (32 with one block) against 64 activation bytes -----------------
-// ⟨q_w, q_x⟩ as unsigned × signed: |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ -128).
-#if ISA_LEVEL == 0
-typedef XPair Q8X;
-#elif ISA_LEVEL == 1
-struct Q8X { __m256i lo, hi; };
-#else
-typedef __m512i Q8X;
-#endif
-
-static inline Q8X q8_x_pair(const int8_t* x, bool two) {
-#if ISA_LEVEL == 0
-  Q8X v;
-  for (int i = 0; i < 64; ++i) v.s[i] = (i < 32 || two) ? x[i] : 0;
-  return v;
-#elif ISA_LEVEL == 1
-  return Q8X{_mm256_loadu_si256((const __m256i*)x),
-             two ? _mm256_loadu_si256((const __m256i*)(x + 32)) : _mm256_setzero_si256()};
-#else
-  return two ? _mm512_loadu_si512(x) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)x));
-#endif
-}
-
-static inline Lanes q8_dot(const int8_t* w, const Q8X& x, bool two) {
-#if ISA_LEVEL == 0
-  Lanes p;
-  for (int l = 0; l < 16; ++l) {
-    int32_t acc = 0;
-    for (int t = 0; t < 4 && (l < 8 || two); ++t) acc += int32_t(w[4 * l + t]) * x.s[4 * l + t];
-    p.v[l] = acc;
-  }
-  return p;
-#elif ISA_LEVEL == 1
-  const __m256i one = _mm256_set1_epi16(1);
-  auto dot8 = [&](__m256i wv, __m256i xv) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), one);
-  };
-  const __m256i w0 = _mm256_loadu_si256((const __m256i*)w);
-  return Lanes{dot8(w0, x.lo),
-               two ? dot8(_mm256_loadu_si256((const __m256i*)(w + 32)), x.hi) : _mm256_setzero_si256()};
-#else
-  const __m512i wv = two ? _mm512_loadu_si512(w)
-                         : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)w));
-  const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), x);
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs);
-#endif
-}
-
-// Decode tiles (one activation row) prefetch the weight bytes PF rows ahead: the rows stream
-// from memory once per token, and the hardware prefetcher alone leaves half the bandwidth
-// unused (Gemma 3's 262144 × 640 Q8_0 output projection: 5.3 → 4.2 ms with 2 threads).
-constexpr int64_t PF = 8;
-
-static inline float first(F4 v) {
-#if ISA_LEVEL == 0
-  return v.v[0];
-#else
-  return _mm_cvtss_f32(v);
-#endif
-}
-static inline float second(F4 v) {
-#if ISA_LEVEL == 0
-  return v.v[1];
-#else
-  return _mm_cvtss_f32(_mm_movehdup_ps(v));
-#endif
-}
-
-// ---- Q4 weights: w = d·q + m, q ∈ [0, 15] ------------------------------------------------------
-// Tile of TM activation rows × TN weight rows. y[i][j] = Σ_b (d_w·d_x)·⟨q_w, q_x⟩_b + m_w·s_x,
-// the first sum over pairs of blocks (see the lane map), the second a plain chain over b.
-template <int TM, int TN, typename S>
-static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t n0, float* y,
-                           int64_t ldy) {
-  const S* wd_p = static_cast<const S*>(w.d);
-  const S* wm_p = static_cast<const S*>(w.m);
-  const int64_t nb = w.K / 32;
-  constexpr int TQ = (TM + 3) / 4;               // groups of four rows
-  const bool laid_out = TM % 4 == 0 && a.q4 != nullptr;   // prefill: Act::q4 and Act::s_t
-  Acc acc[TM][TN];
-  float macc[TM][TN];                            // the m_w·s_x chain, one per output
-  F4 macc4[TQ][TN];                              // the same chains, four rows as lanes
+// Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
+// 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32.
+template <int TM, int TG, typename S>
+static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0, float* y) {
+  const int64_t nb = w.K / 32, N = w.G * 8;
+  const S* wd = static_cast<const S*>(w.d);
+  const S* wm = static_cast<const S*>(w.m);
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) macc[i][j] = 0.f;
-  for (int q = 0; q < TQ; ++q)
-    for (int j = 0; j < TN; ++j) macc4[q][j] = splat4(0.f);
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    const int n = two ? 2 : 1;
-    Q4Pair wq[TN];
-    F4 wd[TN];                                   // (d_w of block b, of block b+1, -, -)
-    Scales wds[TM > 1 ? TN : 1];                 // several rows: d_w spread over the lanes once
-    F4 wm[TN];                                   // (m_w of block b, of block b+1, -, -)
-    for (int j = 0; j < TN; ++j) {
-      const uint8_t* codes = w.codes + (n0 + j) * (w.K / 2) + 16 * b;
-      if (TM == 1) __builtin_prefetch(codes + PF * (w.K / 2));   // see PF
-      wq[j] = q4_pair(codes, two);
-      wd[j] = load_scales(wd_p + (n0 + j) * nb + b, n);
-      if constexpr (TM > 1) wds[j] = quarters_q4(wd[j]);
-      wm[j] = load_scales(wm_p + (n0 + j) * nb + b, n);
+    for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s16[TM][TG];
+    for (int i = 0; i < TM; ++i)
+      for (int g = 0; g < TG; ++g) s16[i][g] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[TG], hi[TG];
+      for (int g = 0; g < TG; ++g) {
+        const uint8_t* p = w.codes + ((g0 + g) * nb + b) * 128 + 32 * c;
+        if (TM == 1) _mm_prefetch((const char*)(p + PF * 128), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+        lo[g] = _mm256_and_si256(raw, m4);                                  // q[4c..4c+3]
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);           // q[16+4c..]
+      }
+      for (int i = 0; i < TM; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
+        const __m256i xl = bcast4(x), xh = bcast4(x + 16);
+        for (int g = 0; g < TG; ++g)
+          s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
+      }
+    }
+    __m256 dw[TG], mw[TG];
+    for (int g = 0; g < TG; ++g) {
+      dw[g] = load8(wd + ((g0 + g) * nb + b) * 8);
+      mw[g] = load8(wm + ((g0 + g) * nb + b) * 8);
     }
     for (int i = 0; i < TM; ++i) {
-      const int64_t r = (m0 + i) * nb + b;
-      const XPair xv = laid_out ? q4_x_laid_out(a.q4 + (m0 + i) * a.Kp + 32 * b)
-                                : q4_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
-      const F4 xd = load_scales(a.d + r, n);
-      // lane scales d_w·d_x (the same float products either way), products of 2 lanes
-      if constexpr (TM == 1) {
-        for (int j = 0; j < TN; ++j) acc[i][j].add(q4_dot(wq[j], xv), quarters_q4(mul4(wd[j], xd)));
-      } else {
-        const Scales xds = quarters_q4(xd);
-        for (int j = 0; j < TN; ++j) acc[i][j].add(q4_dot(wq[j], xv), mul(wds[j], xds));
-      }
-      if (laid_out) continue;
-      if (TM == 1 && TN == 4) {                  // the four m_w·s_x chains as 4 lanes
-        macc4[0][0] = fma4(F4_of(first(wm[0]), first(wm[1]), first(wm[2]), first(wm[3])),
-                           splat4(a.s[r]), macc4[0][0]);
-        if (two)
-          macc4[0][0] = fma4(F4_of(second(wm[0]), second(wm[1]), second(wm[2]), second(wm[3])),
-                             splat4(a.s[r + 1]), macc4[0][0]);
-        continue;
-      }
-      for (int j = 0; j < TN; ++j) {
-        macc[i][j] = std::fma(first(wm[j]), a.s[r], macc[i][j]);
-        if (two) macc[i][j] = std::fma(second(wm[j]), a.s[r + 1], macc[i][j]);
+      const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
+      const __m256 sx = _mm256_set1_ps(a.s[(m0 + i) * nb + b]);
+      for (int g = 0; g < TG; ++g) {
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][g], ones));
+        acc[i][g] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[g], dx), acc[i][g]);
+        acc[i][g] = _mm256_fmadd_ps(mw[g], sx, acc[i][g]);
       }
     }
-    if (laid_out) {
-      for (int q = 0; q < TQ; ++q) {
-        const F4 s0 = load_scales(a.s_t + b * a.M + m0 + 4 * q, 4);
-        for (int j = 0; j < TN; ++j) macc4[q][j] = fma4(splat4(first(wm[j])), s0, macc4[q][j]);
-        if (two) {
-          const F4 s1 = load_scales(a.s_t + (b + 1) * a.M + m0 + 4 * q, 4);
-          for (int j = 0; j < TN; ++j)
-            macc4[q][j] = fma4(splat4(second(wm[j])), s1, macc4[q][j]);
+  }
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
+}
+
+// Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
+// can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
+// |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
+template <int TM, int TG, int B, typename S, bool SMALL>
+static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y) {
+  constexpr int H = 32 / B;                          // scales per block
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const S* wd = static_cast<const S*>(w.d);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[TM][TG];
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s32[H][TM][TG];
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < TM; ++i)
+        for (int g = 0; g < TG; ++g) s32[h][i][g] = _mm256_setzero_si256();
+    for (int q = 0; q < 2; ++q) {                    // halves of 16 weights (4 chunks each)
+      __m256i s16[TM][TG];
+      for (int i = 0; i < TM; ++i)
+        for (int g = 0; g < TG; ++g) s16[i][g] = _mm256_setzero_si256();
+      for (int c = 4 * q; c < 4 * q + 4; ++c) {
+        __m256i wv[TG], wa[TG];
+        for (int g = 0; g < TG; ++g) {
+          const int8_t* p = w.codes + ((g0 + g) * nb + b) * 256 + 32 * c;
+          if (TM == 1 && c % 2 == 0) _mm_prefetch((const char*)(p + PF * 256), _MM_HINT_T0);
+          wv[g] = _mm256_loadu_si256((const __m256i*)p);
+          wa[g] = _mm256_abs_epi8(wv[g]);
+        }
+        for (int i = 0; i < TM; ++i) {
+          const __m256i xv = bcast4(a.q + (m0 + i) * a.K + 32 * b + 4 * c);
+          for (int g = 0; g < TG; ++g) {
+            const __m256i p16 = _mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(xv, wv[g]));
+            if (SMALL) s16[i][g] = _mm256_add_epi16(s16[i][g], p16);
+            else s32[q * H / 2][i][g] = _mm256_add_epi32(s32[q * H / 2][i][g],
+                                                         _mm256_madd_epi16(p16, ones));
+          }
         }
       }
+      if (SMALL)
+        for (int i = 0; i < TM; ++i)
+          for (int g = 0; g < TG; ++g)
+            s32[q * H / 2][i][g] = _mm256_add_epi32(s32[q * H / 2][i][g],
+                                                    _mm256_madd_epi16(s16[i][g], ones));
     }
-  }
-  if (TM == 1 && TN == 4 && !laid_out)
-    for (int j = 0; j < TN; ++j) macc[0][j] = lane4(macc4[0][0], j);
-  for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j)
-      y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum() +
-                                   (laid_out ? lane4(macc4[i / 4][j], i % 4) : macc[i][j]);
-}
-
-// ---- Q8 weights: w = d·q, q ∈ [-128, 127], one d per B = 32 or 16 weights ---------------------
-template <int TM, int TN, int B, typename S>
-static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t n0, float* y,
-                           int64_t ldy) {
-  const S* wd_p = static_cast<const S*>(w.d);
-  const int64_t nb = w.K / 32, nd = w.K / B;
-  Acc acc[TM][TN];
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    Scales wd[TN];                               // the lanes' weight scales
-    for (int j = 0; j < TN; ++j) {
-      const S* d = wd_p + (n0 + j) * nd + b * (32 / B);
-      wd[j] = quarters(B == 16 ? load_scales(d, two ? 4 : 2)
-                               : pick<0, 0, 1, 1>(load_scales(d, two ? 2 : 1)));
-    }
-    for (int i = 0; i < TM; ++i) {
-      const int64_t r = (m0 + i) * nb + b;
-      const Q8X xv = q8_x_pair(a.q + (m0 + i) * a.K + 32 * b, two);
-      const Scales xd = quarters(pick<0, 0, 1, 1>(load_scales(a.d + r, two ? 2 : 1)));
-      for (int j = 0; j < TN; ++j) {
-        const int8_t* codes = w.codes + (n0 + j) * w.K + 32 * b;
-        if (TM == 1) __builtin_prefetch(codes + PF * w.K);              // see PF
-        acc[i][j].add(q8_dot(codes, xv, two), mul(wd[j], xd));
+    for (int h = 0; h < H; ++h) {
+      __m256 dw[TG];
+      for (int g = 0; g < TG; ++g) dw[g] = load8(wd + ((g0 + g) * nd + b * H + h) * 8);
+      for (int i = 0; i < TM; ++i) {
+        const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
+        for (int g = 0; g < TG; ++g)
+          acc[i][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][i][g]),
+                                      _mm256_mul_ps(dw[g], dx), acc[i][g]);
       }
     }
   }
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) y[(m0 + i) * ldy + n0 + j] = acc[i][j].sum();
+    for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
 }
 
-// ---- drivers: rows [n_begin, n_end) of W for every activation row -----------------------------
-// Decode (few rows): 1 × 4 tiles, four independent accumulators per activation row. Prefill:
+// ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
+// Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row). Prefill:
 // 4 × 2 tiles over chunks of MC activation rows, so a weight tile is reused from cache.
 constexpr int64_t MC = 64;
 
-template <typename Tile1x4, typename Tile1x1, typename Tile4x2, typename Tile4x1,
-          typename Tile8x2>
-static inline void drive(int64_t M, int64_t n_begin, int64_t n_end, Tile1x4 t14, Tile1x1 t11,
-                         Tile4x2 t42, Tile4x1 t41, Tile8x2 t82) {
+template <typename T14, typename T11, typename T42, typename T41, typename T12>
+static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11, T42 t42,
+                         T41 t41, T12 t12) {
+  if (M < 4) {
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t g = g_begin;
+      for (; g + 4 <= g_end; g += 4) t14(m, g);
+      for (; g < g_end; ++g) t11(m, g);
+    }
+    return;
+  }
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t mend = std::min(M, mc + MC);
-    int64_t n = n_begin;
-    if (mend - mc >= 4) {
-      for (; n + 2 <= n_end; n += 2) {
-        int64_t m = mc;
-        for (; m + 8 <= mend; m += 8) t82(m, n);
-        for (; m + 4 <= mend; m += 4) t42(m, n);
-        for (; m < mend; ++m) { t11(m, n); t11(m, n + 1); }
-      }
-      for (; n < n_end; ++n) {
-        int64_t m = mc;
-        for (; m + 4 <= mend; m += 4) t41(m, n);
-        for (; m < mend; ++m) t11(m, n);
-      }
-    } else {
-      for (; n + 4 <= n_end; n += 4)
-        for (int64_t m = mc; m < mend; ++m) t14(m, n);
-      for (; n < n_end; ++n)
-        for (int64_t m = mc; m < mend; ++m) t11(m, n);
+    int64_t g = g_begin;
+    for (; g + 2 <= g_end; g += 2) {
+      int64_t m = mc;
+      for (; m + 4 <= mend; m += 4) t42(m, g);
+      for (; m < mend; ++m) t12(m, g);
+    }
+    for (; g < g_end; ++g) {
+      int64_t m = mc;
+      for (; m + 4 <= mend; m += 4) t41(m, g);
+      for (; m < mend; ++m) t11(m, g);
     }
   }
 }
 
 template <typename S>
-static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
-  const int64_t ld = w.N;
-  drive(a.M, n_begin, n_end,
-        [&](int64_t m, int64_t n) { q4_tile<1, 4, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<1, 1, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<4, 2, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<4, 1, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q4_tile<8, 2, S>(a, m, w, n, y, ld); });
+static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
+  drive(a.M, g0, g1,
+        [&](int64_t m, int64_t g) { q4_tile<1, 4, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<1, 1, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<4, 2, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<4, 1, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<1, 2, S>(a, m, w, g, y); });
 }
 
-static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t n_begin, int64_t n_end) {
-  if (w.half) q4_rows_s<uint16_t>(a, w, y, n_begin, n_end);
-  else q4_rows_s<float>(a, w, y, n_begin, n_end);
+template <int B, typename S, bool SMALL>
+static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+  drive(a.M, g0, g1,
+        [&](int64_t m, int64_t g) { q8_tile<1, 4, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<4, 2, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<4, 1, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<1, 2, B, S, SMALL>(a, m, w, g, y); });
 }
 
 template <int B, typename S>
-static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t n_begin, int64_t n_end) {
-  const int64_t ld = w.N;
-  drive(a.M, n_begin, n_end,
-        [&](int64_t m, int64_t n) { q8_tile<1, 4, B, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<1, 1, B, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 2, B, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 1, B, S>(a, m, w, n, y, ld); },
-        [&](int64_t m, int64_t n) { q8_tile<4, 2, B, S>(a, m, w, n, y, ld);
-                                    q8_tile<4, 2, B, S>(a, m + 4, w, n, y, ld); });
+static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+  if (w.small) q8_rows_k<B, S, true>(a, w, y, g0, g1);
+  else q8_rows_k<B, S, false>(a, w, y, g0, g1);
+}
+#endif
+
+// ---- the table's entries: groups [g0, g1) of 8 weight rows against every activation row -------
+static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
+  if (w.half) q4_rows_s<uint16_t>(a, w, y, g0, g1);
+  else q4_rows_s<float>(a, w, y, g0, g1);
 }
 
-static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t n_begin, int64_t n_end) {
+static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   if (w.block == 16) {
-    if (w.half) q8_rows_b<16, uint16_t>(a, w, y, n_begin, n_end);
-    else q8_rows_b<16, float>(a, w, y, n_begin, n_end);
+    if (w.half) q8_rows_b<16, uint16_t>(a, w, y, g0, g1);
+    else q8_rows_b<16, float>(a, w, y, g0, g1);
   } else {
-    if (w.half) q8_rows_b<32, uint16_t>(a, w, y, n_begin, n_end);
-    else q8_rows_b<32, float>(a, w, y, n_begin, n_end);
+    if (w.half) q8_rows_b<32, uint16_t>(a, w, y, g0, g1);
+    else q8_rows_b<32, float>(a, w, y, g0, g1);
   }
 }
+#endif  // ISA_LEVEL != 2
 
 }  // namespace ISA

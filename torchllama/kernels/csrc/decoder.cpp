@@ -15,7 +15,7 @@
 // With the Gemma 2/3 options (gemma_pytorch's GemmaDecoderLayer): "sandwich" norms on each
 // sublayer's output (4 norms), QK-norm (RMSNorm over each head's hd dims, before RoPE),
 // RMSNorm gains (1 + w) (unit_offset), GeGLU with tanh GELU, soft-capped scores (softcap > 0).
-// Each weight is a block matrix given as [codes, d, m] (Q4) or [codes, d] (Q8); wqkv stacks
+// Each weight is a block matrix given as [codes, d, m] (Q4) or [codes, d, small] (Q8); wqkv stacks
 // wq, wk, wv and w13 stacks w1, w3 (torchllama.quantize.fuse_projections). The T new keys and
 // values are written into cache rows row0.. at indices write_pos..write_pos+T-1, and attention
 // reads indices 0..n_keys-1 with `mask` (see attention()): a KVCache in slot order
@@ -35,13 +35,16 @@
 
 namespace torchllama {
 
+// A weight is [codes (uint8), d, m] (Q4) or [codes (int8), d, small (a bool scalar)] (Q8), in
+// the packed layout (blocks.cpp).
 static at::Tensor linear(const at::Tensor& x2, const std::vector<at::Tensor>& w) {
-  TORCH_CHECK(w.size() == 2 || w.size() == 3, "decoder_layer: a weight is [codes, d] or "
-              "[codes, d, m], got ", w.size(), " tensors");
-  return w.size() == 3 ? q4_linear(x2, w[0], w[1], w[2]) : q8_linear(x2, w[0], w[1]);
+  TORCH_CHECK(w.size() == 3, "decoder_layer: a weight is [codes, d, m] or [codes, d, small], "
+              "got ", w.size(), " tensors");
+  if (w[0].scalar_type() == at::kByte) return q4_linear(x2, w[0], w[1], w[2]);
+  return q8_linear(x2, w[0], w[1], w[2].item<bool>());
 }
 
-static int64_t rows_of(const std::vector<at::Tensor>& w) { return w.at(0).size(0); }
+static int64_t rows_of(const std::vector<at::Tensor>& w) { return 8 * w.at(0).size(0); }
 
 // (B, T, H, hd) queries and (B, T, KV, hd) keys after QK-norm (if any) and RoPE.
 static std::pair<at::Tensor, at::Tensor> queries_keys(

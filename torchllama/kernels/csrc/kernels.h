@@ -9,7 +9,8 @@
 //   arch/scalar.cpp       every kernel, plain C++ (the reference; any x86-64)
 //   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C
 //   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
-//   arch/avx512_vnni.cpp  the int8 block kernels, AVX-512 F/VL/BW + VNNI (vpdpbusd)
+//   arch/avx512_vnni.cpp  the activation quantization, AVX-512 F/VL/BW (the block products
+//                         are AVX2's on such a CPU: not yet written for VNNI)
 // Each fills one `Kernels`, leaving null what it does not provide; dispatch.cpp takes each
 // kernel from the highest level the CPU has that provides it (the fallback is data: a CPU with
 // AVX-512 but no VNNI runs the AVX-512 float kernels and the AVX2 block kernels; rope_head is
@@ -26,16 +27,15 @@ namespace torchllama {
 
 struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
   const int8_t* q; const float* d; const float* s; int64_t M, K;
-  // for Q4 prefill tiles (M ≥ 4), else null: q with each pair of blocks in the Q4 lane map's
-  // byte order (rows of Kp = 32·⌈nb/2⌉·2 bytes, an odd last block padded with zeros), and s
-  // transposed, (K/32, M)
-  const int8_t* q4 = nullptr; const float* s_t = nullptr; int64_t Kp = 0;
 };
-struct Q4Weight {       // codes (N, K/2) u8, d and m (N, K/32) f32, or f16 bits when half
-  const uint8_t* codes; const void* d; const void* m; int64_t N, K; bool half;
+// Weights in the packed layout (blocks_impl.h): G groups of 8 rows. Q4: codes (G, K/32, 128)
+// u8, d and m (G, K/32, 8) f32, or f16 bits when half. Q8: codes (G, K/32, 256) i8, d
+// (G, K/block, 8); small: every |code| ≤ 32 (Q6_K, Q5_0), which lets int16 sums run longer.
+struct Q4Weight {
+  const uint8_t* codes; const void* d; const void* m; int64_t G, K; bool half;
 };
-struct Q8Weight {       // codes (N, K) i8, d (N, K/block) f32, or f16 bits when half
-  const int8_t* codes; const void* d; int64_t N, K, block; bool half;
+struct Q8Weight {
+  const int8_t* codes; const void* d; int64_t G, K, block; bool half, small;
 };
 
 // Attention of one query: its KV head's keys and values and the softmax's settings.
@@ -58,11 +58,11 @@ struct LinearArgs {
 
 // One instruction set's kernels (null: not provided at that level, taken from the level below).
 struct Kernels {
-  // int8 block products (blocks_impl.h): one block of 32 activations quantized; rows
-  // [n0, n1) of W against every activation row, into y (M, N)
+  // int8 block products (blocks_impl.h): one block of 32 activations quantized; groups
+  // [g0, g1) of 8 rows of W against every activation row, into y (M, 8·G)
   void (*quantize_block)(const float* x, int8_t* q, float* d, float* s) = nullptr;
-  void (*q4_rows)(const Act& a, const Q4Weight& w, float* y, int64_t n0, int64_t n1) = nullptr;
-  void (*q8_rows)(const Act& a, const Q8Weight& w, float* y, int64_t n0, int64_t n1) = nullptr;
+  void (*q4_rows)(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) = nullptr;
+  void (*q8_rows)(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) = nullptr;
   // float32 layer kernels (layers_impl.h): RMSNorm of rows [m0, m1); RoPE of one head vector;
   // attention of one query; f32_linear's outputs [n0, n1) (linear_impl.h)
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t D, float eps,

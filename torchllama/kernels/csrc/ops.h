@@ -9,7 +9,8 @@
 namespace torchllama {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m);
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                     bool small);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cs);
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

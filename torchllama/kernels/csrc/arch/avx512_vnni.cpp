@@ -1,5 +1,6 @@
-// The AVX-512 VNNI int8 block kernels: a pair of blocks (64 weights) per _mm512_dpbusd_epi32,
-// activation quantization 16 lanes at a time. blocks_impl.h with ISA_LEVEL 2 under
+// The AVX-512 level of the int8 block kernels: activation quantization 16 lanes at a time. The
+// products on the packed layout are AVX2's on such a CPU (the table takes them from the level
+// below); a VNNI version (vpdpbusd instead of maddubs + madd) is not written yet. blocks_impl.h with ISA_LEVEL 2 under
 // `#pragma GCC target`; dispatch.cpp calls it only on a CPU with AVX-512 F, VL, BW and VNNI.
 // The float32 layer kernels of that CPU are arch/avx512.cpp's (they need no VNNI).
 
@@ -29,8 +30,6 @@ const Kernels& avx512_vnni_kernels() {
   static const Kernels k = [] {
     Kernels k;                                   // float32 layer kernels: avx512
     k.quantize_block = &avx512_vnni::quantize_block;
-    k.q4_rows = &avx512_vnni::q4_rows;
-    k.q8_rows = &avx512_vnni::q8_rows;
     return k;
   }();
   return k;
