@@ -283,12 +283,13 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
 
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row). Prefill:
-// 4 × 2 tiles over chunks of MC activation rows, so a weight tile is reused from cache.
+// PM × PG tiles over chunks of MC activation rows, so a weight tile is reused from cache.
 constexpr int64_t MC = 64;
+constexpr int PM = 4, PG = 2;                     // the prefill tile: PM rows × PG groups
 
-template <typename T14, typename T11, typename T42, typename T41, typename T12>
-static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11, T42 t42,
-                         T41 t41, T12 t12) {
+template <typename T14, typename T11, typename TPP, typename TP1, typename T1P>
+static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11, TPP tpp,
+                         TP1 tp1, T1P t1p) {
   if (M < 4) {
     for (int64_t m = 0; m < M; ++m) {
       int64_t g = g_begin;
@@ -300,14 +301,14 @@ static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t mend = std::min(M, mc + MC);
     int64_t g = g_begin;
-    for (; g + 2 <= g_end; g += 2) {
+    for (; g + PG <= g_end; g += PG) {
       int64_t m = mc;
-      for (; m + 4 <= mend; m += 4) t42(m, g);
-      for (; m < mend; ++m) t12(m, g);
+      for (; m + PM <= mend; m += PM) tpp(m, g);
+      for (; m < mend; ++m) t1p(m, g);
     }
     for (; g < g_end; ++g) {
       int64_t m = mc;
-      for (; m + 4 <= mend; m += 4) t41(m, g);
+      for (; m + PM <= mend; m += PM) tp1(m, g);
       for (; m < mend; ++m) t11(m, g);
     }
   }
@@ -318,9 +319,9 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   drive(a.M, g0, g1,
         [&](int64_t m, int64_t g) { q4_tile<1, 4, S>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q4_tile<1, 1, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<4, 2, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<4, 1, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<1, 2, S>(a, m, w, g, y); });
+        [&](int64_t m, int64_t g) { q4_tile<PM, PG, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<PM, 1, S>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<1, PG, S>(a, m, w, g, y); });
 }
 
 template <int B, typename S, bool SMALL>
@@ -328,9 +329,9 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
   drive(a.M, g0, g1,
         [&](int64_t m, int64_t g) { q8_tile<1, 4, B, S, SMALL>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q8_tile<1, 1, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<4, 2, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<4, 1, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<1, 2, B, S, SMALL>(a, m, w, g, y); });
+        [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, S, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<1, PG, B, S, SMALL>(a, m, w, g, y); });
 }
 
 template <int B, typename S>
