@@ -6,6 +6,7 @@ sets (bit for bit)."""
 import os
 import subprocess
 import sys
+import time
 import types
 
 import gguf
@@ -653,3 +654,17 @@ def test_a_tied_embedding_reads_the_packed_rows():
     assert embedding.codes.data_ptr() == linear.codes.data_ptr()           # one copy
     ids = torch.tensor([[3, 39, 8], [0, 0, 17]])
     assert torch.equal(embedding(ids), blocks.dequantize()[ids])
+
+
+def test_a_killed_builds_lock_is_removed_only_when_stale(tmp_path):
+    """cpp_extension waits forever on the lock of a killed build; a fresh lock is a build
+    in progress and stays."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._remove_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    kernels._remove_stale_lock(tmp_path)
+    assert not lock.exists()
+    kernels._remove_stale_lock(tmp_path)                     # no lock: nothing to do

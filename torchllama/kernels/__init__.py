@@ -42,6 +42,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -97,10 +98,26 @@ def _build() -> None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(out)
     cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                        build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
+
+
+#: A build lock older than this was left by a build that was killed (a build takes < 5 min).
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_lock(out: Path) -> None:
+    """torch's cpp_extension waits forever on the `lock` file of a build that was killed
+    (Ctrl-C, OOM) in the same folder; one older than STALE_LOCK_SECONDS is removed."""
+    lock = out / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _ninja_module() -> bool:
