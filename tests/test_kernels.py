@@ -229,7 +229,8 @@ def test_each_kernel_comes_from_the_highest_level_that_has_it():
     products on the packed layout are AVX2's on every AVX-512 CPU; rope_head is the scalar one
     everywhere."""
     products = ("q4_rows", "q8_rows")
-    floats = ("rms_norm_rows", "attend_one", "linear_rows", "linear_cols")
+    floats = ("rms_norm_rows", "attend_tiles", "attend_fold", "linear_rows",
+              "linear_cols")
     expected = {"scalar": ("scalar", "scalar", "scalar"), "avx2": ("avx2", "avx2", "avx2"),
                 "avx512": ("avx2", "avx2", "avx512"),
                 "avx512_vnni": ("avx512_vnni", "avx2", "avx512")}   # no VNNI products yet
