@@ -398,7 +398,7 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
     if url is not None and not url.startswith(("http://", "https://")):
         raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
     try:
-        run_serve_bench(url, api_key, new_tokens, model, dtype, kv_cache_dtype)
+        run_serve_bench(url, api_key, new_tokens, model, dtype, kv_cache_dtype=kv_cache_dtype)
     except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
         raise ArgumentError(f"bench serve: {e}") from e
     return 0
