@@ -578,7 +578,8 @@ def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,
         config: a YAML or JSON file of ModelArgs fields instead.
         seq_len: tokens in the context (default: the model's max_seq_len).
         batch_size: sequences cached at once.
-        dtype: dtype of the cache: float32, bfloat16, float16 or float8.
+        dtype: dtype of the cache: float32, bfloat16, float16, q8_0 (torchllama's int8 cache:
+            36 bytes per 32 numbers) or float8.
         compare_attention: also show the same model with MHA, GQA (8 query heads per KV head),
             MQA and MLA side by side.
     """

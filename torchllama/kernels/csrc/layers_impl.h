@@ -183,24 +183,25 @@ static inline void rope_head(const float* x, const float* cs, float* y, int64_t 
 }
 
 // ---- attention ---------------------------------------------------------------------------------
-// softmax(q·kᵀ·scale [→ c·tanh(·/c)])·v for the n query heads that share one KV head (GQA: each
-// key and value is read once for all of them), over the keys a row may see: idx[0..n_keys), in
-// slot order (the caller lists them, layers.cpp). The keys are taken ATTN_TILE at a time, in that
-// order; tile τ gives, per query head, its partial softmax (Milakov & Gimelshein 2018; the
-// FlashAttention tiling of Dao et al. 2022, here over one query):
+// softmax(q·kᵀ·scale [→ c·tanh(·/c)])·v for the n query heads that share one KV head (GQA:
+// each key and value is read once for all of them), over the keys a row may see:
+// idx[0..n_keys), in slot order (the caller lists them, layers.cpp). The keys are taken
+// ATTN_TILE at a time, in that order; tile τ gives, per query head, its partial softmax
+// (Milakov & Gimelshein 2018; the FlashAttention tiling of Dao et al. 2022, here over one query):
 //   s_j = dot(q, k_j)·scale (soft-capped), m_τ = max_j s_j, p_j = e^{s_j − m_τ},
-//   l_τ = Σ_j p_j (in j order from 0), o_τ = Σ_j p_j·v_j (per dim, a fused multiply-add chain in
-//   j order from 0)
+//   l_τ = Σ_j p_j (in j order from 0), o_τ = Σ_j p_j·v_j (per dim, a fused multiply-add
+//   chain in j order from 0)
 // and the tiles fold left to right into (m, l, o) (`attend_fold`): m' = max(m, m_τ),
-// a = e^{m − m'}, b = e^{m_τ − m'}, l = l·a + l_τ·b, o = o·a + o_τ·b; the answer is o / l.
+// a = e^{m − m'}, b = e^{m_τ − m'}, l = l·a + l_τ·b, o = o·a + o_τ·b; the answer: o / l.
 // Tiles are counted in *visible* keys, so they hold the same keys whatever the storage around
 // them (padding, other rows, a ring's rotation, a chunked prefill): a row's answer is the same
 // bits alone or batched, and whichever thread computes a tile (the fold's order is fixed).
 // Keys and values are read as the cache stores them (kernels.h KvType): float32; float16 or
-// bfloat16, converted exactly to float32 in registers; q8_0 records, where the query is rounded
-// to int8 per 32 too (the caller does it, `quantize_block`) and q·k_j = Σ_b
-// fma(float(Σ_i qq_i·kq_i), qd_b·kd_b, ·) over the blocks b in order (exact integer sums), and
-// v_j's numbers are kd·code (p_j·vd_b one product, then the chain of fused multiply-adds).
+// bfloat16, converted exactly to float32 in registers; q8_0 records, where the query is
+// rounded to int8 per 32 too (the caller does it, `quantize_block`) and
+// q·k_j = Σ_b fma(float(Σ_i qq_i·kq_i), qd_b·kd_b, ·) over the blocks b in order (exact
+// integer sums), and v_j's numbers are vd·code (p_j·vd_b one product, then the chain of fused
+// multiply-adds).
 
 // A float16 or bfloat16 number's bits as float32 (exact): F16C's conversion, or c10's on the
 // scalar level (the same IEEE value); bfloat16 is float32's upper half.
@@ -228,7 +229,8 @@ static inline v16 kv_load16(const uint8_t* row, int64_t i) {
   } else {
     const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + i;
 #if ISA_LEVEL == 1
-    const __m128i lo = _mm_loadu_si128((const __m128i*)h), hi = _mm_loadu_si128((const __m128i*)(h + 8));
+    const __m128i lo = _mm_loadu_si128((const __m128i*)h);
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(h + 8));
     if constexpr (KT == kv_f16) return v16{(v8)_mm256_cvtph_ps(lo), (v8)_mm256_cvtph_ps(hi)};
     return v16{(v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16),
                (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16)};
@@ -253,8 +255,10 @@ static inline float kv_load1(const uint8_t* row, int64_t i) {
 // 16 int8 codes as float32 (exact).
 static inline v16 codes16(const int8_t* c) {
 #if ISA_LEVEL == 1
-  return v16{(v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)c))),
-             (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8))))};
+  const __m128i lo = _mm_loadl_epi64((const __m128i*)c);
+  const __m128i hi = _mm_loadl_epi64((const __m128i*)(c + 8));
+  return v16{(v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+             (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
 #elif ISA_LEVEL == 2
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
 #else
@@ -271,7 +275,8 @@ static inline int32_t block_dot(const int8_t* a, const int8_t* b) {
   for (int i = 0; i < 32; ++i) s += int32_t(a[i]) * int32_t(b[i]);
   return s;
 #else
-  const __m256i x = _mm256_loadu_si256((const __m256i*)a), y = _mm256_loadu_si256((const __m256i*)b);
+  const __m256i x = _mm256_loadu_si256((const __m256i*)a);
+  const __m256i y = _mm256_loadu_si256((const __m256i*)b);
   // |y| · (x·sign y): maddubs multiplies unsigned by signed bytes (llama.cpp's idiom); pairs
   // sum to ≤ 2·127² < 2^15, so no saturation
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(y, y), _mm256_sign_epi8(x, y));
@@ -387,7 +392,8 @@ static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t
       mx = x > mx ? x : mx;
     }
     int64_t j = 0;
-    for (; j + LANES <= n; j += LANES) store16(s + j, exp_nonpositive(sub16(load16(s + j), splat16(mx))));
+    for (; j + LANES <= n; j += LANES)
+      store16(s + j, exp_nonpositive(sub16(load16(s + j), splat16(mx))));
     for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
     float l = 0.f;
     for (j = 0; j < n; ++j) l += s[j];
