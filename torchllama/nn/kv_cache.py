@@ -184,8 +184,8 @@ class KVCache(nn.Module):
 
     def store(self, x: torch.Tensor) -> torch.Tensor:
         """New keys or values (..., width) float as this cache stores them: q8_0 records, or x
-        itself (writing it into the buffers rounds it to their dtype)."""
-        return q8_0_quantize(x) if self.kv_dtype == "q8_0" else x
+        in the buffers' dtype (rounded to nearest even)."""
+        return q8_0_quantize(x) if self.kv_dtype == "q8_0" else x.to(self.k_cache.dtype)
 
     @property
     def max_batch_size(self) -> int:
@@ -435,12 +435,11 @@ class SlidingWindowKVCache(KVCache):
         self._wrote(_row_range(rows, B), start_pos + T)
         rows = rows if rows is not None else slice(0, B)
         C = self.capacity
-        xk, xv = self.store(xk), self.store(xv)          # as stored: read back the same
+        xk, xv = self.store(xk), self.store(xv)          # rounded as stored: read back the same
         if T == 1:
             self.k_cache[rows, :, start_pos % C] = xk[:, :, 0]
             self.v_cache[rows, :, start_pos % C] = xv[:, :, 0]
             return self.k_cache[rows], self.v_cache[rows]                 # (B, KV, C, ·)
-        xk, xv = xk.to(self.k_cache.dtype), xv.to(self.v_cache.dtype)     # rounded as stored
         r = start_pos % C                       # the oldest slot's index: rotate it first
         keys = torch.cat([self.k_cache[rows, :, r:], self.k_cache[rows, :, :r], xk],
                          dim=2)                                           # (B, KV, C + T, ·)
