@@ -108,8 +108,8 @@ _CLI_MODELS: dict = {}
 def shared_cli_models(monkeypatch):
     """Opt-in (`@pytest.mark.usefixtures("shared_cli_models")`): in-process `main([...])` calls
     share what they load. `torchllama.checkpoint.load` (which the commands import when they run)
-    and `torchllama.load` are memoized for the session on (model, dtype), for calls without an
-    adapter: the first call per key is the real load, later ones get the same (model, tokenizer),
+    and `torchllama.load` are memoized for the session on (model, dtype, kv_cache_dtype), for
+    calls without an adapter: the first call per key is the real load, later ones get the same (model, tokenizer),
     as a server answering many requests would. Errors are not cached (a bad file fails every
     time). Not for commands that change the model (--compile, --draft)."""
     import torchllama
@@ -118,11 +118,13 @@ def shared_cli_models(monkeypatch):
     real = checkpoint.load
 
     def load(path=None, *args, **kwargs):
-        if args or kwargs.get("adapter") is not None or set(kwargs) - {"dtype", "adapter"}:
+        if args or kwargs.get("adapter") is not None or \
+                set(kwargs) - {"dtype", "adapter", "kv_cache_dtype"}:
             return real(path, *args, **kwargs)
-        key = (None if path is None else str(path), kwargs.get("dtype", "auto"))
+        key = (None if path is None else str(path), kwargs.get("dtype", "auto"),
+               kwargs.get("kv_cache_dtype", "auto"))
         if key not in _CLI_MODELS:
-            _CLI_MODELS[key] = real(path, dtype=key[1])
+            _CLI_MODELS[key] = real(path, dtype=key[1], kv_cache_dtype=key[2])
         return _CLI_MODELS[key]
 
     monkeypatch.setattr(checkpoint, "load", load)

@@ -69,6 +69,8 @@ def bad_files(tmp_path_factory, smollm2_gguf):
     ("top_k", ["--top-k", "-2"], "top_k must be an integer ≥ 0"),
     ("max_new", ["--max-new-tokens", "0"], "--max-new-tokens must be ≥ 1"),
     ("dtype", ["--dtype", "float8"], "--dtype 'float8' is not supported"),
+    ("kv_cache_dtype", ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8' is not supported; "
+     "use one of auto, float32, float16, bfloat16, q8_0"),
     ("too_long", ["--prompt", "hello " * 9000], "the context holds 8192"),
 ])
 @pytest.mark.usefixtures("shared_cli_models")          # one real load for the cases that load

@@ -195,6 +195,12 @@ q, k, v = (torch.randn(2, 4, s, 64, generator=g) for s in (1, 37, 37))   # four 
 layers += [ops.attention(q, k, v, None, 0.125, 0.0),                   # side, 64-wide PV sums
            ops.attention(q, k, v, torch.rand(2, 1, 1, 37, generator=g) > 0.2, 0.125, 0.0,
                          torch.tensor([3, 30]))]                        # a ring, oldest first
+from torchllama.nn.kv_cache import q8_0_quantize                        # the cache storages:
+q, k, v = (torch.randn(2, 4, s, 64, generator=g) for s in (3, 150, 150))  # 3 tiles of keys
+layers += [ops.attention(q, store(k), store(v), None, 0.125, 0.0)
+           for store in (torch.Tensor.half, torch.Tensor.bfloat16, q8_0_quantize)]
+q, k, v = (torch.randn(1, 2, s, 40, generator=g) for s in (2, 70, 70))    # widths off the lanes
+layers += [ops.attention(q, k.half(), v.half(), None, 0.3, 20.0)]
 xa = torch.randn(7, 160, generator=g) * 5                               # activations with
 xa[2, :32] = 0.0                                                        # a zero block and
 xa[4, :32] = torch.arange(-15.5, 16.5)                                  # ties (scale 1 when
@@ -230,7 +236,8 @@ def test_each_kernel_comes_from_the_highest_level_that_has_it():
     products on the packed layout are AVX2's on every AVX-512 CPU; rope_head is the scalar one
     everywhere."""
     products = ("q4_rows", "q8_rows")
-    floats = ("rms_norm_rows", "attend_one", "linear_rows", "linear_cols")
+    floats = ("rms_norm_rows", "attend_tiles", "attend_fold", "linear_rows",
+              "linear_cols")
     expected = {"scalar": ("scalar", "scalar", "scalar"), "avx2": ("avx2", "avx2", "avx2"),
                 "avx512": ("avx2", "avx2", "avx512"),
                 "avx512_vnni": ("avx512_vnni", "avx2", "avx512")}   # no VNNI products yet
@@ -457,13 +464,17 @@ GEMMA_LIKE = dict(norm_unit_offset=True, norm_placement="sandwich", qk_norm=True
                   rope_local_theta=10000.0, sliding_window=6, layer_types=["local", "global"])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch):
+@pytest.mark.parametrize("scheme, family, kv", [
+    ("int4", "llama", "auto"), ("int8", "llama", "auto"), ("int4", "gemma", "auto"),
+    ("int8", "gemma", "auto"),                          # auto: float16 (quantized weights)
+    ("int4", "llama", "q8_0"), ("int8", "gemma", "q8_0"), ("int8", "llama", "bfloat16"),
+    ("int4", "gemma", "float32")])
+def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeypatch):
     """`decoder_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
     batch and a chunk written into another cache row; for a Llama layer and a Gemma-3-style one
     (sandwich norms with gains 1 + w, QK-norm, tanh GeGLU, soft-capping, and a sliding-window
-    ring cache that decode steps wrap around)."""
+    ring cache that decode steps wrap around); and it stores the keys and values as the
+    modules' cache does (each kv_cache_dtype), byte for byte."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer
     from torchllama.transforms.fuse import FusedTransformerBlock
@@ -483,7 +494,8 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
     prompt = torch.randint(0, 256, (2, 9))
 
     def run():
-        model.setup_caches(3, 96)
+        model.setup_caches(3, 96, kv)
+        model.caches.zero(slice(0, 3), 0, 96)           # the slots never written compare too
         with torch.inference_mode():
             yield model(prompt, 0)                                          # prefill
             for t in range(9, 80):                      # decode, past the ring's 6 + 64 slots
@@ -498,9 +510,12 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, monkeypatch
                         lambda *a: calls.append(1) or op(*a), raising=False)
     fused = list(run())
     assert len(calls) >= 71 * 2                       # every decode step, each layer
+    stored = [(c.k_cache.clone(), c.v_cache.clone()) for c in model.caches]
     monkeypatch.setattr(FusedTransformerBlock, "cache_slots", lambda self, x, inputs: None)
     for i, (a, b) in enumerate(zip(fused, run())):
         assert torch.equal(a, b), i
+    for (k, v), cache in zip(stored, model.caches):
+        assert torch.equal(k, cache.k_cache) and torch.equal(v, cache.v_cache)
 
 
 # ---- the float32 linear product (f32_linear, torchllama.nn.linear.Linear) ----------------------

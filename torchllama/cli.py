@@ -35,7 +35,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
              prompt_file: Optional[str] = None, batch_size: int = 8, min_p: float = 0.0,
              repetition_penalty: float = 1.0, stop: Optional[list[str]] = None,
              compile: bool = False, draft: Optional[str] = None, draft_tokens: int = 12,
-             adapter: Optional[str] = None) -> int:
+             adapter: Optional[str] = None, kv_cache_dtype: str = "auto") -> int:
     """Generate text from a prompt and stream it to stdout.
 
     Args:
@@ -70,6 +70,10 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
             +2 after a step whose drafts were all accepted, −1 after a rejection).
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
             to the model without merging.
+        kv_cache_dtype: what the KV cache stores: auto (float16 when the weights are
+            quantized, the default path; else the weights' dtype: --dtype float32 keeps the
+            exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
+            with a float32 scale: 0.56× float16's bytes).
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
@@ -87,9 +91,10 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
         raise ArgumentError("--system goes with --chat (a system prompt needs the chat template)")
     _check_draft(draft, draft_tokens, prompt_file)
     parse_dtype(dtype)
+    _check_kv_cache_dtype(kv_cache_dtype)
     StopStrings(stop or [])                                  # validates the strings first
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
@@ -123,6 +128,14 @@ def _generate_one(llm, tokenizer, drafter, draft_tokens, prompt, chat, system, m
     _write(text.flush() + "\n")
     print(session.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """ArgumentError naming --kv-cache-dtype and its choices for an unknown value (before any
+    model loads)."""
+    from torchllama.nn.kv_cache import check_kv_cache_dtype
+
+    check_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype")
 
 
 def _check_draft(draft: Optional[str], draft_tokens: int,
@@ -211,7 +224,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
          temperature: float = 0.6, top_k: int = 0, top_p: float = 0.9,
          seed: Optional[int] = None, dtype: str = "auto", compile: bool = False,
          draft: Optional[str] = None, draft_tokens: int = 12,
-         adapter: Optional[str] = None) -> int:
+         adapter: Optional[str] = None, kv_cache_dtype: str = "auto") -> int:
     """Interactive multi-turn chat. The conversation and its KV cache are kept across turns
     (each turn prefills only its new tokens). Type /reset to start over, /exit or Ctrl-D to quit.
 
@@ -235,6 +248,10 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
         draft_tokens: with --draft, the most tokens drafted per step (adapted to acceptance).
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
             to the model without merging.
+        kv_cache_dtype: what the KV cache stores: auto (float16 when the weights are
+            quantized, the default path; else the weights' dtype: --dtype float32 keeps the
+            exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
+            with a float32 scale: 0.56× float16's bytes).
     """
     from torchllama.checkpoint import load, parse_dtype
     from torchllama.errors import ArgumentError
@@ -245,7 +262,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     _check_draft(draft, draft_tokens)
     parse_dtype(dtype)
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
+    _check_kv_cache_dtype(kv_cache_dtype)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
@@ -314,7 +332,8 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
 
 def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,
                  new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
-                 batch: int = 8, no_hf: bool = False, compile: bool = False) -> int:
+                 batch: int = 8, no_hf: bool = False, compile: bool = False,
+                 kv_cache_dtype: str = "auto") -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
     llama.cpp, through llama-cpp-python: `make bench-peer` builds it).
@@ -333,20 +352,27 @@ def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens
         batch: sequences decoded together for the batched-decode figure (1: none).
         no_hf: the same as --peer none.
         compile: compile our decode step first (the seconds it takes are printed).
+        kv_cache_dtype: what our KV cache stores: auto (float16 when the weights are
+            quantized, the default path; else the weights' dtype: --dtype float32 keeps the
+            exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
+            with a float32 scale: 0.56× float16's bytes).
     """
     from torchllama.bench.decode import run_bench
     from torchllama.errors import ArgumentError
 
     _check_at_least_one(prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    _check_kv_cache_dtype(kv_cache_dtype)
     if no_hf and peer not in ("transformers", "none"):
         raise ArgumentError(f"--no-hf means --peer none; it does not go with --peer {peer}")
     run_bench(model, dtype, prompt_tokens, new_tokens, repeats,
-              peer="none" if no_hf else peer, batch=batch, compile=compile)
+              peer="none" if no_hf else peer, batch=batch, compile=compile,
+              kv_cache_dtype=kv_cache_dtype)
     return 0
 
 
 def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
-                model: Optional[str] = None, dtype: str = "auto", new_tokens: int = 128) -> int:
+                model: Optional[str] = None, dtype: str = "auto", new_tokens: int = 128,
+                kv_cache_dtype: str = "auto") -> int:
     """An OpenAI-compatible server's generated tokens/s at 1, 4 and 8 concurrent requests (8
     prompts per level, temperature 0, streaming completions) and the median time to first
     token.
@@ -359,6 +385,8 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
             embedded SmolLM2-135M-Instruct).
         dtype: without --url, its weights (as `bench decode --dtype`).
         new_tokens: the max_tokens of every request.
+        kv_cache_dtype: without --url, what the served model's KV cache stores (as
+            `serve --kv-cache-dtype`).
     """
     import http.client
 
@@ -366,10 +394,11 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
     from torchllama.errors import ArgumentError
 
     _check_at_least_one(new_tokens=new_tokens)
+    _check_kv_cache_dtype(kv_cache_dtype)
     if url is not None and not url.startswith(("http://", "https://")):
         raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
     try:
-        run_serve_bench(url, api_key, new_tokens, model, dtype)
+        run_serve_bench(url, api_key, new_tokens, model, dtype, kv_cache_dtype=kv_cache_dtype)
     except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
         raise ArgumentError(f"bench serve: {e}") from e
     return 0
@@ -485,7 +514,7 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
           draft: Optional[str] = None, draft_tokens: int = 12,
-          adapter: Optional[str] = None) -> int:
+          adapter: Optional[str] = None, kv_cache_dtype: str = "auto") -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
 
@@ -511,11 +540,16 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         draft_tokens: with --draft, the most tokens drafted per round.
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
             to the model without merging.
+        kv_cache_dtype: what the KV cache stores: auto (float16 when the weights are
+            quantized, the default path; else the weights' dtype: --dtype float32 keeps the
+            exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
+            with a float32 scale: 0.56× float16's bytes).
     """
     from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
 
     parse_dtype(dtype)
+    _check_kv_cache_dtype(kv_cache_dtype)
     if not 0 < port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
@@ -526,7 +560,7 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     from torchllama.serving.app import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb, draft, draft_tokens, adapter)
+               prefix_cache_mb, draft, draft_tokens, adapter, kv_cache_dtype)
     return 0
 
 
@@ -544,7 +578,8 @@ def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,
         config: a YAML or JSON file of ModelArgs fields instead.
         seq_len: tokens in the context (default: the model's max_seq_len).
         batch_size: sequences cached at once.
-        dtype: dtype of the cache: float32, bfloat16, float16 or float8.
+        dtype: dtype of the cache: float32, bfloat16, float16, q8_0 (torchllama's int8 cache:
+            36 bytes per 32 numbers) or float8.
         compare_attention: also show the same model with MHA, GQA (8 query heads per KV head),
             MQA and MLA side by side.
     """
@@ -763,7 +798,7 @@ def anatomy(model: Optional[str] = None, text: Optional[str] = None,
 def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
                batch_size: int = 4, chunks: Optional[int] = None, dtype: str = "auto",
                peer: Optional[str] = None, progress: bool = True,
-               adapter: Optional[str] = None) -> int:
+               adapter: Optional[str] = None, kv_cache_dtype: str = "auto") -> int:
     """Perplexity of a model on a text, computed as llama.cpp's llama-perplexity does:
     non-overlapping windows of --ctx tokens (BOS first when the model adds one), the second half
     of each scored; prints the running PPL per chunk ([1]x,[2]y,...) and PPL ± its standard
@@ -784,11 +819,16 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
         progress: show progress bars.
         adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run applied to
             the model without merging.
+        kv_cache_dtype: what the KV cache the windows go through stores (llama.cpp's:
+            float16): auto (float16 when the weights are quantized, the default path; else
+            the weights' dtype), float32, float16, bfloat16 or q8_0.
     """
     from torchllama.bench.perplexity import run_perplexity
 
+    _check_kv_cache_dtype(kv_cache_dtype)
     run_perplexity(model, text_file, ctx=ctx, batch_size=batch_size, dtype=dtype,
-                   chunks=chunks, peer=peer, progress=progress, adapter=adapter)
+                   chunks=chunks, peer=peer, progress=progress, adapter=adapter,
+                   kv_cache_dtype=kv_cache_dtype)
     return 0
 
 

@@ -30,8 +30,9 @@ from torch import nn
 from torchllama.config import LayerSpec, ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.nn import (ALiBi, AttentionInputs, KVCaches, LearnedPositions, RotaryEmbedding,
-                           SinusoidalPositions, T5RelativeBias, linear_cross_entropy,
-                           make_attention, make_mlp, make_norm, slot_positions)
+                           SinusoidalPositions, T5RelativeBias, kv_storage,
+                           linear_cross_entropy, make_attention, make_mlp, make_norm,
+                           slot_positions)
 from torchllama.nn.linear import Linear
 
 
@@ -115,6 +116,9 @@ class Transformer(nn.Module):
                                      spec.scaling) for spec in self.specs] \
             if args.position == "rope" else []
         self.caches: Optional[KVCaches] = None               # one per layer, see setup_caches
+        #: what `setup_caches` stores by default: one of `torchllama.nn.KV_CACHE_DTYPES`
+        #: ("auto": float16 when the linear layers are quantized, else the model's dtype)
+        self.kv_cache_dtype = "auto"
 
     def tie_weights(self) -> None:
         """Make `output` share `tok_embeddings`' weight when args.tie_embeddings (Press & Wolf
@@ -140,19 +144,29 @@ class Transformer(nn.Module):
 
     # ---- KV cache ----------------------------------------------------------------------------
 
+    def weights_quantized(self) -> bool:
+        """Whether a layer holds weight-only quantized weights (a module that can `dequantize`
+        itself: `torchllama.transforms.quantize`'s linears and embeddings)."""
+        return any(not isinstance(m, nn.Linear) and callable(getattr(m, "dequantize", None))
+                   for m in self.modules())
+
     def setup_caches(self, max_batch_size: Optional[int] = None,
-                     max_seq_len: Optional[int] = None) -> None:
-        """Allocate a KV cache in every attention layer, on the weights' device and dtype (each
-        layer's kind: all slots, a sliding window's, MLA's latents). `self.caches` is then a
-        `KVCaches` of them, with the operations on cache rows (a new one at every call, so a
-        caller can tell whether the caches it filled are still in place).
+                     max_seq_len: Optional[int] = None,
+                     kv_cache_dtype: Optional[str] = None) -> None:
+        """Allocate a KV cache in every attention layer, on the weights' device (each layer's
+        kind: all slots, a sliding window's, MLA's latents). `self.caches` is then a `KVCaches`
+        of them, with the operations on cache rows (a new one at every call, so a caller can
+        tell whether the caches it filled are still in place).
 
         Args:
             max_batch_size: rows of the cache (default args.max_batch_size).
             max_seq_len: slots per row (default and maximum: args.max_seq_len).
+            kv_cache_dtype: what a slot stores: auto, float32, float16, bfloat16 or q8_0
+                (`torchllama.nn.kv_cache`; default: `self.kv_cache_dtype`).
 
         Raises:
-            ArgumentError: max_seq_len beyond args.max_seq_len, or a non-positive size.
+            ArgumentError: max_seq_len beyond args.max_seq_len, a non-positive size, an
+                unknown kv_cache_dtype, or q8_0 for heads not a multiple of 32 wide.
         """
         max_batch_size = self.args.max_batch_size if max_batch_size is None else max_batch_size
         max_seq_len = self.args.max_seq_len if max_seq_len is None else max_seq_len
@@ -160,9 +174,16 @@ class Transformer(nn.Module):
             raise ArgumentError(
                 f"setup_caches: need max_batch_size ≥ 1 and 1 ≤ max_seq_len ≤ "
                 f"{self.args.max_seq_len}, got {max_batch_size}, {max_seq_len}")
+        storage = self.kv_cache_storage(kv_cache_dtype)
         self.use_caches(KVCaches([layer.attention.make_cache(max_batch_size, max_seq_len,
-                                                             self.dtype, self.device)
+                                                             storage, self.device)
                                   for layer in self.layers]))
+
+    def kv_cache_storage(self, kv_cache_dtype: Optional[str] = None):
+        """What `setup_caches(…, kv_cache_dtype)` stores: a torch dtype or "q8_0"
+        (`torchllama.nn.kv_cache.kv_storage`; default: `self.kv_cache_dtype`)."""
+        return kv_storage(kv_cache_dtype or self.kv_cache_dtype, self.dtype,
+                          self.weights_quantized())
 
     def use_caches(self, caches: Optional[KVCaches]) -> None:
         """Give every attention layer its cache of `caches` (from `setup_caches`, e.g. put back

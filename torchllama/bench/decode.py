@@ -248,7 +248,7 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
               prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
               with_hf: bool = True, print_fn: Callable[[str], None] = print, *,
               peer: Optional[str] = None, batch: int = 8,
-              compile: bool = False) -> list[Throughput]:
+              compile: bool = False, kv_cache_dtype: str = "auto") -> list[Throughput]:
     """Measure and print the side-by-side table: prefill tok/s, decode tok/s at batch 1 and at
     batch `batch` (all sequences' new tokens per second), and their ratios.
 
@@ -263,6 +263,8 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
         peer: "transformers" (default), "llama.cpp" (a GGUF file only) or "none".
         batch: sequences of the batched-decode figure (1: no batched figure).
         compile: compile our decode step first (`generation.compile_decode`).
+        kv_cache_dtype: what our KV cache stores (`torchllama.load`; llama.cpp keeps its
+            default, float16).
 
     Returns:
         our Throughput first, then the peer's (if it ran).
@@ -286,12 +288,13 @@ def run_bench(model_path: Optional[str] = None, dtype: str = "auto",
         import_llama_cpp()                      # fail before loading anything
         if detect_format(Path(path)) != "gguf":
             raise ArgumentError(f"--peer llama.cpp reads GGUF files only; {path} is not one")
-    model, _ = load(path, dtype=dtype, progress=False)
+    model, _ = load(path, dtype=dtype, progress=False, kv_cache_dtype=kv_cache_dtype)
     from torchllama.kernels import isa as kernels_isa
     prompts = _prompt_ids(model.args.vocab_size, prompt_tokens, batch)      # (batch, T)
     print_fn(f"model {path}")
     print_fn(f"dtype {dtype} (weights: {weight_dtypes(model)}), {torch.get_num_threads()} "
-             f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+             f"threads, KV cache {str(model.kv_cache_storage()).removeprefix('torch.')}, "
+             f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
              f"torchllama kernels {kernels_isa()}, torch {torch.__version__}")
     if compile:
         _compile(model, print_fn)

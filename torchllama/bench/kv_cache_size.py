@@ -1,6 +1,7 @@
 """How much memory a model's KV cache takes, from its configuration alone (`torchllama kv-cache`).
 
-Per token, a layer caches (bytes = elements × the cache dtype's size):
+Per token, a layer caches (bytes = elements × the cache dtype's size; q8_0, torchllama's
+int8 cache: 36 bytes per 32 numbers, 32 codes and a float32 scale):
 - multi-head / grouped-query / multi-query attention: a key and a value of head_dim per KV head,
   2 · n_kv_heads · head_dim elements;
 - multi-head latent attention (DeepSeek-V2 §2.1): the latent c_kv and the decoupled RoPE key,
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from torchllama.config import ModelArgs
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 1.125, "float8": 1}
 
 
 @dataclass
@@ -54,15 +55,15 @@ def kv_cache_bytes(args: ModelArgs, seq_len: int, batch_size: int = 1,
                    dtype: str = "bfloat16") -> int:
     """Total KV cache bytes of the model for batch_size sequences of seq_len tokens."""
     size = DTYPE_BYTES[dtype]
-    return sum(len(g.layers) * g.elements_per_token * g.tokens * batch_size * size
-               for g in layer_caches(args, seq_len))
+    return round(sum(len(g.layers) * g.elements_per_token * g.tokens * batch_size * size
+                     for g in layer_caches(args, seq_len)))
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype: str = "bfloat16") -> int:
     """Bytes one more token adds to the cache of every layer that keeps all tokens, plus those of
     the windowed layers (each token is cached by every layer while it is in its window)."""
     size = DTYPE_BYTES[dtype]
-    return sum(len(g.layers) * g.elements_per_token * size for g in layer_caches(args, 1))
+    return round(sum(len(g.layers) * g.elements_per_token * size for g in layer_caches(args, 1)))
 
 
 def attention_variants(args: ModelArgs) -> dict[str, ModelArgs]:
@@ -131,12 +132,13 @@ def report(args: ModelArgs, name: str, seq_len: int, batch_size: int, dtype: str
     lines += [header + f"{'per layer':>26}", "-" * (len(header) + 26)]
     total = 0
     for g in layer_caches(args, seq_len):
-        per_layer = g.elements_per_token * g.tokens * batch_size * size
+        per_layer = round(g.elements_per_token * g.tokens * batch_size * size)
         total += per_layer * len(g.layers)
         span = _ranges(g.layers)
         span = span if len(span) <= 16 else f"{len(g.layers)} layers"
         lines.append(f"{span + f' ({len(g.layers)})':<22}{g.kind:<20}"
-                     f"{g.elements_per_token * size:>16,} B{g.tokens:>13,}{human(per_layer):>26}")
+                     f"{round(g.elements_per_token * size):>16,} B{g.tokens:>13,}"
+                     f"{human(per_layer):>26}")
     per_token = kv_bytes_per_token(args, dtype)
     lines += ["", f"per token, all layers: {human(per_token)}"
               + (" (sliding-window layers count while the token is in their window)"

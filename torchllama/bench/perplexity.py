@@ -22,7 +22,9 @@ The method (llama.cpp's defaults: no --ppl-stride, no KL divergence):
 
 Several windows go through one forward pass (`batch_size`, llama.cpp's n_seq = n_batch / n_ctx);
 the output projection runs only on the scored half, window by window, and the log-softmax is
-float32 whatever the weights' dtype (llama.cpp's logits are float32 too).
+float32 whatever the weights' dtype (llama.cpp's logits are float32 too). As in llama.cpp, the
+keys and values go through the KV cache (float16 there by default; here the model's
+kv_cache_dtype or `kv_cache_dtype`), so a window's attention reads them as the cache stores them.
 
 `llama_cpp_perplexity` computes llama.cpp's own figure with llama-cpp-python, when it is installed
 (an optional peer, never a dependency).
@@ -181,7 +183,9 @@ def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
     """NLL of the scored half of each window, with one forward pass over all of them.
 
     Args:
-        model: a `torchllama.model.Transformer` (no KV cache set up).
+        model: a `torchllama.model.Transformer` with KV caches of at least B rows and ctx slots
+            (each window is written from slot 0: an empty cache), or none (uncached attention
+            over the float keys).
         windows: (B, ctx) int64 token ids.
 
     Returns:
@@ -220,7 +224,8 @@ def _bar(total: int, progress: bool, desc: str):
 def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
                chunks: Optional[int] = None, progress: bool = False,
                source: str = "the text",
-               on_chunk: Optional[Callable[[int, float], None]] = None) -> PerplexityResult:
+               on_chunk: Optional[Callable[[int, float], None]] = None,
+               kv_cache_dtype: Optional[str] = None) -> PerplexityResult:
     """A model's perplexity on a text by llama.cpp's method (see the module docstring).
 
     Args:
@@ -235,6 +240,8 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
         progress: show a progress bar (stderr) with the running PPL.
         source: how errors name the text.
         on_chunk: called with (window number from 1, running PPL) after each window.
+        kv_cache_dtype: what the KV cache the windows go through stores (`setup_caches`;
+            default: the model's kv_cache_dtype).
 
     Returns:
         A `PerplexityResult`.
@@ -251,7 +258,7 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
     ids = tokenize_text(tokenizer, text, ctx, source)
     windows = make_windows(ids, ctx, chunks, tokenizer.bos_id if tokenizer.add_bos else None)
     device = model.device
-    model.clear_caches()          # each window is scored from scratch (no KV cache: any batch)
+    model.setup_caches(min(batch_size, len(windows)), ctx, kv_cache_dtype)   # slot 0 each time
     result = PerplexityResult(math.nan, math.nan, len(ids), 0, 0, ctx)
     started = time.perf_counter()
     with _bar(len(windows), progress, "perplexity") as bar:
@@ -262,6 +269,7 @@ def perplexity(model, tokenizer, text: str, ctx: int = 512, batch_size: int = 4,
                     on_chunk(result.chunks, result.running[-1])
             bar.update(len(batch))
             bar.set_postfix(ppl=f"{result.running[-1]:.4f}")
+    model.clear_caches()
     return _finish(result, started)
 
 
@@ -371,7 +379,8 @@ def format_result(r: PerplexityResult) -> str:
 def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
                    batch_size: int = 4, dtype: str = "auto", chunks: Optional[int] = None,
                    peer: Optional[str] = None, progress: bool = True,
-                   adapter: Optional[str] = None) -> list[PerplexityResult]:
+                   adapter: Optional[str] = None,
+                   kv_cache_dtype: str = "auto") -> list[PerplexityResult]:
     """`torchllama perplexity`: load the model, compute and print its perplexity (and the peer's).
 
     Prints the per-chunk running PPL and the final estimate in llama.cpp's format to stdout.
@@ -383,6 +392,7 @@ def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
         dtype: passed to `load` (it rejects unknown names).
         peer: None or "llama.cpp".
         progress: progress bars on stderr.
+        kv_cache_dtype: what our KV cache stores (`load`; llama.cpp keeps its default float16).
 
     Returns:
         The results: torchllama's, then the peer's.
@@ -415,12 +425,15 @@ def run_perplexity(model_path: Optional[str], text_file: str, ctx: int = 512,
     if adapter is not None and peer is not None:
         raise ArgumentError("--peer llama.cpp scores the GGUF file alone; it cannot apply "
                             "--adapter (merge it first: torchllama finetune --merge)")
-    model, tokenizer = load(model_path, dtype=dtype, progress=progress, adapter=adapter)
+    model, tokenizer = load(model_path, dtype=dtype, progress=progress, adapter=adapter,
+                            kv_cache_dtype=kv_cache_dtype)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in model.state_dict().values()
                      if not t.is_complex()})
+    kv = model.kv_cache_storage()
     print(f"model: {model_path or 'SmolLM2-135M-Instruct (embedded)'}"
           + (f" + adapter {adapter}" if adapter else "") + f", --dtype {dtype} "
-          f"(tensors: {', '.join(dtypes)}), {torch.get_num_threads()} threads", flush=True)
+          f"(tensors: {', '.join(dtypes)}), KV cache {str(kv).removeprefix('torch.')} "
+          f"(--kv-cache-dtype {kv_cache_dtype}), {torch.get_num_threads()} threads", flush=True)
     results = [perplexity(model, tokenizer, text, ctx, batch_size, chunks, progress, source)]
     del model
     if gguf_path is not None:

@@ -146,7 +146,8 @@ def _serve_level(url: str, concurrency: int, prompts: list[str], new_tokens: int
 
 def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
                     new_tokens: int = 64, model_path: Optional[str] = None,
-                    dtype: str = "float32", concurrencies: tuple[int, ...] = (1, 4, 8),
+                    dtype: str = "float32", kv_cache_dtype: str = "auto",
+                    concurrencies: tuple[int, ...] = (1, 4, 8),
                     prompts: Optional[list[str]] = None, stream: bool = True,
                     print_fn: Callable[[str], None] = print) -> list[ServeResult]:
     """Generated tokens/s of an OpenAI-compatible server at each concurrency, and the median
@@ -158,7 +159,7 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
     the completion tokens (the servers' usage counts) over the level's wall time. One warm-up
     request runs first. Without `url`, the model (`model_path`, default the embedded
     SmolLM2-135M-Instruct) is served in this process on a free loopback port, with a batch of
-    max(concurrencies) rows, and stopped at the end.
+    max(concurrencies) rows and a KV cache of `kv_cache_dtype`, and stopped at the end.
     """
     prompts = list(prompts or SERVE_PROMPTS)
 
@@ -176,11 +177,13 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
 
         path = str(resolve_model_path(model_path))
         parse_dtype(dtype)
-        model, tokenizer = load_for_engine(path, dtype, progress=False)
+        model, tokenizer = load_for_engine(path, dtype, progress=False,
+                                           kv_cache_dtype=kv_cache_dtype)
         app = create_app(model, tokenizer, Path(path).name, api_key,
                          max_batch_size=max(concurrencies), max_queue=64)
         with serve_in_thread(app) as base_url:
-            where = (f"{base_url} (in this process: {path}, {dtype}, "
+            where = (f"{base_url} (in this process: {path}, {dtype}, KV cache "
+                     f"{str(model.kv_cache_storage()).removeprefix('torch.')}, "
                      f"{torch.get_num_threads()} threads, batch {max(concurrencies)})")
             results = measure(base_url)
     print_fn(f"server {where}\n{len(prompts)} requests per level, max_tokens {new_tokens}, "

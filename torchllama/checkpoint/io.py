@@ -20,6 +20,7 @@ from torchllama.checkpoint.common import (DTYPES, atomic_output, build_model, de
                                           parse_dtype, resolve_dtype, resolve_model_path)
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError
+from torchllama.nn.kv_cache import check_kv_cache_dtype
 from torchllama.transforms.quantize import quantize_model
 from torchllama.families import family_for_gguf, family_for_hf
 from torchllama.tokenizers import (Tokenizer, load_hf_tokenizer, load_tokenizer_file,
@@ -58,7 +59,7 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
 
 def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "auto",
          max_seq_len: Optional[int] = None, progress: bool = True,
-         adapter: Optional[str | os.PathLike] = None):
+         adapter: Optional[str | os.PathLike] = None, kv_cache_dtype: str = "auto"):
     """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
 
     Args:
@@ -77,6 +78,9 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         adapter: a LoRA adapter folder in PEFT's format (or a `torchllama finetune` run
             folder: its latest checkpoint) applied on top of the weights without merging
             (`torchllama.transforms.lora.load_adapter`; on a quantized base as in QLoRA).
+        kv_cache_dtype: what the KV cache stores (the model's `kv_cache_dtype`, used by every
+            `setup_caches`): 'auto' (default: float16 for quantized weights, else the model's
+            dtype), 'float32', 'float16', 'bfloat16' or 'q8_0' (`torchllama.nn.kv_cache`).
 
     Returns:
         (model, tokenizer): a `torchllama.model.Transformer` in eval mode on the CPU, and a
@@ -84,10 +88,11 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
 
     Raises:
         ModelFileError: missing, unreadable, truncated or unsupported file.
-        ArgumentError: unknown dtype, bad max_seq_len.
+        ArgumentError: unknown dtype or kv_cache_dtype, bad max_seq_len.
         ModelFileError: also an adapter for another architecture (the first mismatch named).
     """
     torch_dtype, quant = parse_dtype(dtype)
+    check_kv_cache_dtype(kv_cache_dtype)
     if max_seq_len is not None and max_seq_len < 1:
         raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
     path = resolve_model_path(path)
@@ -106,6 +111,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
 
         load_adapter(model, resolve_adapter(adapter))
         model.eval().requires_grad_(False)                # inference: nothing to train
+    model.kv_cache_dtype = kv_cache_dtype
     return model, tokenizer
 
 

@@ -21,6 +21,7 @@ from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.generation.sampling import SamplingParams, sample
 from torchllama.generation.steps import decode_one_token, prefill  # noqa: F401  (also exported here)
 from torchllama.generation.text import StreamDecoder  # noqa: F401  (also exported here)
+from torchllama.nn.kv_cache import check_kv_cache_dtype
 from torchllama.transforms.fuse import runs_one_op_layers  # noqa: F401  (also exported here)
 
 
@@ -157,15 +158,19 @@ class Session:
         draft_tokens: the most tokens drafted per step (the initial number too; adapted to
             the acceptance, see `torchllama.generation.speculative.DraftLength`; default
             `torchllama.generation.speculative.DEFAULT_DRAFT_TOKENS`).
+        kv_cache_dtype: what the KV cache stores: auto, float32, float16, bfloat16 or q8_0
+            (`torchllama.nn.kv_cache`; default: the model's `kv_cache_dtype`).
 
     Raises:
         ArgumentError: a draft model whose vocabulary size differs from the model's (both
-            named), or draft_tokens < 1.
+            named), draft_tokens < 1, or an unknown kv_cache_dtype.
     """
 
     def __init__(self, model, tokenizer, max_seq_len: Optional[int] = None, *,
-                 draft=None, draft_tokens: Optional[int] = None):
+                 draft=None, draft_tokens: Optional[int] = None,
+                 kv_cache_dtype: Optional[str] = None):
         self.model = model
+        self.kv_cache_dtype = kv_cache_dtype and check_kv_cache_dtype(kv_cache_dtype)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len or model.args.max_seq_len
         self.cached_ids: list[int] = []       # tokens whose keys/values are in the cache
@@ -187,7 +192,7 @@ class Session:
         # Session may have replaced them since (then what we remember is not in them).
         if self._caches is None or self.model.caches is not self._caches:
             with torch.inference_mode(False):   # normal tensors: usable outside inference mode
-                self.model.setup_caches(1, self.max_seq_len)
+                self.model.setup_caches(1, self.max_seq_len, self.kv_cache_dtype)
             self._caches = self.model.caches
             self.cached_ids = []
 

@@ -9,7 +9,8 @@ processes.
 from torchllama.nn.attention import (Attention, MultiHeadLatentAttention, attend, make_attention,
                                      repeat_kv)
 from torchllama.nn.attention_inputs import AttentionInputs, slot_positions
-from torchllama.nn.kv_cache import KVCache, KVCaches, SlidingWindowKVCache
+from torchllama.nn.kv_cache import (KV_CACHE_DTYPES, KVCache, KVCaches, SlidingWindowKVCache,
+                                    check_kv_cache_dtype, kv_storage)
 from torchllama.nn.loss import linear_cross_entropy
 from torchllama.nn.mlp import MLP, FeedForward, make_mlp
 from torchllama.nn.norms import LayerNorm, RMSNorm, make_norm
@@ -18,7 +19,8 @@ from torchllama.nn.position import (ALiBi, LearnedPositions, RotaryEmbedding, Si
                                     precompute_freqs_cis, rope_inv_freq, sinusoidal_embeddings,
                                     t5_relative_position_bucket)
 
-__all__ = ["ALiBi", "Attention", "AttentionInputs", "FeedForward", "KVCache", "KVCaches", "LayerNorm",
+__all__ = ["ALiBi", "Attention", "AttentionInputs", "FeedForward", "KVCache", "KVCaches",
+           "KV_CACHE_DTYPES", "check_kv_cache_dtype", "kv_storage", "LayerNorm",
            "LearnedPositions", "MLP", "MultiHeadLatentAttention", "RMSNorm", "RotaryEmbedding",
            "SinusoidalPositions", "SlidingWindowKVCache", "T5RelativeBias", "alibi_slopes",
            "apply_rotary_emb", "attend", "linear_cross_entropy", "make_attention", "make_mlp",

@@ -21,7 +21,7 @@ from torch import nn
 from torchllama import kernels
 from torchllama.config import LayerSpec, ModelArgs
 from torchllama.nn.attention_inputs import AttentionInputs
-from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
+from torchllama.nn.kv_cache import KVCache, KVStorage, SlidingWindowKVCache, stored_to_float
 from torchllama.nn.linear import Linear
 from torchllama.nn.norms import RMSNorm, make_norm
 from torchllama.nn.position import apply_rotary_emb, yarn_mscale
@@ -77,6 +77,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
     Args:
         q: (B, H, T, d) queries.
         k: (B, KV, S, d) keys; v: (B, KV, S, dv) values; query head h uses KV head h // (H/KV).
+            As a KV cache stores them (`torchllama.nn.kv_cache`): float32, float16, bfloat16,
+            or uint8 q8_0 records (B, KV, S, d + d/8). The kernel reads them as they are (for
+            q8_0 it rounds each query to int8 per 32 too, and scores by integer dot products,
+            as llama.cpp does); the fallback converts them to q's dtype first.
         inputs: the mask / bias of this call (see `AttentionInputs`).
         scale: the softmax scale (default 1/√d).
         softcap: c of the attention-logit soft-capping, or None.
@@ -96,8 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
     q = q.contiguous()                         # the CPU flash kernel is ~15% faster on it
     fp32 = q.dtype == torch.float32 and q.device.type == "cpu" and \
         torch.is_autocast_enabled("cpu")
-    if fp32:
-        k, v = k.float(), v.float()
+    k, v = stored_to_float(k, q.dtype), stored_to_float(v, q.dtype)   # (B, KV, S, d|dv)
     mask = inputs.bias if inputs.bias is not None else inputs.mask
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)                    # SDPA wants a float mask in q's dtype
@@ -123,9 +126,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
 
 
 def make_kv_cache(spec: LayerSpec, max_batch_size: int, max_seq_len: int, n_heads: int,
-                  k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+                  k_dim: int, v_dim: int, dtype: KVStorage, device: torch.device) -> KVCache:
     """The cache a layer of this spec needs: a ring of window + margin slots for a local layer
-    whose window is shorter than the context, else every slot."""
+    whose window is shorter than the context, else every slot; storing `dtype` (a float dtype
+    or "q8_0", see `torchllama.nn.kv_cache`)."""
     if spec.window is not None and spec.window + WINDOW_CACHE_MARGIN < max_seq_len:
         return SlidingWindowKVCache(max_batch_size, max_seq_len, n_heads, k_dim, v_dim, dtype,
                                     device, window=spec.window, margin=WINDOW_CACHE_MARGIN)
@@ -169,10 +173,10 @@ class Attention(nn.Module):
         #: `torchllama.anatomy.capture_attention`)
         self.capture: Optional[list] = None
 
-    def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
+    def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: KVStorage,
                    device: torch.device) -> KVCache:
         """A KV cache for this layer: n_kv_heads keys and values of head_dim per slot (only the
-        window's slots for a local layer)."""
+        window's slots for a local layer), stored as `dtype` (`make_kv_cache`)."""
         return make_kv_cache(self.spec, max_batch_size, max_seq_len, self.n_kv_heads,
                              self.head_dim, self.head_dim, dtype, device)
 
@@ -269,7 +273,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
         self.capture: Optional[list] = None        # as Attention.capture
 
-    def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
+    def make_cache(self, max_batch_size: int, max_seq_len: int, dtype: KVStorage,
                    device: torch.device) -> KVCache:
         """The latent cache: one "head" of c_kv (kv_lora_rank) as keys and the rotated shared
         k_rope (qk_rope_head_dim) as values, per slot."""
@@ -294,6 +298,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = c_kv[:, None].to(dtype), k_rope.transpose(1, 2)   # (B, 1, T, r|dr)
         if self.kv_cache is not None:                                 # (B, 1, S, r|dr)
             c_kv, k_rope = inputs.cache_update(self.kv_cache, c_kv, k_rope)
+            c_kv, k_rope = stored_to_float(c_kv, dtype), stored_to_float(k_rope, dtype)
         S = c_kv.shape[2]
         kv = self.wkv_b(c_kv[:, 0].to(x.dtype)).view(B, S, H, dn + dv).transpose(1, 2)
         k_nope, v = kv.split([dn, dv], dim=-1)                        # (B, H, S, dn|dv)

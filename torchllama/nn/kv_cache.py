@@ -25,14 +25,104 @@ Two kinds: `KVCache` keeps every slot (global attention); `SlidingWindowKVCache`
 last window (+ a margin) of slots in a ring buffer (local attention, Mistral / Gemma). MLA's
 latent cache is a `KVCache` with one "head" holding the latent c_kv as keys and the decoupled
 RoPE key as values.
+
+What a slot holds (`kv_cache_dtype`, chosen where caches are allocated: `torchllama.load`,
+`Transformer.setup_caches`, `Session`, the serving `Engine`, the CLI's --kv-cache-dtype):
+
+    float32    the keys and values as computed (the exact reference path)
+    float16    IEEE half (10 mantissa bits, max 65504), rounded to nearest even: half the bytes
+    bfloat16   bfloat16 (7 mantissa bits, float32's range), rounded to nearest even
+    q8_0       per token and head, blocks of 32 along the head dim: 32 int8 codes and one
+               float32 scale, quantized exactly as torchllama's int8 activations are (d =
+               max|x| / 127, q = rint(x · (1/d)), ties to even; `q8_0_quantize`): 36 bytes
+               per 32 numbers, 0.56× float16. Each slot is quantized alone, so what a row's
+               cache holds never depends on the other rows (batch invariance).
+    auto       float16 for a model whose linear layers are weight-only quantized (the default
+               path: a quantized GGUF on torchllama's kernels — its weights already round far
+               more than a float16 key does), else the model's own dtype (a float32 model keeps
+               the exact float32 cache).
+
+A q8_0 cache stores each slot's head vector as one uint8 *record* of w + w/8 bytes: the w codes
+(int8), then the w/32 scales (float32); `q8_0_dequantize` reads it back. Attention reads every
+kind as stored: torchllama's kernel converts in registers (csrc/layers_impl.h), torch's
+fallback converts to the query's dtype first (`stored_to_float`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
+
+from torchllama.errors import ArgumentError
+
+#: The choices of kv_cache_dtype (see the module docstring).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")
+#: Numbers per q8_0 block (one scale each), as in GGUF's Q8_0 and our int8 activations.
+Q8_BLOCK = 32
+#: A cache's storage: a torch float dtype, or "q8_0" (uint8 records).
+KVStorage = Union[torch.dtype, str]
+_FLOAT_KV = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_kv_cache_dtype(name: str, what: str = "kv_cache_dtype") -> str:
+    """`name` if it is one of KV_CACHE_DTYPES, else ArgumentError naming `what` (the argument,
+    e.g. "--kv-cache-dtype") and listing the choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ArgumentError(f"{what} {name!r} is not supported; use one of "
+                            f"{', '.join(KV_CACHE_DTYPES)}")
+    return name
+
+
+def kv_storage(name: str, model_dtype: torch.dtype, quantized: bool) -> KVStorage:
+    """What a cache of kv_cache_dtype `name` stores for a model of `model_dtype` whose linear
+    layers are weight-only `quantized` (or not): a torch dtype, or "q8_0". "auto": float16 when
+    quantized, else model_dtype (module docstring). Raises ArgumentError for an unknown name."""
+    check_kv_cache_dtype(name)
+    if name == "auto":
+        return torch.float16 if quantized else model_dtype
+    return _FLOAT_KV.get(name, name)
+
+
+def q8_0_record_bytes(width: int) -> int:
+    """Bytes of one q8_0 record of `width` numbers (a multiple of 32): codes + float32 scales."""
+    return width + width // Q8_BLOCK * 4
+
+
+def q8_0_width(record_bytes: int) -> int:
+    """The numbers a q8_0 record of `record_bytes` holds (inverse of `q8_0_record_bytes`)."""
+    return record_bytes * Q8_BLOCK // (Q8_BLOCK + 4)
+
+
+def q8_0_quantize(x: torch.Tensor) -> torch.Tensor:
+    """x (..., w) float, w a multiple of 32 → (..., w + w/8) uint8 records: per block of 32,
+    d = max|x| / 127, q = rint(x · (1/d)) (0 where d = 0; ties to even), as float32 operations
+    in this order — the bits of csrc/blocks_impl.h quantize_block, which the kernels use."""
+    *lead, w = x.shape
+    blocks = x.float().reshape(*lead, w // Q8_BLOCK, Q8_BLOCK)          # (..., w/32, 32)
+    d = blocks.abs().amax(-1) / 127.0                                     # (..., w/32) fp32
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))               # 1/d, or 0
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)               # (..., w/32, 32)
+    return torch.cat([q.reshape(*lead, w).view(torch.uint8),
+                      d.contiguous().view(torch.uint8)], dim=-1)          # (..., w + w/8)
+
+
+def q8_0_dequantize(records: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(..., w + w/8) uint8 q8_0 records → (..., w) d · q in `dtype` (computed in float32)."""
+    *lead, nbytes = records.shape
+    w = q8_0_width(nbytes)
+    q = records[..., :w].contiguous().view(torch.int8).float()            # (..., w)
+    d = records[..., w:].contiguous().view(torch.float32)                 # (..., w/32)
+    x = q.reshape(*lead, w // Q8_BLOCK, Q8_BLOCK) * d[..., None]          # (..., w/32, 32)
+    return x.reshape(*lead, w).to(dtype)
+
+
+def stored_to_float(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as a cache returns them (float, or uint8 q8_0 records) in `dtype`."""
+    if t.dtype == torch.uint8:
+        return q8_0_dequantize(t, dtype)
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _row_range(rows: Optional[slice], B: int) -> range:
@@ -59,24 +149,43 @@ class KVCache(nn.Module):
         n_heads: key/value heads (n_kv_heads; 1 for MLA's latent).
         k_dim, v_dim: width of one head's key and value (MLA: kv_lora_rank and
             qk_rope_head_dim).
-        dtype, device: of the buffers.
+        dtype: what a slot stores (`kv_storage`): float32, float16, bfloat16, or "q8_0" (the
+            buffers then hold uint8 records of k_dim + k_dim/8 and v_dim + v_dim/8 bytes).
+        device: of the buffers.
+
+    Raises:
+        ArgumentError: "q8_0" with a k_dim or v_dim that is not a multiple of 32.
     """
 
     in_slot_order = True
 
     def __init__(self, max_batch_size: int, max_seq_len: int, n_heads: int, k_dim: int,
-                 v_dim: int, dtype: torch.dtype, device: torch.device | str | None = None):
+                 v_dim: int, dtype: KVStorage, device: torch.device | str | None = None):
         super().__init__()
         self._allocate(torch.empty, max_batch_size, n_heads, max_seq_len, k_dim, v_dim, dtype,
                        device)
 
     def _allocate(self, factory, rows: int, heads: int, slots: int, k_dim: int, v_dim: int,
-                  dtype: torch.dtype, device) -> None:
+                  dtype: KVStorage, device) -> None:
         """Register k_cache (rows, heads, slots, k_dim) and v_cache (…, v_dim), made by
-        `factory` (torch.empty or torch.zeros), as non-persistent buffers."""
+        `factory` (torch.empty or torch.zeros), as non-persistent buffers; for "q8_0", uint8
+        records (…, k_dim + k_dim/8) and (…, v_dim + v_dim/8)."""
+        self.kv_dtype = dtype
+        if dtype == "q8_0" and (k_dim % Q8_BLOCK or v_dim % Q8_BLOCK):
+            raise ArgumentError(f"kv_cache_dtype 'q8_0' needs key and value widths that are "
+                                f"multiples of {Q8_BLOCK}; this model's are {k_dim}, {v_dim}")
         for name, width in (("k_cache", k_dim), ("v_cache", v_dim)):
-            self.register_buffer(name, factory((rows, heads, slots, width), dtype=dtype,
-                                               device=device), persistent=False)
+            if dtype == "q8_0":
+                shape, storage = (rows, heads, slots, q8_0_record_bytes(width)), torch.uint8
+            else:
+                shape, storage = (rows, heads, slots, width), dtype
+            self.register_buffer(name, factory(shape, dtype=storage, device=device),
+                                 persistent=False)
+
+    def store(self, x: torch.Tensor) -> torch.Tensor:
+        """New keys or values (..., width) float as this cache stores them: q8_0 records, or x
+        in the buffers' dtype (rounded to nearest even)."""
+        return q8_0_quantize(x) if self.kv_dtype == "q8_0" else x.to(self.k_cache.dtype)
 
     @property
     def max_batch_size(self) -> int:
@@ -90,8 +199,8 @@ class KVCache(nn.Module):
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
                rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write xk (B, KV, T, k_dim) and xv (B, KV, T, v_dim) at slots start_pos..start_pos+T-1
-        and return all keys and values written so far, (B, KV, S, ·) with S = start_pos + T
-        (views, no copy).
+        and return all keys and values written so far as stored (`store`: the buffers' dtype,
+        or q8_0 records), (B, KV, S, ·) with S = start_pos + T (views, no copy).
 
         Returning only the filled part means decode attends over S slots, not max_seq_len:
         decode is bound by memory bandwidth, so reading the empty rest would cost time.
@@ -100,8 +209,8 @@ class KVCache(nn.Module):
         B, _, T, _ = xk.shape
         rows = rows if rows is not None else slice(0, B)
         end = start_pos + T
-        self.k_cache[rows, :, start_pos:end] = xk  # (B, KV, T, hd) into (B, KV, S_max, hd)
-        self.v_cache[rows, :, start_pos:end] = xv
+        self.k_cache[rows, :, start_pos:end] = self.store(xk)  # (B, KV, T, ·) → (…, S_max, ·)
+        self.v_cache[rows, :, start_pos:end] = self.store(xv)
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
 
     def in_place_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
@@ -142,12 +251,12 @@ class KVCache(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write row b's key xk[b] (KV, 1, k_dim) and value of slot pos[b] at buffer index
         index[b] (skipped where −1; both from `row_slots`) and return the first n_keys indices of
-        the B rows, (B, KV, n_keys, ·)."""
+        the B rows as stored, (B, KV, n_keys, ·)."""
         B = xk.shape[0]
         first = _row_range(rows, B)[0]
         live = (index >= 0).nonzero().flatten()                                     # (n,)
-        self.k_cache[first + live, :, index[live]] = xk[live, :, 0]                 # (n, KV, ·)
-        self.v_cache[first + live, :, index[live]] = xv[live, :, 0]
+        self.k_cache[first + live, :, index[live]] = self.store(xk[live, :, 0])     # (n, KV, ·)
+        self.v_cache[first + live, :, index[live]] = self.store(xv[live, :, 0])
         self.count_row_writes(pos, rows)
         rows = slice(first, first + B)
         return self.k_cache[rows, :, :n_keys], self.v_cache[rows, :, :n_keys]
@@ -319,13 +428,14 @@ class SlidingWindowKVCache(KVCache):
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
                rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write xk (B, KV, T, k_dim), xv (B, KV, T, v_dim) at slots start_pos..start_pos+T-1
-        (their ring indices) and return the keys and values to attend over, in the order
-        `key_slots` describes: the ring (B, KV, C, ·), or the ring before the write followed by
-        the new ones (B, KV, C + T, ·)."""
+        (their ring indices) and return the keys and values to attend over as stored, in the
+        order `key_slots` describes: the ring (B, KV, C, ·), or the ring before the write
+        followed by the new ones, rounded as the ring stores them (B, KV, C + T, ·)."""
         B, _, T, _ = xk.shape
         self._wrote(_row_range(rows, B), start_pos + T)
         rows = rows if rows is not None else slice(0, B)
         C = self.capacity
+        xk, xv = self.store(xk), self.store(xv)          # rounded as stored: read back the same
         if T == 1:
             self.k_cache[rows, :, start_pos % C] = xk[:, :, 0]
             self.v_cache[rows, :, start_pos % C] = xv[:, :, 0]
@@ -380,6 +490,11 @@ class KVCaches:
     def shape(self) -> tuple[int, int]:
         """(max_batch_size, max_seq_len): rows, and slots a row can address."""
         return self.layers[0].max_batch_size, self.layers[0].max_seq_len
+
+    @property
+    def kv_dtype(self) -> KVStorage:
+        """What a slot stores: a torch float dtype, or "q8_0" (see the module docstring)."""
+        return self.layers[0].kv_dtype
 
     def can_write_at(self, start_pos: int, row: Optional[int] = None) -> bool:
         """Whether every layer can take a write starting at start_pos in row `row` (default: in

@@ -343,7 +343,8 @@ DEFAULT_PREFIX_CACHE_MB = 512
 def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
                max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
                prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft=None,
-               draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> FastAPI:
+               draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+               kv_cache_dtype: Optional[str] = None) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -357,12 +358,14 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         prefix_cache_mb: memory for the prefix cache, MiB (0: no prefix cache).
         draft, draft_tokens: a `torchllama.generation.speculative.Drafter` and the most tokens it
             drafts: speculative rounds for a lone decoding request (`Engine`).
+        kv_cache_dtype: what the engine's KV cache stores (`Engine`; None: the model's
+            `kv_cache_dtype`, which `torchllama.load` sets).
     """
     from contextlib import asynccontextmanager
 
     engine = Engine(model, max_batch_size, max_queue, pad_id=tokenizer.pad_id or 0,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20,
-                    draft=draft, draft_tokens=draft_tokens)
+                    draft=draft, draft_tokens=draft_tokens, kv_cache_dtype=kv_cache_dtype)
     metrics = ServerMetrics(engine)
     service = _Completions(engine, tokenizer, metrics, model_name)
 
@@ -440,13 +443,15 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512,
           prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
-          draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None) -> None:
+          draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None,
+          kv_cache_dtype: str = "auto") -> None:
     """Load a checkpoint (with a LoRA adapter applied unmerged, and a draft:
     `torchllama.generation.speculative.make_drafter`) and serve it with uvicorn until interrupted
     (arguments: `create_app`)."""
     import uvicorn
 
-    model, tokenizer = load_for_engine(model_path, dtype, adapter=adapter)
+    model, tokenizer = load_for_engine(model_path, dtype, adapter=adapter,
+                                       kv_cache_dtype=kv_cache_dtype)
     drafter = _in_thread(lambda: make_drafter(draft, model_path, progress=True)) \
         if draft is not None else None
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
@@ -457,7 +462,8 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
 
 
 def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
-                    progress: bool = True, adapter: Optional[str] = None):
+                    progress: bool = True, adapter: Optional[str] = None,
+                    kv_cache_dtype: str = "auto"):
     """`torchllama.load` run in a short-lived thread, for a process whose model then runs in the
     engine's thread.
 
@@ -470,7 +476,8 @@ def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
     """
     from torchllama.checkpoint import load
 
-    return _in_thread(lambda: load(model_path, dtype=dtype, progress=progress, adapter=adapter))
+    return _in_thread(lambda: load(model_path, dtype=dtype, progress=progress, adapter=adapter,
+                                   kv_cache_dtype=kv_cache_dtype))
 
 
 def _in_thread(fn: Callable[[], Any]) -> Any:

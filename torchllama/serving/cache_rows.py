@@ -14,7 +14,7 @@ finite: `make_finite` zeroes them, 256 slots ahead, so that this costs a call ev
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,13 +29,17 @@ class CacheRows:
         rows: cache rows (the engine's max_batch_size).
         context: slots per row.
         prefix_cache_bytes: memory for the prefix cache (0: none).
+        kv_cache_dtype: what the cache stores (`Transformer.setup_caches`; None: the model's
+            default).
 
     Attributes:
         prefix_cache: the `PrefixCache`, or None.
     """
 
-    def __init__(self, model, rows: int, context: int, prefix_cache_bytes: int = 0):
+    def __init__(self, model, rows: int, context: int, prefix_cache_bytes: int = 0,
+                 kv_cache_dtype: Optional[str] = None):
         self.model, self.rows, self.context = model, rows, context
+        self.kv_cache_dtype = kv_cache_dtype
         self.prefix_cache = PrefixCache(model, prefix_cache_bytes) if prefix_cache_bytes \
             else None
         self._finite = [0] * rows                # per row: slots [0, n) hold finite numbers
@@ -43,7 +47,7 @@ class CacheRows:
     def allocate(self) -> None:
         """Allocate the model's KV cache: `rows` rows of `context` slots."""
         with torch.inference_mode(False):
-            self.model.setup_caches(self.rows, self.context)
+            self.model.setup_caches(self.rows, self.context, self.kv_cache_dtype)
 
     def claim(self, b: int, prompt_ids: Sequence[int]) -> int:
         """Give row b to a new prompt: reset it, and put the prompt's cached prefix in it.

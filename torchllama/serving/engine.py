@@ -48,6 +48,7 @@ import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
+from torchllama.nn.kv_cache import check_kv_cache_dtype
 from torchllama.serving.cache_rows import CacheRows
 from torchllama.serving.output import OutputProcessor
 from torchllama.serving.request import QueueFull, Request, TokenEvent, _Row, notify
@@ -77,15 +78,20 @@ class Engine:
         draft_tokens: the most tokens drafted per round (adapted to the acceptance).
         max_seq_len: cache slots per row: a request's prompt and output together (default and
             at most: the model's context, `model.args.max_seq_len`).
+        kv_cache_dtype: what the cache stores: auto, float32, float16, bfloat16 or q8_0
+            (`torchllama.nn.kv_cache`; default: the model's `kv_cache_dtype`).
 
     Raises:
         ArgumentError: a size below 1 (below 0 for the prefix cache); a draft model whose
-            vocabulary size differs from the model's.
+            vocabulary size differs from the model's; an unknown kv_cache_dtype.
     """
 
     def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, pad_id: int = 0,
                  prefill_chunk: int = 512, prefix_cache_bytes: int = 0, draft=None,
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, max_seq_len: Optional[int] = None):
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, max_seq_len: Optional[int] = None,
+                 kv_cache_dtype: Optional[str] = None):
+        if kv_cache_dtype is not None:
+            check_kv_cache_dtype(kv_cache_dtype)
         if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1 or prefix_cache_bytes < 0:
             raise ArgumentError("max_batch_size, max_queue and prefill_chunk must be ≥ 1 and "
                                 "prefix_cache_bytes ≥ 0")
@@ -96,7 +102,8 @@ class Engine:
         self.context = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         self.device = model.device
         self.scheduler = Scheduler(max_batch_size, max_queue, prefill_chunk)
-        self.cache = CacheRows(model, max_batch_size, self.context, prefix_cache_bytes)
+        self.cache = CacheRows(model, max_batch_size, self.context, prefix_cache_bytes,
+                               kv_cache_dtype)
         self.runner = ModelRunner(model, pad_id, speculator)
         self.output = OutputProcessor(self.scheduler, self.context)
         self._wake = threading.Event()

@@ -15,7 +15,8 @@ What the op computes (checked once, at install): a pre-norm or sandwich block of
 block-weight product (`transforms.quantize.fuse_projections`), RoPE, optionally QK-norm and
 soft-capping; a gated feed-forward (SwiGLU, or GeGLU with tanh GELU) with one fused w1/w3
 block product; no biases. What a call needs (checked per call): float32 inference on
-torchllama's kernels, a float32 KV cache the op can write in place, RoPE rotations, no position
+torchllama's kernels, a KV cache the op can write in place (float32, float16, bfloat16 or
+q8_0: the op stores each key and value as the cache does), RoPE rotations, no position
 bias, no attention capture, and RoPE over the whole head (not partial).
 """
 
@@ -34,6 +35,10 @@ from torchllama.nn.attention_inputs import AttentionInputs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
 from torchllama.nn.mlp import ACTIVATIONS, FeedForward
 from torchllama.nn.norms import RMSNorm
+
+
+#: The cache storages the op writes and reads (float32, float16, bfloat16, q8_0 records).
+KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 
 
 class LayerWeights(NamedTuple):
@@ -149,7 +154,7 @@ class FusedTransformerBlock(TransformerBlock):
         """Where this call's keys and values go, if the op can run it, else None. A query: the
         cache learns of the write afterwards (`_record_write`)."""
         cache, cs = self.attention.kv_cache, inputs.freqs_cis
-        if cache is None or cache.k_cache.dtype != torch.float32 or \
+        if cache is None or cache.k_cache.dtype not in KERNEL_KV_DTYPES or \
                 self.attention.capture is not None or cs is None or inputs.bias is not None:
             return None
         pairs = cs.shape[-1] if cs.is_complex() else cs.shape[-2]       # rotated pairs

@@ -17,7 +17,8 @@
 // RMSNorm gains (1 + w) (unit_offset), GeGLU with tanh GELU, soft-capped scores (softcap > 0).
 // Each weight is a block matrix given as [codes, d, m] (Q4) or [codes, d, small] (Q8); wqkv stacks
 // wq, wk, wv and w13 stacks w1, w3 (torchllama.quantize.fuse_projections). The T new keys and
-// values are written into cache rows row0.. at indices write_pos..write_pos+T-1, and attention
+// values are written into cache rows row0.. at indices write_pos..write_pos+T-1 (as the cache
+// stores them: float32, float16, bfloat16 or q8_0 records, see write_keys_values), and attention
 // reads indices 0..n_keys-1 with `mask` (see attention()): a KVCache in slot order
 // (write_pos = start_pos, n_keys = start_pos + T), or one token appended to a sliding-window
 // ring (write_pos = start_pos mod C, n_keys = C; the mask says which slot each index holds,
@@ -31,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "ops.h"
 
 namespace torchllama {
@@ -59,37 +61,68 @@ static std::pair<at::Tensor, at::Tensor> queries_keys(
   return {rope(q, cs), rope(k, cs)};
 }
 
-// The new keys and values k, v (B, KV, T, hd) into the cache rows kc, vc (B, KV, C, hd): at
-// indices write_pos.. for every row, or row b's one token at row_write_pos[b] (−1: skipped).
+// One head vector x (n floats) into a cache slot as the cache stores it (torchllama.nn.kv_cache):
+// float32 as is, float16 / bfloat16 rounded to nearest even (c10's conversions, as torch's
+// copy_ rounds), q8_0 as a record: n codes and n/32 scales from quantize_block, the bits of
+// `q8_0_quantize`.
+static void store_head(at::ScalarType type, const float* x, uint8_t* dst, int64_t n) {
+  if (type == at::kFloat) {
+    std::memcpy(dst, x, size_t(n) * sizeof(float));
+  } else if (type == at::kHalf) {
+    at::Half* h = reinterpret_cast<at::Half*>(dst);
+    for (int64_t i = 0; i < n; ++i) h[i] = at::Half(x[i]);
+  } else if (type == at::kBFloat16) {
+    at::BFloat16* h = reinterpret_cast<at::BFloat16*>(dst);
+    for (int64_t i = 0; i < n; ++i) h[i] = at::BFloat16(x[i]);
+  } else {
+    const auto quantize_block = table().quantize_block;
+    for (int64_t b = 0; b < n / 32; ++b) {
+      float d, s;
+      quantize_block(x + 32 * b, reinterpret_cast<int8_t*>(dst) + 32 * b, &d, &s);
+      std::memcpy(dst + n + 4 * b, &d, sizeof d);
+    }
+  }
+}
+
+// The new keys and values k, v (B, KV, T, hd) float32 into the cache rows kc, vc (B, KV, C, ·)
+// as they store them: at indices write_pos.. for every row, or row b's one token at
+// row_write_pos[b] (−1: skipped).
 static void write_keys_values(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& k,
                               const at::Tensor& v, int64_t write_pos,
                               const std::optional<at::Tensor>& row_write_pos) {
-  const int64_t B = k.size(0), T = k.size(2), C = kc.size(2);
+  const int64_t B = k.size(0), KV = k.size(1), T = k.size(2), C = kc.size(2);
+  const int64_t hd = k.size(3), dv = v.size(3);
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && kc.stride(3) == 1 && vc.stride(3) == 1 &&
+              k.stride(3) == 1 && v.stride(3) == 1,
+              "decoder_layer: float32 keys and values, caches of one dtype, contiguous heads "
+              "expected");
+  std::vector<int64_t> index(size_t(B * T));             // where (b, t) goes; −1: nowhere
   if (!row_write_pos.has_value()) {
     TORCH_CHECK(write_pos + T <= C, "decoder_layer: slots past the cache");
-    kc.narrow(2, write_pos, T).copy_(k);
-    vc.narrow(2, write_pos, T).copy_(v);
-    return;
+    for (int64_t r = 0; r < B * T; ++r) index[r] = write_pos + r % T;
+  } else {
+    const at::Tensor pos = row_write_pos->to(at::kLong).contiguous();
+    TORCH_CHECK(T == 1 && pos.numel() == B, "decoder_layer: row_write_pos needs one token per "
+                "row and B = ", B, " positions, got T = ", T, ", ", pos.numel());
+    for (int64_t b = 0; b < B; ++b) {
+      index[b] = pos.data_ptr<int64_t>()[b];
+      TORCH_CHECK(index[b] < C, "decoder_layer: row_write_pos[", b, "] = ", index[b],
+                  " past the cache");
+    }
   }
-  const at::Tensor pos = row_write_pos->to(at::kLong).contiguous();
-  TORCH_CHECK(T == 1 && pos.numel() == B, "decoder_layer: row_write_pos needs one token per "
-              "row and B = ", B, " positions, got T = ", T, ", ", pos.numel());
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-              kc.stride(3) == 1 && vc.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "decoder_layer: float32 keys, values and caches with contiguous heads expected");
-  const int64_t* p = pos.data_ptr<int64_t>();
-  const int64_t KV = k.size(1), hd = k.size(3), dv = v.size(3);
-  float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+  const at::ScalarType type = kc.scalar_type();
+  const int64_t es = kc.element_size();
+  uint8_t *kcp = static_cast<uint8_t*>(kc.data_ptr()), *vcp = static_cast<uint8_t*>(vc.data_ptr());
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {       // one head's hd floats at a time: plain copies (the
-    if (p[b] < 0) continue;               // per-row ATen select/copy_ cost ~1 ms a batch-8 step)
-    TORCH_CHECK(p[b] < C, "decoder_layer: row_write_pos[", b, "] = ", p[b], " past the cache");
+  for (int64_t r = 0; r < B * T; ++r) {   // one head vector at a time (the per-row ATen
+    if (index[r] < 0) continue;           // select/copy_ cost ~1 ms a batch-8 step)
+    const int64_t b = r / T, t = r % T, i = index[r];
     for (int64_t h = 0; h < KV; ++h) {
-      std::memcpy(kcp + b * kc.stride(0) + h * kc.stride(1) + p[b] * kc.stride(2),
-                  kp + b * k.stride(0) + h * k.stride(1), size_t(hd) * sizeof(float));
-      std::memcpy(vcp + b * vc.stride(0) + h * vc.stride(1) + p[b] * vc.stride(2),
-                  vp + b * v.stride(0) + h * v.stride(1), size_t(dv) * sizeof(float));
+      store_head(type, kp + b * k.stride(0) + h * k.stride(1) + t * k.stride(2),
+                 kcp + (b * kc.stride(0) + h * kc.stride(1) + i * kc.stride(2)) * es, hd);
+      store_head(type, vp + b * v.stride(0) + h * v.stride(1) + t * v.stride(2),
+                 vcp + (b * vc.stride(0) + h * vc.stride(1) + i * vc.stride(2)) * es, dv);
     }
   }
 }
@@ -111,7 +144,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
               "decoder_layer: 2 or 4 norms and 0 or 2 QK-norms expected");
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const int64_t H = n_heads, KV = n_kv_heads, hd = rows_of(wqkv) / (H + 2 * KV);
-  TORCH_CHECK(hd * (H + 2 * KV) == rows_of(wqkv) && k_cache.size(3) == hd &&
+  const int64_t stored = k_cache.scalar_type() == at::kByte ? hd + hd / 8 : hd;   // q8_0
+  TORCH_CHECK(hd * (H + 2 * KV) == rows_of(wqkv) && k_cache.size(3) == stored &&
               k_cache.size(1) == KV &&
               n_keys <= k_cache.size(2) && row0 + B <= k_cache.size(0),
               "decoder_layer: wqkv, the cache and the slots do not match");

@@ -70,7 +70,8 @@ static void each_entry(Kernels& t, const Kernels& u, F f) {
   f("q8_rows", t.q8_rows, u.q8_rows);
   f("rms_norm_rows", t.rms_norm_rows, u.rms_norm_rows);
   f("rope_head", t.rope_head, u.rope_head);
-  f("attend_one", t.attend_one, u.attend_one);
+  f("attend_tiles", t.attend_tiles, u.attend_tiles);
+  f("attend_fold", t.attend_fold, u.attend_fold);
   f("linear_rows", t.linear_rows, u.linear_rows);
   f("linear_cols", t.linear_cols, u.linear_cols);
 }

@@ -38,13 +38,24 @@ struct Q8Weight {
   const int8_t* codes; const void* d; int64_t G, K, block; bool half, small;
 };
 
-// Attention of one query: its KV head's keys and values and the softmax's settings.
+// What a KV cache stores (torchllama.nn.kv_cache): float32, float16, bfloat16, or q8_0 records
+// (per head vector of w numbers: w int8 codes, then w/32 float32 scales).
+enum KvType : int32_t { kv_f32 = 0, kv_f16 = 1, kv_bf16 = 2, kv_q8_0 = 3 };
+// Visible keys per attention tile: part of the float order (layers_impl.h), so fixed.
+constexpr int64_t ATTN_TILE = 64;
+
+// Attention of the n query heads that share one KV head (GQA) at one position: the keys and
+// values as stored, the queries, the softmax's settings (layers_impl.h attend_tiles).
 struct AttnArgs {
-  const float* k; int64_t k_s;          // slot j's key at k + j·k_s
-  const float* v; int64_t v_s;
-  int64_t S, hd, dv;
+  const uint8_t* k; int64_t k_s;        // the key at index i: k + i·k_s bytes
+  const uint8_t* v; int64_t v_s;
+  int64_t hd, dv;                       // numbers per key and per value
+  int32_t type;                         // KvType of keys and values
   float scale, softcap;                 // softcap 0: none
-  int64_t start;                        // index of the first key visited (see attend_one)
+  const float* q; int64_t q_s;          // query head r (hd floats) at q + r·q_s
+  const int8_t* qq; const float* qd;    // q8_0: head r rounded to int8 per 32 (quantize_block):
+                                        // codes at qq + r·hd, scales at qd + r·hd/32
+  int64_t n;                            // query heads
 };
 
 // One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major
@@ -64,13 +75,16 @@ struct Kernels {
   void (*q4_rows)(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) = nullptr;
   void (*q8_rows)(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) = nullptr;
   // float32 layer kernels (layers_impl.h): RMSNorm of rows [m0, m1); RoPE of one head vector;
-  // attention of one query; f32_linear's outputs [n0, n1) (linear_impl.h)
+  // attention: tiles [t0, t1) of the visible keys idx[0, n_keys) folded into state (a.n ×
+  // (m, l, o[dv])), and one state folded with another; f32_linear's outputs [n0, n1)
+  // (linear_impl.h)
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t D, float eps,
                         bool unit_offset, int64_t m0, int64_t m1) = nullptr;
   void (*rope_head)(const float* x, const float* cs, float* y, int64_t pairs,
                     int64_t hd) = nullptr;
-  void (*attend_one)(const AttnArgs& a, const float* q, const uint8_t* allowed, float* sc,
-                     float* out) = nullptr;
+  void (*attend_tiles)(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int64_t t0,
+                       int64_t t1, bool fresh, float* state, float* scratch) = nullptr;
+  void (*attend_fold)(float* state, const float* part, int64_t n, int64_t dv) = nullptr;
   void (*linear_rows)(const LinearArgs& a, int64_t n0, int64_t n1) = nullptr;
   void (*linear_cols)(const LinearArgs& a, int64_t n0, int64_t n1) = nullptr;
 };

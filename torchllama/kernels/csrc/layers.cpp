@@ -14,11 +14,14 @@
 //       interleaved pairs rotated by (cos, sin) (RoFormer eq. 34; Meta's apply_rotary_emb);
 //       dims past 2·pairs pass through (partial RoPE)
 //   attention(q (B, H, T, hd), k (B, KV, S, hd), v (B, KV, S, dv), mask (T, S) | (B|1, 1, T, S)
-//             bool or None, scale, softcap) → (B, H, T, dv)
+//             bool or None, scale, softcap, key_start) → (B, H, T, dv)
 //       softmax(q·kᵀ·scale [→ c·tanh(·/c)] masked)·v (Vaswani et al. 2017, eq. 1), query head h
 //       on KV head h / (H/KV) (GQA, Ainslie et al. 2023). No mask: causal, query t of the last
-//       T slots sees slots ≤ S − T + t. The result is a (B, H, T, dv) view of a (B, T, H, dv)
-//       buffer, so the caller's transpose + reshape to (B, T, H·dv) copies nothing.
+//       T slots sees slots ≤ S − T + t. k and v as a KV cache stores them: float32, float16,
+//       bfloat16, or uint8 q8_0 records (…, hd + hd/8): tiled over the visible keys, each
+//       key read once for the H/KV heads that share it (layers_impl.h). The result is a
+//       (B, H, T, dv) view of a (B, T, H, dv) buffer, so the caller's transpose + reshape to
+//       (B, T, H·dv) copies nothing.
 //   f32_linear(x (M, K) f32, w (N, K) f32) → (M, N) = x · wᵀ (nn.Linear without its bias);
 //       w row-major, or column-major (the transpose of a contiguous (K, N): torchllama's
 //       loaders store float32 weights so), any other layout is copied row-major first.
@@ -46,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -114,21 +118,175 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cs_) {
 
 // ---- attention ---------------------------------------------------------------------------------
 
+// The KvType of keys or values as a KV cache stores them (uint8: q8_0 records).
+static int32_t kv_type_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kv_f32;
+    case at::kHalf: return kv_f16;
+    case at::kBFloat16: return kv_bf16;
+    case at::kByte: return kv_q8_0;
+    default:
+      TORCH_CHECK(false, "attention: keys and values must be float32, float16, bfloat16 or "
+                  "uint8 q8_0 records, got ", t.scalar_type());
+  }
+}
+
+// Each query head rounded to int8 per block of 32 (the activations' quantize_block): codes
+// (B, T, H, hd) int8 and scales (B, T, H, hd/32), for scoring q8_0 keys.
+static std::pair<at::Tensor, at::Tensor> quantize_queries(const at::Tensor& q) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
+  at::Tensor qq = at::empty({B, T, H, hd}, q.options().dtype(at::kChar));
+  at::Tensor qd = at::empty({B, T, H, hd / 32}, q.options());
+  const float* qp = q.data_ptr<float>();
+  int8_t* cp = qq.data_ptr<int8_t>();
+  float* dp = qd.data_ptr<float>();
+  const auto quantize_block = table().quantize_block;
+  at::parallel_for(0, B * T * H, 64, [&](int64_t u0, int64_t u1) {
+    float x[32], s;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t h = u % H, t = (u / H) % T, b = u / (H * T);
+      const float* src = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+      for (int64_t blk = 0; blk < hd / 32; ++blk) {
+        for (int i = 0; i < 32; ++i) x[i] = src[(32 * blk + i) * q.stride(3)];
+        quantize_block(x, cp + u * hd + 32 * blk, dp + u * (hd / 32) + blk, &s);
+      }
+    }
+  });
+  return {qq, qd};
+}
+
+// The keys query t of row b may see, in visiting order (from index `start` on, wrapping at S: a
+// ring oldest slot first), into idx; returns how many. mp: the (B, 1, T, S) mask's data or
+// null (causal: the last T keys are the queries').
+static int64_t visible_keys(const bool* mp, const at::Tensor& mask, int64_t b, int64_t t,
+                            int64_t T, int64_t S, int64_t start, int32_t* idx) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t i = start + j < S ? start + j : start + j - S;
+    const bool allowed = mp ? mp[b * mask.stride(0) + t * mask.stride(2) + i * mask.stride(3)]
+                            : (T == 1 || i <= S - T + t);
+    if (allowed) idx[n++] = int32_t(i);
+  }
+  return n;
+}
+
+// The answer of one group's state: out_r = o_r / l_r for its n heads (zeros without keys).
+static void finish(const float* state, int64_t n, int64_t dv, int64_t n_keys, float* out,
+                   int64_t out_s) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* st = state + r * (dv + 2);
+    for (int64_t i = 0; i < dv; ++i) out[r * out_s + i] = n_keys ? st[2 + i] / st[1] : 0.f;
+  }
+}
+
+struct AttnCall {           // one call's tensors and settings, shared by the work units
+  const at::Tensor &q, &k, &v, &mask;
+  at::Tensor qq, qd;
+  const int64_t* key_start;
+  int64_t B, H, T, KV, S, hd, dv, n_rep;
+  int32_t type;
+  float scale, softcap;
+
+  AttnArgs args(int64_t b, int64_t t, int64_t g) const {
+    const int64_t h0 = g * n_rep, nb = hd / 32;
+    const int64_t es = k.element_size();
+    const uint8_t* kp = static_cast<const uint8_t*>(k.data_ptr());
+    const uint8_t* vp = static_cast<const uint8_t*>(v.data_ptr());
+    return AttnArgs{kp + (b * k.stride(0) + g * k.stride(1)) * es, k.stride(2) * es,
+                    vp + (b * v.stride(0) + g * v.stride(1)) * es, v.stride(2) * es,
+                    hd, dv, type, scale, softcap,
+                    q.data_ptr<float>() + b * q.stride(0) + h0 * q.stride(1) + t * q.stride(2),
+                    q.stride(1),
+                    qq.defined() ? qq.data_ptr<int8_t>() + ((b * T + t) * H + h0) * hd : nullptr,
+                    qd.defined() ? qd.data_ptr<float>() + ((b * T + t) * H + h0) * nb : nullptr,
+                    n_rep};
+  }
+  int64_t start(int64_t b) const { return key_start ? key_start[b] : 0; }
+  int64_t state_size() const { return n_rep * (dv + 2); }
+};
+
+// Few groups (decode of a few rows): every tile of every group is a work unit, folded in order
+// afterwards — the same bits as one group's tiles in one task (the fold's order is fixed).
+static void attend_split(const AttnCall& c, float* op) {
+  const int64_t rows = c.B * c.T, ss = c.state_size();
+  std::vector<int32_t> idx(size_t(rows * c.S));
+  std::vector<int64_t> n_keys(rows), first(rows * c.KV + 1, 0);   // first unit of (row, g)
+  for (int64_t r = 0; r < rows; ++r) {
+    n_keys[r] = visible_keys(c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr, c.mask,
+                             r / c.T, r % c.T, c.T, c.S, c.start(r / c.T), idx.data() + r * c.S);
+    for (int64_t g = 0; g < c.KV; ++g)
+      first[r * c.KV + g + 1] = first[r * c.KV + g] + (n_keys[r] + ATTN_TILE - 1) / ATTN_TILE;
+  }
+  const int64_t units = first.back();
+  std::vector<float> parts(size_t(std::max<int64_t>(units, 1) * ss));
+  const auto tiles = table().attend_tiles;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch(size_t(4 * ATTN_TILE + ss));
+    int64_t rg = std::upper_bound(first.begin(), first.end(), u0) - first.begin() - 1;
+    for (int64_t u = u0; u < u1; ++u) {
+      while (first[rg + 1] <= u) ++rg;
+      const int64_t r = rg / c.KV, g = rg % c.KV;
+      tiles(c.args(r / c.T, r % c.T, g), idx.data() + r * c.S, n_keys[r], u - first[rg],
+            u - first[rg] + 1, true, parts.data() + u * ss, scratch.data());
+    }
+  });
+  const auto fold = table().attend_fold;
+  for (int64_t rg = 0; rg < rows * c.KV; ++rg) {
+    const int64_t r = rg / c.KV, g = rg % c.KV;
+    float* state = n_keys[r] ? parts.data() + first[rg] * ss : nullptr;
+    for (int64_t u = first[rg] + 1; u < first[rg + 1]; ++u)
+      fold(state, parts.data() + u * ss, c.n_rep, c.dv);
+    finish(state, c.n_rep, c.dv, n_keys[r], op + (r * c.H + g * c.n_rep) * c.dv, c.dv);
+  }
+}
+
+// Many groups (prefill, batched decode): one task per (row, KV head), its tiles in order.
+static void attend_groups(const AttnCall& c, float* op) {
+  const int64_t ss = c.state_size();
+  const int64_t work = std::max<int64_t>(1, c.n_rep * c.S * (c.hd + c.dv));
+  const auto tiles = table().attend_tiles;
+  at::parallel_for(0, c.B * c.T * c.KV, std::max<int64_t>(1, 32768 / work),
+                   [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<int32_t> idx;
+    thread_local std::vector<float> state, scratch;
+    idx.resize(size_t(c.S));
+    state.resize(size_t(ss));
+    scratch.resize(size_t(4 * ATTN_TILE + ss));
+    int64_t row = -1, n = 0;                    // (b, t) whose visible keys are in idx
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = u / c.KV, g = u % c.KV, b = r / c.T, t = r % c.T;
+      if (row != r) {
+        row = r;
+        n = visible_keys(c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr, c.mask, b, t,
+                         c.T, c.S, c.start(b), idx.data());
+      }
+      tiles(c.args(b, t, g), idx.data(), n, 0, (n + ATTN_TILE - 1) / ATTN_TILE, true,
+            state.data(), scratch.data());
+      finish(state.data(), c.n_rep, c.dv, n, op + (r * c.H + g * c.n_rep) * c.dv, c.dv);
+    }
+  });
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask_, double scale, double softcap,
                      const std::optional<at::Tensor>& key_start_) {
   check_f32(q, "attention", "q");
-  check_f32(k, "attention", "k");
-  check_f32(v, "attention", "v");
+  const int32_t type = kv_type_of(k);
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && k.device().is_cpu() && v.device().is_cpu(),
+              "attention: keys and values must be CPU tensors of one dtype, got ",
+              k.scalar_type(), " and ", v.scalar_type());
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.stride(3) == 1 &&
               k.stride(3) == 1 && v.stride(3) == 1,
               "attention: q, k, v must be 4-D with a contiguous last dimension");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
-  const int64_t KV = k.size(1), S = k.size(2), dv = v.size(3);
+  const int64_t KV = k.size(1), S = k.size(2);
+  const bool q8 = type == kv_q8_0;
+  const int64_t dv = q8 ? v.size(3) / 36 * 32 : v.size(3);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == KV && v.size(2) == S &&
-              k.size(3) == hd && KV > 0 && H % KV == 0 && T <= S,
+              k.size(3) == (q8 ? hd + hd / 8 : hd) && KV > 0 && H % KV == 0 && T <= S &&
+              (!q8 || (hd % 32 == 0 && v.size(3) % 36 == 0)),
               "attention: shapes do not match: q ", q.sizes(), ", k ", k.sizes(), ", v ",
-              v.sizes());
+              v.sizes(), q8 ? " (q8_0 records: hd + hd/8 bytes, hd a multiple of 32)" : "");
   at::Tensor mask;
   if (mask_.has_value()) {
     TORCH_CHECK(mask_->scalar_type() == at::kBool, "attention: the mask must be bool");
@@ -144,36 +302,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   for (int64_t b = 0; ks && b < B; ++b)
     TORCH_CHECK(0 <= ks[b] && ks[b] < std::max<int64_t>(S, 1), "attention: key_start[", b,
                 "] = ", ks[b], " is not an index of the ", S, " keys");
-  const int64_t n_rep = H / KV;
   at::Tensor out = at::empty({B, T, H, dv}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  const auto attend_one = table().attend_one;
-  const int64_t work = std::max<int64_t>(1, S * (hd + dv));
-  // One task: query t of row b for head h (its KV head h / n_rep).
-  at::parallel_for(0, B * H * T, std::max<int64_t>(1, 32768 / work), [&](int64_t u0, int64_t u1) {
-    thread_local std::vector<float> sc;
-    thread_local std::vector<uint8_t> allowed;
-    sc.resize(size_t(S));
-    allowed.resize(size_t(S));
-    int64_t row = -1;                   // (b, t) whose allowed keys are in `allowed`
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t h = u % H, t = (u / H) % T, b = u / (H * T);
-      if (row != b * T + t) {
-        row = b * T + t;
-        for (int64_t j = 0; j < S; ++j)
-          allowed[j] = mp ? mp[b * mask.stride(0) + t * mask.stride(2) + j * mask.stride(3)]
-                          : (T == 1 || j <= S - T + t);
-      }
-      const int64_t g = h / n_rep;
-      const AttnArgs a{kp + b * k.stride(0) + g * k.stride(1), k.stride(2),
-                       vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
-                       S, hd, dv, float(scale), float(softcap), ks ? ks[b] : 0};
-      attend_one(a, qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
-                 allowed.data(), sc.data(), op + ((b * T + t) * H + h) * dv);
-    }
-  });
+  AttnCall c{q, k, v, mask, {}, {}, ks, B, H, T, KV, S, hd, dv, H / KV, type, float(scale),
+             float(softcap)};
+  if (q8) std::tie(c.qq, c.qd) = quantize_queries(q);
+  // one task per (row, KV head) when they keep the threads busy; else tiles are the tasks
+  if (B * T * KV >= 4 * at::get_num_threads()) attend_groups(c, out.data_ptr<float>());
+  else attend_split(c, out.data_ptr<float>());
   return out.permute({0, 2, 1, 3});
 }
 

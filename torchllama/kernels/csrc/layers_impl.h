@@ -1,11 +1,12 @@
-// RMSNorm, RoPE and attention in float32, for one instruction set. arch/scalar.cpp,
+// RMSNorm, RoPE and attention (over float32, float16, bfloat16 or q8_0 keys and values) in
+// float32, for one instruction set. arch/scalar.cpp,
 // arch/avx2.cpp and arch/avx512.cpp each include this file once, inside a namespace (`ISA`)
 // and (but for scalar) a `#pragma GCC target`, with ISA_LEVEL 0 (plain loops), 1 (AVX2 + FMA:
 // 16 lanes as two ymm) or 2 (AVX-512 F/VL/BW: one zmm): the loops are plain C++ that the
 // compiler vectorizes for the target. Every float operation is written out (no FMA
 // contraction: -ffp-contract=off; no -ffast-math; reductions in a fixed lane order and a fixed
 // tree), so every instruction set gives the same bits, and so does every batch size.
-// rms_norm_rows, rope_head and attend_one are the table's entries (kernels.h).
+// rms_norm_rows, rope_head, attend_tiles and attend_fold are the table's entries (kernels.h).
 
 namespace ISA {
 
@@ -111,20 +112,6 @@ static inline void tree_sum4(v16 acc0, v16 acc1, v16 acc2, v16 acc3, float out[4
 #endif
 }
 
-// dot(a, b_r) for four vectors b_r = b + r·ld at once (a read once; each result's operations
-// are dot's, in dot's order). n a multiple of LANES.
-static inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float out[4]) {
-  v16 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
-  for (int64_t i = 0; i < n; i += LANES) {
-    const v16 av = load16(a + i);
-    acc0 = fma16(av, load16(b + i), acc0);
-    acc1 = fma16(av, load16(b + ld + i), acc1);
-    acc2 = fma16(av, load16(b + 2 * ld + i), acc2);
-    acc3 = fma16(av, load16(b + 3 * ld + i), acc3);
-  }
-  tree_sum4(acc0, acc1, acc2, acc3, out);
-}
-
 // e^x for x ≤ 0 (−inf → 0), as Cephes' expf (Moshier 1992): x = n·ln2 + r with |r| ≤ ln2/2,
 // e^r by its degree-7 minimax polynomial, 2^n by building the exponent. Relative error < 2e-7.
 // Written once for a float and for 16 lanes with the same operations: the same bits.
@@ -195,81 +182,282 @@ static inline void rope_head(const float* x, const float* cs, float* y, int64_t 
   for (int64_t i = 2 * pairs; i < hd; ++i) y[i] = x[i];
 }
 
-// Attention of one query vector over the keys its row may see, in slot order.
-//   scores s_j = (q·k_j)·scale (→ c·tanh(s_j/c) with soft-capping), −inf where not allowed;
-//   p_j = e^{s_j − max}, l = Σ_j p_j (sequential in j), out = (Σ_j p_j·v_j) / l
-// Keys outside the mask contribute exact zeros to l and are skipped in Σ p_j·v_j, so a row's
-// answer does not depend on padding before it or on other rows: the same bits alone or batched.
-// j runs over the key indices from a.start, wrapping at S (a sliding-window ring is visited
-// oldest slot first): the visible keys are summed in slot order whatever the storage layout,
-// so a ring (decode) and a plain list of keys (prefill, any chunking) give the same bits. The
-// scores land in sc in visiting order; dot4 gives the bits of four dot() calls.
+// ---- attention ---------------------------------------------------------------------------------
+// softmax(q·kᵀ·scale [→ c·tanh(·/c)])·v for the n query heads that share one KV head (GQA:
+// each key and value is read once for all of them), over the keys a row may see:
+// idx[0..n_keys), in slot order (the caller lists them, layers.cpp). The keys are taken
+// ATTN_TILE at a time, in that order; tile τ gives, per query head, its partial softmax
+// (Milakov & Gimelshein 2018; the FlashAttention tiling of Dao et al. 2022, here over one query):
+//   s_j = dot(q, k_j)·scale (soft-capped), m_τ = max_j s_j, p_j = e^{s_j − m_τ},
+//   l_τ = Σ_j p_j (in j order from 0), o_τ = Σ_j p_j·v_j (per dim, a fused multiply-add
+//   chain in j order from 0)
+// and the tiles fold left to right into (m, l, o) (`attend_fold`): m' = max(m, m_τ),
+// a = e^{m − m'}, b = e^{m_τ − m'}, l = l·a + l_τ·b, o = o·a + o_τ·b; the answer: o / l.
+// Tiles are counted in *visible* keys, so they hold the same keys whatever the storage around
+// them (padding, other rows, a ring's rotation, a chunked prefill): a row's answer is the same
+// bits alone or batched, and whichever thread computes a tile (the fold's order is fixed).
+// Keys and values are read as the cache stores them (kernels.h KvType): float32; float16 or
+// bfloat16, converted exactly to float32 in registers; q8_0 records, where the query is
+// rounded to int8 per 32 too (the caller does it, `quantize_block`) and
+// q·k_j = Σ_b fma(float(Σ_i qq_i·kq_i), qd_b·kd_b, ·) over the blocks b in order (exact
+// integer sums), and v_j's numbers are vd·code (p_j·vd_b one product, then the chain of fused
+// multiply-adds).
 
-static void attend_one(const AttnArgs& a, const float* q, const uint8_t* allowed_at, float* sc,
-                       float* out) {
-  float mx = -INFINITY;
-  const bool by4 = a.hd % LANES == 0;
-  const int64_t S = a.S, r = a.start;
-  auto index = [&](int64_t j) { return r + j < S ? r + j : r + j - S; };   // j-th visited key
-  int64_t j = 0;
-  for (; j + 4 <= S; j += 4) {          // four keys at a time where all four are allowed
-    const int64_t i = index(j);
-    if (by4 && i + 3 < S &&
-        (allowed_at[i] & allowed_at[i + 1] & allowed_at[i + 2] & allowed_at[i + 3])) {
-      dot4(q, a.k + i * a.k_s, a.k_s, a.hd, sc + j);
-      continue;
+// A float16 or bfloat16 number's bits as float32 (exact): F16C's conversion, or c10's on the
+// scalar level (the same IEEE value); bfloat16 is float32's upper half.
+template <int KT>
+static inline float kv_half_to_float(uint16_t h) {
+  if constexpr (KT == kv_bf16) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+#if ISA_LEVEL == 0
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+#else
+    return _cvtsh_ss(h);
+#endif
+  }
+}
+
+// 16 numbers of a float32 / float16 / bfloat16 row from element i on, as float32 (exact).
+template <int KT>
+static inline v16 kv_load16(const uint8_t* row, int64_t i) {
+  if constexpr (KT == kv_f32) {
+    return load16(reinterpret_cast<const float*>(row) + i);
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + i;
+#if ISA_LEVEL == 1
+    const __m128i lo = _mm_loadu_si128((const __m128i*)h);
+    const __m128i hi = _mm_loadu_si128((const __m128i*)(h + 8));
+    if constexpr (KT == kv_f16) return v16{(v8)_mm256_cvtph_ps(lo), (v8)_mm256_cvtph_ps(hi)};
+    return v16{(v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16),
+               (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16)};
+#elif ISA_LEVEL == 2
+    const __m256i x = _mm256_loadu_si256((const __m256i*)h);
+    if constexpr (KT == kv_f16) return (v16)_mm512_cvtph_ps(x);
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16);
+#else
+    v16 r;
+    for (int l = 0; l < LANES; ++l) r[l] = kv_half_to_float<KT>(h[l]);
+    return r;
+#endif
+  }
+}
+
+template <int KT>
+static inline float kv_load1(const uint8_t* row, int64_t i) {
+  if constexpr (KT == kv_f32) return reinterpret_cast<const float*>(row)[i];
+  else return kv_half_to_float<KT>(reinterpret_cast<const uint16_t*>(row)[i]);
+}
+
+// 16 int8 codes as float32 (exact).
+static inline v16 codes16(const int8_t* c) {
+#if ISA_LEVEL == 1
+  const __m128i lo = _mm_loadl_epi64((const __m128i*)c);
+  const __m128i hi = _mm_loadl_epi64((const __m128i*)(c + 8));
+  return v16{(v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+             (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
+#elif ISA_LEVEL == 2
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c)));
+#else
+  v16 r;
+  for (int l = 0; l < LANES; ++l) r[l] = float(c[l]);
+  return r;
+#endif
+}
+
+// Σ_{i<32} a_i·b_i of two blocks of 32 int8 codes in [−127, 127] (exact in int32).
+static inline int32_t block_dot(const int8_t* a, const int8_t* b) {
+#if ISA_LEVEL == 0
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) s += int32_t(a[i]) * int32_t(b[i]);
+  return s;
+#else
+  const __m256i x = _mm256_loadu_si256((const __m256i*)a);
+  const __m256i y = _mm256_loadu_si256((const __m256i*)b);
+  // |y| · (x·sign y): maddubs multiplies unsigned by signed bytes (llama.cpp's idiom); pairs
+  // sum to ≤ 2·127² < 2^15, so no saturation
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(y, y), _mm256_sign_epi8(x, y));
+  const __m256i s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));                 // 8 int32
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+#endif
+}
+
+static inline float record_scale(const uint8_t* rec, int64_t width, int64_t b) {
+  float d;
+  std::memcpy(&d, rec + width + 4 * b, sizeof d);
+  return d;
+}
+
+// out[r] = q_r·k for the R query heads q0 + r (R ≤ 4): `dot`'s lanes and tree for the float
+// kinds, the block chain above for q8_0.
+template <int KT, int R>
+static inline void key_scores(const AttnArgs& a, int64_t q0, const uint8_t* key, float* out) {
+  if constexpr (KT == kv_q8_0) {
+    const int64_t nb = a.hd / 32;
+    float acc[R] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const float kd = record_scale(key, a.hd, b);
+      const int8_t* kc = reinterpret_cast<const int8_t*>(key) + 32 * b;
+      for (int r = 0; r < R; ++r)
+        acc[r] = std::fma(float(block_dot(a.qq + (q0 + r) * a.hd + 32 * b, kc)),
+                          a.qd[(q0 + r) * nb + b] * kd, acc[r]);
     }
-    for (int64_t t = j; t < j + 4; ++t) {
-      const int64_t it = index(t);
-      sc[t] = allowed_at[it] ? dot(q, a.k + it * a.k_s, a.hd) : -INFINITY;
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+  } else {
+    v16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = splat16(0.f);
+    int64_t i = 0;
+    for (; i + LANES <= a.hd; i += LANES) {
+      const v16 kv = kv_load16<KT>(key, i);
+      for (int r = 0; r < R; ++r) acc[r] = fma16(load16(a.q + (q0 + r) * a.q_s + i), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (i < a.hd) {                              // the tail: lane l takes element i + l
+        float t[LANES];
+        store16(t, acc[r]);
+        for (int64_t e = i, l = 0; e < a.hd; ++e, ++l)
+          t[l] = std::fma(a.q[(q0 + r) * a.q_s + e], kv_load1<KT>(key, e), t[l]);
+        acc[r] = load16(t);
+      }
+      out[r] = tree_sum(acc[r]);
     }
   }
-  for (; j < S; ++j) {
-    const int64_t i = index(j);
-    sc[j] = allowed_at[i] ? dot(q, a.k + i * a.k_s, a.hd) : -INFINITY;
-  }
-  for (int64_t i = 0; i < S; ++i) {
-    if (sc[i] == -INFINITY) continue;
-    float s = sc[i] * a.scale;
-    if (a.softcap != 0.f) s = a.softcap * std::tanh(s / a.softcap);
-    sc[i] = s;
-    mx = s > mx ? s : mx;
-  }
-  if (mx == -INFINITY) {                // no key allowed (callers never ask): zeros, not NaN
-    for (int64_t i = 0; i < a.dv; ++i) out[i] = 0.f;
-    return;
-  }
-  j = 0;
-  for (; j + LANES <= a.S; j += LANES) store16(sc + j, exp_nonpositive(sub16(load16(sc + j), splat16(mx))));
-  for (; j < a.S; ++j) sc[j] = exp_nonpositive(sc[j] - mx);
-  // l = Σ p_j and out = Σ p_j·v_j, both in slot order (a masked slot's p_j is 0: skipped;
-  // out by fused multiply-adds, 64 dims at a time in registers)
-  float l = 0.f;
-  if (a.dv < 4 * LANES)
-    for (int64_t j = 0; j < a.S; ++j) l += sc[j];
+}
+
+// o_r = Σ_j p_r,j·v_j over the tile's n values (p_r at p + r·ATTN_TILE, o_r at o + r·os).
+template <int KT, int R>
+static inline void value_sums(const AttnArgs& a, const int32_t* idx, int64_t n, const float* p,
+                              float* o, int64_t os) {
   int64_t i0 = 0;
-  for (; i0 + 4 * LANES <= a.dv; i0 += 4 * LANES) {
-    v16 o0 = {}, o1 = {}, o2 = {}, o3 = {};
-    for (int64_t j = 0; j < a.S; ++j) {
-      if (sc[j] == 0.f) continue;
-      if (i0 == 0) l += sc[j];          // (its latency hides under the multiply-adds)
-      const v16 p = splat16(sc[j]);
-      const float* vj = a.v + index(j) * a.v_s + i0;
-      o0 = fma16(p, load16(vj), o0);
-      o1 = fma16(p, load16(vj + LANES), o1);
-      o2 = fma16(p, load16(vj + 2 * LANES), o2);
-      o3 = fma16(p, load16(vj + 3 * LANES), o3);
+  for (; i0 + LANES <= a.dv; i0 += LANES) {
+    v16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = splat16(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* row = a.v + idx[j] * a.v_s;
+      if constexpr (KT == kv_q8_0) {
+        const float d = record_scale(row, a.dv, i0 / 32);
+        const v16 vv = codes16(reinterpret_cast<const int8_t*>(row) + i0);
+        for (int r = 0; r < R; ++r) acc[r] = fma16(splat16(p[r * ATTN_TILE + j] * d), vv, acc[r]);
+      } else {
+        const v16 vv = kv_load16<KT>(row, i0);
+        for (int r = 0; r < R; ++r) acc[r] = fma16(splat16(p[r * ATTN_TILE + j]), vv, acc[r]);
+      }
     }
-    store16(out + i0, o0); store16(out + i0 + LANES, o1);
-    store16(out + i0 + 2 * LANES, o2); store16(out + i0 + 3 * LANES, o3);
+    for (int r = 0; r < R; ++r) store16(o + r * os + i0, acc[r]);
   }
-  for (; i0 < a.dv; ++i0) {
-    float o = 0.f;
-    for (int64_t j = 0; j < a.S; ++j)
-      if (sc[j] != 0.f) o = std::fma(sc[j], a.v[index(j) * a.v_s + i0], o);
-    out[i0] = o;
+  if constexpr (KT != kv_q8_0) {                   // dv off the 16 lanes (q8_0: dv % 32 == 0)
+    for (; i0 < a.dv; ++i0)
+      for (int r = 0; r < R; ++r) {
+        float s = 0.f;
+        for (int64_t j = 0; j < n; ++j)
+          s = std::fma(p[r * ATTN_TILE + j], kv_load1<KT>(a.v + idx[j] * a.v_s, i0), s);
+        o[r * os + i0] = s;
+      }
   }
-  for (int64_t i = 0; i < a.dv; ++i) out[i] = out[i] / l;
+}
+
+// Ask for rows idx[0..n) of `bytes` each (base + idx[j]·stride) to be brought into the cache:
+// decode streams the keys and values from memory once per token, and a tile's rows are known
+// ahead of their use (no effect on the results).
+static inline void prefetch_rows(const uint8_t* base, int64_t stride, const int32_t* idx,
+                                 int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < bytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + idx[j] * stride + c), _MM_HINT_T0);
+}
+
+// One tile's partial (m, l, o) for query heads q0..q0+R−1 into part + r·(dv + 2).
+template <int KT, int R>
+static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t n, float* sc,
+                      float* part) {
+  float s4[4];
+  for (int64_t j = 0; j < n; ++j) {
+    key_scores<KT, R>(a, q0, a.k + idx[j] * a.k_s, s4);
+    for (int r = 0; r < R; ++r) sc[r * ATTN_TILE + j] = s4[r];
+  }
+  const int64_t stride = a.dv + 2;
+  for (int r = 0; r < R; ++r) {
+    float* s = sc + r * ATTN_TILE;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      float x = s[j] * a.scale;
+      if (a.softcap != 0.f) x = a.softcap * std::tanh(x / a.softcap);
+      s[j] = x;
+      mx = x > mx ? x : mx;
+    }
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+      store16(s + j, exp_nonpositive(sub16(load16(s + j), splat16(mx))));
+    for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
+    float l = 0.f;
+    for (j = 0; j < n; ++j) l += s[j];
+    part[r * stride] = mx;
+    part[r * stride + 1] = l;
+  }
+  value_sums<KT, R>(a, idx, n, sc, part + 2, stride);
+}
+
+// state (m, l, o) of a.n heads, each dv + 2 floats, folded with a tile's part: see above.
+static void attend_fold(float* state, const float* part, int64_t n, int64_t dv) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* st = state + r * (dv + 2);
+    const float* pt = part + r * (dv + 2);
+    const float m = st[0] > pt[0] ? st[0] : pt[0];
+    const float ea = exp_nonpositive(st[0] - m), eb = exp_nonpositive(pt[0] - m);
+    st[0] = m;
+    st[1] = st[1] * ea + pt[1] * eb;
+    for (int64_t i = 0; i < dv; ++i) st[2 + i] = st[2 + i] * ea + pt[2 + i] * eb;
+  }
+}
+
+template <int KT>
+static inline int64_t row_bytes(int64_t width) {
+  return KT == kv_q8_0 ? width + width / 8 : KT == kv_f32 ? 4 * width : 2 * width;
+}
+
+template <int KT>
+static void tiles_of(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int64_t t0,
+                     int64_t t1, bool fresh, float* state, float* scratch) {
+  float* sc = scratch;                                   // 4 × ATTN_TILE scores
+  float* part = fresh ? state : scratch + 4 * ATTN_TILE; // a.n × (dv + 2)
+  for (int64_t t = t0; t < t1; ++t) {
+    const int32_t* ti = idx + t * ATTN_TILE;
+    const int64_t n = std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE);
+    if (t == t0) prefetch_rows(a.k, a.k_s, ti, n, row_bytes<KT>(a.hd));  // its keys, then
+    prefetch_rows(a.v, a.v_s, ti, n, row_bytes<KT>(a.dv));             // its values and
+    prefetch_rows(a.k, a.k_s, ti + n, std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE - n),
+                  row_bytes<KT>(a.hd));                                 // the next tile's keys
+    for (int64_t q0 = 0; q0 < a.n; q0 += 4) {
+      float* pr = part + q0 * (a.dv + 2);
+      switch (std::min<int64_t>(4, a.n - q0)) {
+        case 1: tile_part<KT, 1>(a, q0, ti, n, sc, pr); break;
+        case 2: tile_part<KT, 2>(a, q0, ti, n, sc, pr); break;
+        case 3: tile_part<KT, 3>(a, q0, ti, n, sc, pr); break;
+        default: tile_part<KT, 4>(a, q0, ti, n, sc, pr); break;
+      }
+    }
+    if (part != state) attend_fold(state, part, a.n, a.dv);
+    part = scratch + 4 * ATTN_TILE;                      // later tiles fold into the state
+  }
+}
+
+// Tiles [t0, t1) of the n_keys visible keys idx (tile t: idx[t·ATTN_TILE …]) for the a.n query
+// heads, folded in order into state (a.n × (m, l, o[dv])); fresh: the first tile starts the
+// state. scratch: 4·ATTN_TILE + a.n·(dv + 2) floats.
+static void attend_tiles(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int64_t t0,
+                         int64_t t1, bool fresh, float* state, float* scratch) {
+  switch (a.type) {
+    case kv_f16: return tiles_of<kv_f16>(a, idx, n_keys, t0, t1, fresh, state, scratch);
+    case kv_bf16: return tiles_of<kv_bf16>(a, idx, n_keys, t0, t1, fresh, state, scratch);
+    case kv_q8_0: return tiles_of<kv_q8_0>(a, idx, n_keys, t0, t1, fresh, state, scratch);
+    default: return tiles_of<kv_f32>(a, idx, n_keys, t0, t1, fresh, state, scratch);
+  }
 }
 
 }  // namespace ISA

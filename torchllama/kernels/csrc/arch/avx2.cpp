@@ -36,7 +36,8 @@ const Kernels& avx2_kernels() {
     k.q4_rows = &avx2::q4_rows;
     k.q8_rows = &avx2::q8_rows;
     k.rms_norm_rows = &avx2::rms_norm_rows;
-    k.attend_one = &avx2::attend_one;
+    k.attend_tiles = &avx2::attend_tiles;
+    k.attend_fold = &avx2::attend_fold;
     k.linear_rows = &avx2::linear_rows;
     k.linear_cols = &avx2::linear_cols;
     return k;

@@ -30,7 +30,8 @@ const Kernels& avx512_kernels() {
   static const Kernels k = [] {
     Kernels k;                                   // block kernels: avx512_vnni or avx2
     k.rms_norm_rows = &avx512::rms_norm_rows;
-    k.attend_one = &avx512::attend_one;
+    k.attend_tiles = &avx512::attend_tiles;
+    k.attend_fold = &avx512::attend_fold;
     k.linear_rows = &avx512::linear_rows;
     k.linear_cols = &avx512::linear_cols;
     return k;
