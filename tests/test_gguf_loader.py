@@ -12,6 +12,7 @@ import builtins
 import importlib.machinery
 import importlib.util
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -708,3 +709,31 @@ def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes)
     damaged[offset_at:offset_at + 8] = (offset + 10_000_000).to_bytes(8, "little")
     _refused(tmp_path, damaged, rf"truncated or corrupt GGUF file: tensor '{last.name}': its "
                                 r"bytes .* run past the end of the file")
+
+
+# Byte offset of each f16 scale field in a block of the types kept in blocks (ggml-common.h).
+_SCALE_OFFSETS = {Q.Q4_0: {"d": 0}, Q.Q4_1: {"d": 0, "m": 2}, Q.Q8_0: {"d": 0},
+                  Q.Q5_0: {"d": 0}, Q.Q4_K: {"d": 0, "dmin": 2}, Q.Q6_K: {"d": 208}}
+
+
+@pytest.mark.parametrize("qtype, field", [(q, f) for q, fields in _SCALE_OFFSETS.items()
+                                          for f in fields], ids=str)
+@pytest.mark.parametrize("bits", [0x7C00, 0xFC00, 0x7E01], ids=["inf", "-inf", "nan"])
+def test_every_scale_field_of_the_block_types_is_checked(qtype, field, bits):
+    """Kept in blocks (dtype auto): a non-finite f16 in any scale field of any block (here the
+    last block of the last row) is a ModelFileError naming the tensor; the same bytes with a
+    finite value there load."""
+    assert set(_SCALE_OFFSETS) == gguf_format.BLOCK_TYPES
+    rng = np.random.default_rng(0)
+    rows, cols = 5, 512
+    raw = encode(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    at = raw.shape[1] - type_size + _SCALE_OFFSETS[qtype][field]
+    raw[-1, at:at + 2] = np.frombuffer(np.uint16(0x3C00).tobytes(), np.uint8)    # 1.0: fine
+    tensor = types.SimpleNamespace(name="blk.1.ffn_up.weight", tensor_type=qtype,
+                                   shape=[cols, rows], data=raw)
+    gguf_format.read_blocks(tensor, "m.gguf")
+    raw[-1, at:at + 2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    with pytest.raises(ModelFileError, match=rf"m\.gguf: tensor 'blk\.1\.ffn_up\.weight' "
+                                             rf"\({qtype.name}\) has \d+ block scale"):
+        gguf_format.read_blocks(tensor, "m.gguf")

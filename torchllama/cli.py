@@ -89,7 +89,7 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     parse_dtype(dtype)
     StopStrings(stop or [])                                  # validates the strings first
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, progress=True)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
@@ -245,7 +245,7 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
         raise ArgumentError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
     _check_draft(draft, draft_tokens)
     parse_dtype(dtype)
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, progress=True)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)

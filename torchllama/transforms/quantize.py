@@ -691,7 +691,9 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
     Args:
         model: a `Transformer` (on any device, including meta: its float parameters are
             untouched).
-        weights: our parameter name → quantized weight.
+        weights: our parameter name → quantized weight, or the module already built from one
+            (`quantized_linear`, without a bias; not for a tied output projection, whose
+            embedding table may need the weight itself).
         biases: our bias names → float tensors, for the quantized linears that have one.
     """
     tied = getattr(model.args, "tie_embeddings", False) and "output.weight" in weights
@@ -701,7 +703,8 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
             if not tied:                       # else the tied output's table serves (below)
                 model.tok_embeddings = quantized_embedding(weight)
             continue
-        linear = quantized_linear(weight, biases.get(module_name + ".bias"))
+        linear = weight if isinstance(weight, nn.Module) else \
+            quantized_linear(weight, biases.get(module_name + ".bias"))
         _set_module(model, module_name, linear)
         if module_name == "output" and tied:
             model.tok_embeddings = quantized_embedding(weight, linear)
