@@ -29,8 +29,11 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -41,8 +44,9 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
-from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits,
-                                            quantize_weight, quantized_linear, scheme_for)
+from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, fused_linears,
+                                            fusion_groups, quantize_weight, quantized_linear,
+                                            scheme_for)
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
@@ -355,33 +359,27 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     model = meta_model(args, source)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     mappings = family.mappings("gguf", args.n_layers, set(expected))
-    by_name = {m.theirs: m for m in mappings}
     parts = _Parts(mappings)
     state: dict[str, Any] = {}
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     quantizable = linears | {"tok_embeddings.weight"} if quant else set()
     built = {n for n in linears if n.removesuffix("weight") + "bias" not in expected and not (
         n == "output.weight" and args.tie_embeddings)} if modules else set()
-    no_kernel: set[str] = set()
+    job = _Job(reader, family, args, source, quant, expected, {m.theirs: m for m in mappings},
+               quantizable, built, set())
     bar = tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), desc="loading weights",
                unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, leave=False)
-    with bar:
-        for t in reader.tensors:
-            mapping = by_name.get(t.name)
-            if mapping is None:
-                if family.gguf_ignored is not None and family.gguf_ignored.fullmatch(t.name):
-                    continue
-                raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
-            _check_stored_shape(t, mapping, expected, args, source)
-            loaded = None
-            if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
-                loaded = _kept_quantized(t, mapping, quant, expected, args, source, no_kernel)
-            if loaded is None:
-                loaded = _dequantized(t, mapping, args, dtype, source, parts)
-            state.update((n, quantized_linear(w) if n in built and not isinstance(
-                w, torch.Tensor) else w) for n, w in loaded.items())
-            _release_file_pages(reader, t)
+    with bar, _conversion_pool() as pool:
+        for t, converting in job.submit(pool):         # in file order; first error raised
+            mapping = job.mapping_of(t)
+            if mapping is not None and converting is not _IN_GROUP:
+                loaded = None if converting is None else converting.result()
+                if loaded is None:
+                    loaded = _dequantized(t, mapping, args, dtype, source, parts)
+                    _release_file_pages(reader, t)
+                state.update(loaded)
             bar.update(int(t.n_bytes))
+    no_kernel = job.no_kernel
     _check_none_missing(state, expected, family, args, source)
     if no_kernel:
         print(f"note: {source}: no kernel for {', '.join(sorted(no_kernel))} tensors; they are "
@@ -406,17 +404,144 @@ def _check_stored_shape(t: Any, mapping: Mapping, expected: dict[str, torch.Size
             f"{tuple(want)} for {', '.join(mapping.ours)}")
 
 
-def _kept_quantized(t: Any, mapping: Mapping, quant, expected: dict[str, torch.Size],
-                    args: ModelArgs, source: str, no_kernel: set) -> dict | None:
-    """A matrix kept quantized (`_quantized`): our name → its rows after the mapping's layout;
-    None to load it as float (no kernel for its type under "auto", or our shapes do not fit the
-    blocks)."""
-    q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
-                   source, no_kernel)
-    if q is None or not all(fits(torch.Size((expected[n][0], q.shape[1])), _scheme_of(q))
-                            for n in mapping.ours):
-        return None
-    return dict(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
+#: Most tensors converted at once (`_conversion_pool`): each holds one tensor's blocks.
+MAX_LOAD_THREADS = 4
+
+
+@contextmanager
+def _conversion_pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads that convert tensors side by side (numpy and torch release the GIL), as many as
+    torch's threads (at most `MAX_LOAD_THREADS`), each running its torch ops on one thread
+    (torch's thread count is 1 meanwhile, and restored after). Conversions are short copies
+    and casts: split inside each op, they cost more in thread wake-ups and barriers than they
+    gain (a 7B model's matrices on 2 busy cores: 12 s with 2 torch threads per op, 7 s with
+    one, 6 s with two tensors at a time on one thread each)."""
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max(1, min(threads, MAX_LOAD_THREADS)),
+                              thread_name_prefix="torchllama-load")
+    torch.set_num_threads(1)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
+
+
+#: `_Job.submit`'s mark of a tensor that the conversion of its fusion group's first reads.
+_IN_GROUP = object()
+
+
+@dataclass
+class _Job:
+    """What `load_gguf_state_dict` converts, and how: the file, the names and shapes it maps
+    to, which matrices stay quantized (`quantizable`) and which come as modules (`built`);
+    `no_kernel` collects the types loaded as float for want of a kernel."""
+
+    reader: gguf.GGUFReader
+    family: Family
+    args: ModelArgs
+    source: str
+    quant: Any
+    expected: dict[str, torch.Size]
+    by_name: dict[str, Mapping]
+    quantizable: set[str]
+    built: set[str]
+    no_kernel: set[str]
+
+    def mapping_of(self, t: Any) -> Mapping | None:
+        """The mapping of GGUF tensor `t` (its shape checked), None for one the family ignores.
+
+        Raises:
+            ModelFileError: a tensor of no mapping, or of another shape than its mapping stores.
+        """
+        mapping = self.by_name.get(t.name)
+        if mapping is None:
+            ignored = self.family.gguf_ignored
+            if ignored is not None and ignored.fullmatch(t.name):
+                return None
+            raise ModelFileError(f"{self.source}: unexpected tensor {t.name!r}")
+        _check_stored_shape(t, mapping, self.expected, self.args, self.source)
+        return mapping
+
+    def submit(self, pool: ThreadPoolExecutor) -> list[tuple[Any, Any]]:
+        """(tensor, its conversion) for every tensor, in file order: a future of the matrices
+        kept quantized (`kept_quantized`; a fusion group's first tensor: `fused_group`, its
+        others `_IN_GROUP`), None for the rest (converted by the caller). A tensor whose name
+        or shape is wrong gets None; the caller's `mapping_of` raises in file order."""
+        mappings = {}
+        for t in self.reader.tensors:
+            try:
+                mappings[t.name] = self.mapping_of(t)
+            except ModelFileError:
+                mappings[t.name] = None
+        groups = self._fusion_groups(mappings)
+        jobs = []
+        for t in self.reader.tensors:
+            mapping, group = mappings[t.name], groups.get(t.name)
+            if group is not None:
+                first = group[0] is t
+                jobs.append((t, pool.submit(self.fused_group, group) if first else _IN_GROUP))
+            elif mapping is not None and set(mapping.ours) <= self.quantizable and \
+                    _rows_only(mapping.layout):
+                jobs.append((t, pool.submit(self.kept_quantized, t, mapping)))
+            else:
+                jobs.append((t, None))
+        return jobs
+
+    def _fusion_groups(self, mappings: dict[str, Mapping | None]) -> dict[str, list]:
+        """GGUF name → the tensors of its fusion group (`fusion_groups`) in row order, for the
+        groups read as one (`fused_group`): modules of the file's blocks under "auto", each
+        tensor ours as it is, all of one block form."""
+        if self.quant != "auto":
+            return {}
+        ours = {}                                      # our name → its tensor, as it is
+        for t in self.reader.tensors:
+            m = mappings[t.name]
+            if m is not None and type(m.layout) is Layout and len(m.ours) == 1:
+                ours[m.ours[0]] = t
+        groups = {}
+        for names in fusion_groups(set(ours) & self.built):
+            tensors = [ours[n] for n in names]
+            forms = {_block_form(t.tensor_type) for t in tensors}
+            if len(forms) == 1 and None not in forms:
+                groups.update((t.name, tensors) for t in tensors)
+        return groups
+
+    def kept_quantized(self, t: Any, mapping: Mapping) -> dict | None:
+        """A matrix kept quantized (`_quantized`): our name → its rows after the mapping's
+        layout, as a module for the names in `built` (`quantized_linear`); its file pages
+        released. None to load it as float (no kernel for its type under "auto", or our shapes
+        do not fit the blocks). Runs in `_conversion_pool`'s threads."""
+        quant = self.quant if self.quant == "auto" else scheme_for(mapping.ours[0], self.quant)
+        q = _quantized(t, quant, self.source, self.no_kernel)
+        if q is None or not all(fits(torch.Size((self.expected[n][0], q.shape[1])),
+                                     _scheme_of(q)) for n in mapping.ours):
+            return None
+        rows = _layout_rows(mapping.layout, q, self.args)
+        del q                                          # the rows are views or copies of it
+        loaded = {n: quantized_linear(w) if n in self.built else w
+                  for n, w in zip(mapping.ours, rows)}
+        _release_file_pages(self.reader, t)
+        return loaded
+
+    def fused_group(self, tensors: list) -> dict:
+        """The matrices of one fusion group (`fusion_groups`, e.g. a layer's q, k, v) read into
+        one stacked block weight, their modules views of one module packed once
+        (`fused_linears`), or built apart from its rows where they cannot be fused. Runs in
+        `_conversion_pool`'s threads."""
+        sizes, K = [int(t.shape[1]) for t in tensors], int(tensors[0].shape[0])
+        stacked = _empty_blocks(tensors[0].tensor_type, sum(sizes), K)
+        start = 0
+        for t, n in zip(tensors, sizes):
+            read_blocks(t, self.source, [x[start:start + n] for x in stacked])
+            _release_file_pages(self.reader, t)
+            start += n
+        weight = (Q4Blocks if tensors[0].tensor_type in _Q4_TYPES else Q8Blocks)(
+            *(torch.from_numpy(x) for x in stacked))
+        linears = fused_linears(weight, sizes)
+        if linears is None:
+            linears = [None] + [quantized_linear(w) for w in weight.split_rows(sizes)]
+        return {self.by_name[t.name].ours[0]: lin for t, lin in zip(tensors, linears[1:])}
 
 
 class _Parts:
@@ -568,6 +693,14 @@ def _convert_rows(b: np.ndarray, typ, out: list[np.ndarray]) -> None:
         _q4_k_rows(b, *out)
 
 
+def _block_form(typ) -> str | None:
+    """Which arrays a type's blocks are read into (`_empty_blocks`): "q4", "q8/32" (a scale
+    per 32), "q8/16" (per 16, Q6_K); None for the types not kept in blocks."""
+    if typ not in BLOCK_TYPES:
+        return None
+    return "q4" if typ in _Q4_TYPES else "q8/16" if typ == _Q.Q6_K else "q8/32"
+
+
 def _empty_blocks(typ, rows: int, K: int) -> list[np.ndarray]:
     """The arrays a (rows, K) matrix of `typ` is converted into: Q4 [codes (rows, K/2) uint8,
     d, m (rows, K/32) float32]; Q8 [codes (rows, K) int8, d (rows, K/B) float32], B = 16
@@ -579,11 +712,16 @@ def _empty_blocks(typ, rows: int, K: int) -> list[np.ndarray]:
             np.empty((rows, K // (16 if typ == _Q.Q6_K else 32)), np.float32)]
 
 
-def read_blocks(t: Any, source: str) -> Q4Blocks | Q8Blocks:
+def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
+                ) -> Q4Blocks | Q8Blocks:
     """A quantized GGUF matrix of a `BLOCK_TYPES` type as its blocks, exactly as stored:
     converted from the file mapping straight into the arrays of the result, `_ROWS_PER_CHUNK`
     rows at a time, then its block scales checked (a non-finite f16 d, m or dmin in the file
     is the only way one of them can be non-finite).
+
+    Args:
+        out: the arrays to convert into (`_empty_blocks` of its type and shape, e.g. rows of a
+            larger one); new ones by default.
 
     Raises:
         ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
@@ -594,7 +732,7 @@ def read_blocks(t: Any, source: str) -> Q4Blocks | Q8Blocks:
         b = np.asarray(t.data).reshape(rows, -1).view(_BLOCKS[typ])        # (rows, blocks)
     except ValueError as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
-    out = _empty_blocks(typ, rows, K)
+    out = _empty_blocks(typ, rows, K) if out is None else out
     with np.errstate(all="ignore"):                  # a damaged scale: reported below
         for r in range(0, rows, _ROWS_PER_CHUNK):
             _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
