@@ -636,23 +636,44 @@ def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
     return gguf.quants.dequantize(raw.view(np.uint8).reshape(raw.shape[0], -1), typ)
 
 
+#: Byte masks repeated over a word: the nibble and bit-field operations below act on 8 (4)
+#: bytes at once, each byte as it would alone (what a shift carries into a neighbour is masked).
+_LOW4, _HIGH4, _LOW2 = (np.uint64(0x0101010101010101 * v) for v in (0x0F, 0xF0, 0x03))
+_LOW6, _BITS45 = (np.uint32(0x01010101 * v) for v in (0x3F, 0x30))
+
+
+def _words(b: np.ndarray, dtype, first: int, last: int) -> np.ndarray:
+    """Bytes first..last-1 of every block of b (rows, blocks), as words of `dtype`: a view
+    (rows, blocks, (last − first) / word size) when the block size allows it, else a copy."""
+    raw = b.view(np.uint8).reshape(*b.shape, b.dtype.itemsize)[..., first:last]
+    size = np.dtype(dtype).itemsize
+    if b.dtype.itemsize % size or first % size:
+        raw = np.ascontiguousarray(raw)
+    return raw.view(dtype)
+
+
 def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> None:
     """Q4_K super-blocks (rows, K/256) → Q4 blocks of 32 (ggml-common.h block_q4_K,
     ggml-quants.c dequantize_row_q4_K): w = (d·sc_j)·q − dmin·mn_j for sub-block j.
 
     Each 64 weights of a super-block are 32 bytes: weights 0-31 in their low nibbles,
-    32-63 in their high nibbles; a Q4 block holds weights i and i + 16 in byte i.
+    32-63 in their high nibbles; a Q4 block holds weights i and i + 16 in byte i. The eight
+    6-bit sc_j, mn_j are packed in 12 bytes (`gguf.quants.Q4_K.get_scale_min`'s layout).
     """
     rows, nb = b.shape
-    qs = b["qs"].reshape(rows, nb, 4, 2, 16)                   # (rows, K/256, 64s, halves, 16)
-    lo, hi = qs[..., 0, :], qs[..., 1, :]                      # bytes 0-15, 16-31 of each 64
-    out = codes.reshape(rows, nb, 4, 2, 16)                    # (…, sub-blocks 2j and 2j+1, 16)
-    np.bitwise_or(lo & 0x0F, hi << 4, out=out[..., 0, :])      # weights 0-31 of the 64
-    np.bitwise_or(lo >> 4, hi & 0xF0, out=out[..., 1, :])      # weights 32-63
-    sc, mn = gguf.quants.Q4_K.get_scale_min(b["scales"].reshape(-1, 12))  # (rows·K/256, 8)
-    d[:] = (b["d"].astype(np.float32).reshape(-1, 1) * sc.astype(np.float32)).reshape(rows, -1)
-    m[:] = -(b["dmin"].astype(np.float32).reshape(-1, 1) * mn.astype(np.float32)
-             ).reshape(rows, -1)
+    qs = _words(b, np.uint64, 16, 144).reshape(rows, nb, 4, 2, 2)   # (…, 64s, bytes 0-15 | 16-31)
+    lo, hi = qs[..., 0, :], qs[..., 1, :]
+    out = codes.view(np.uint64).reshape(rows, nb, 4, 2, 2)         # (…, sub-blocks 2j | 2j+1)
+    np.bitwise_or(lo & _LOW4, (hi << 4) & _HIGH4, out=out[..., 0, :])    # weights 0-31
+    np.bitwise_or((lo >> 4) & _LOW4, hi & _HIGH4, out=out[..., 1, :])    # weights 32-63
+    s = _words(b, np.uint32, 4, 16)                               # (rows, K/256, 3): 12 bytes
+    sc, mn = np.empty((2, rows, nb, 2), np.uint32)
+    sc[..., 0], mn[..., 0] = s[..., 0] & _LOW6, s[..., 1] & _LOW6          # j = 0-3
+    sc[..., 1] = (s[..., 2] & _LOW4.astype(np.uint32)) | ((s[..., 0] >> 2) & _BITS45)  # 4-7
+    mn[..., 1] = ((s[..., 2] >> 4) & _LOW4.astype(np.uint32)) | ((s[..., 1] >> 2) & _BITS45)
+    sc, mn = (x.view(np.uint8).astype(np.float32) for x in (sc, mn))       # (rows, K/256, 8)
+    d[:] = (b["d"].astype(np.float32)[..., None] * sc).reshape(rows, -1)
+    m[:] = -(b["dmin"].astype(np.float32)[..., None] * mn).reshape(rows, -1)
 
 
 def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray) -> None:
@@ -662,12 +683,12 @@ def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray) -> None:
     the 128 (l < 32) is ql[l + 32·(k % 2)] (low nibble for k < 2, high for k ≥ 2) with bits
     2k, 2k+1 of qh[l] above it."""
     rows, nb = b.shape
-    ql = b["ql"].reshape(rows, nb, 2, 2, 32)                   # (…, 128s, ql[l], ql[l+32], l)
-    qh = b["qh"].reshape(rows, nb, 2, 32)                      # (…, 128s, l)
-    out = codes.reshape(rows, nb, 2, 4, 32).view(np.uint8)     # (…, 128s, k, l)
+    ql = _words(b, np.uint64, 0, 128).reshape(rows, nb, 2, 2, 4)   # (…, 128s, l | l+32, 4)
+    qh = _words(b, np.uint64, 128, 192).reshape(rows, nb, 2, 4)    # (…, 128s, 4 words of l)
+    out = codes.view(np.uint64).reshape(rows, nb, 2, 4, 4)         # (…, 128s, k, 4 words)
     for k in range(4):
-        low = ql[..., k % 2, :] & 0x0F if k < 2 else ql[..., k % 2, :] >> 4
-        np.bitwise_or(low, ((qh >> (2 * k)) & 3) << 4, out=out[..., k, :])   # q ∈ [0, 63]
+        low = ql[..., k % 2, :] & _LOW4 if k < 2 else (ql[..., k % 2, :] >> 4) & _LOW4
+        np.bitwise_or(low, ((qh >> (2 * k)) & _LOW2) << 4, out=out[..., k, :])  # q ∈ [0, 63]
     codes -= 32                                                            # q − 32, int8
     d[:] = (b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
             ).reshape(rows, -1)                                            # (rows, K/16)
