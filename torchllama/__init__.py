@@ -7,15 +7,6 @@ Python API::
     print(torchllama.generate(model, tokenizer, "The capital of France is", max_new_tokens=16))
 """
 
-import os as _os
-
-# Large tensors (≥ 2 MB) on transparent huge pages where the kernel allows them on request
-# ("madvise" mode): PyTorch's CPU allocator asks for them under this switch, read once, at its
-# first allocation, so it is set before anything here allocates (a user's own value wins).
-# First writes to fresh memory are then 3-4x faster (one fault per 2 MB instead of per 4 KB):
-# loading a 7B model writes ~4 GB of new buffers. numpy does the same by default.
-_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 from torchllama.checkpoint import (convert, default_model_path, load, load_tokenizer,
                                    read_model_args, save)
 from torchllama.config import PRESETS, LayerSpec, ModelArgs, get_preset, read_model_config
