@@ -15,6 +15,15 @@ GGUF (llama.cpp's file format) holds three things we need:
 deepseek2, ...), which turns the ``{arch}.*`` keys into `ModelArgs` (it may read tensors that
 are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name and layout.
 
+Loading (`load_gguf_state_dict` with `modules`, as `torchllama.load` does) reads the file
+through its memory mapping, tensor by tensor, on a few threads: each matrix kept in its blocks
+is converted from the mapped bytes straight into the arrays of its blocks (`read_blocks`;
+a layer's q/k/v and w1/w3 into one stacked buffer), its module built from them at once
+(`quantized_linear`, `fused_linears`: the kernels' packed layout), and its file pages handed
+back (`_release_file_pages`). So the peak holds the finished modules plus the few tensors in
+flight, never the whole file's blocks beside them (a 7B Q4_0: 5.5 GB peak for 5.0 GB of
+modules; it was 11 GB).
+
 Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
 key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
 supported types; a tensor whose data runs past the end of the file, whose row length is not a
