@@ -53,9 +53,9 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
-from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, fused_linears,
-                                            fusion_groups, quantize_weight, quantized_linear,
-                                            scheme_for)
+from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, Scheme, fits,
+                                            fused_linears, fusion_groups, quantize_weight,
+                                            quantized_linear, scheme_for)
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
@@ -374,8 +374,12 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     quantizable = linears | {"tok_embeddings.weight"} if quant else set()
     built = {n for n in linears if n.removesuffix("weight") + "bias" not in expected and not (
         n == "output.weight" and args.tie_embeddings)} if modules else set()
-    job = _Job(reader, family, args, source, quant, expected, {m.theirs: m for m in mappings},
-               quantizable, built, set())
+    by_name = {m.theirs: m for m in mappings}
+    stored = {n for t in reader.tensors if t.name in by_name for n in by_name[t.name].ours}
+    tied_output = modules and args.tie_embeddings and "output.weight" not in stored and \
+        "output.bias" not in expected
+    job = _Job(reader, family, args, source, quant, expected, by_name, quantizable, built,
+               tied_output, set())
     bar = tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), desc="loading weights",
                unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, leave=False)
     with bar, _conversion_pool() as pool:
@@ -443,8 +447,9 @@ _IN_GROUP = object()
 @dataclass
 class _Job:
     """What `load_gguf_state_dict` converts, and how: the file, the names and shapes it maps
-    to, which matrices stay quantized (`quantizable`) and which come as modules (`built`);
-    `no_kernel` collects the types loaded as float for want of a kernel."""
+    to, which matrices stay quantized (`quantizable`) and which come as modules (`built`;
+    `tied_output`: the output projection from the token embeddings' table too); `no_kernel`
+    collects the types loaded as float for want of a kernel."""
 
     reader: gguf.GGUFReader
     family: Family
@@ -455,6 +460,7 @@ class _Job:
     by_name: dict[str, Mapping]
     quantizable: set[str]
     built: set[str]
+    tied_output: bool
     no_kernel: set[str]
 
     def mapping_of(self, t: Any) -> Mapping | None:
@@ -530,6 +536,10 @@ class _Job:
         del q                                          # the rows are views or copies of it
         loaded = {n: quantized_linear(w) if n in self.built else w
                   for n, w in zip(mapping.ours, rows)}
+        if self.tied_output and mapping.ours == ("tok_embeddings.weight",):
+            output = quantized_linear(loaded["tok_embeddings.weight"])
+            if isinstance(output, BlockLinear):       # its table serves the embeddings too
+                loaded["output.weight"] = output
         _release_file_pages(self.reader, t)
         return loaded
 
