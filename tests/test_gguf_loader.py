@@ -12,6 +12,7 @@ import builtins
 import importlib.machinery
 import importlib.util
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -708,3 +709,127 @@ def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes)
     damaged[offset_at:offset_at + 8] = (offset + 10_000_000).to_bytes(8, "little")
     _refused(tmp_path, damaged, rf"truncated or corrupt GGUF file: tensor '{last.name}': its "
                                 r"bytes .* run past the end of the file")
+
+
+# Byte offset of each f16 scale field in a block of the types kept in blocks (ggml-common.h).
+_SCALE_OFFSETS = {Q.Q4_0: {"d": 0}, Q.Q4_1: {"d": 0, "m": 2}, Q.Q8_0: {"d": 0},
+                  Q.Q5_0: {"d": 0}, Q.Q4_K: {"d": 0, "dmin": 2}, Q.Q6_K: {"d": 208}}
+
+
+@pytest.mark.parametrize("qtype, field", [(q, f) for q, fields in _SCALE_OFFSETS.items()
+                                          for f in fields], ids=str)
+@pytest.mark.parametrize("bits", [0x7C00, 0xFC00, 0x7E01], ids=["inf", "-inf", "nan"])
+def test_every_scale_field_of_the_block_types_is_checked(qtype, field, bits):
+    """Kept in blocks (dtype auto): a non-finite f16 in any scale field of any block (here the
+    last block of the last row) is a ModelFileError naming the tensor; the same bytes with a
+    finite value there load."""
+    assert set(_SCALE_OFFSETS) == gguf_format.BLOCK_TYPES
+    rng = np.random.default_rng(0)
+    rows, cols = 5, 512
+    raw = encode(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    at = raw.shape[1] - type_size + _SCALE_OFFSETS[qtype][field]
+    raw[-1, at:at + 2] = np.frombuffer(np.uint16(0x3C00).tobytes(), np.uint8)    # 1.0: fine
+    tensor = types.SimpleNamespace(name="blk.1.ffn_up.weight", tensor_type=qtype,
+                                   shape=[cols, rows], data=raw)
+    gguf_format.read_blocks(tensor, "m.gguf")
+    raw[-1, at:at + 2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    with pytest.raises(ModelFileError, match=rf"m\.gguf: tensor 'blk\.1\.ffn_up\.weight' "
+                                             rf"\({qtype.name}\) has \d+ block scale"):
+        gguf_format.read_blocks(tensor, "m.gguf")
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. The streamed load: modules built tensor by tensor, fused products read as one
+# ------------------------------------------------------------------------------------------------
+
+# Per GGUF tensor kind, its type in each mix (anything else: Q4_0).
+_MIXES = {
+    "q4_0": {},
+    "q4_k_m": {"": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K},
+    "q8_0": {"": Q.Q8_0},
+    "q4_0 q, q4_k k": {"attn_k": Q.Q4_K, "ffn_up": Q.Q4_K, "attn_v": Q.Q5_0},
+}
+
+
+def _mixed_file(path: Path, mix: dict, tied: bool) -> Path:
+    rng = np.random.default_rng(7)
+    tensors = {}
+    for name, w in random_weights(KQUANT, seed=7, tied=tied).items():
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = Q.F32 if w.ndim == 1 else mix.get(kind, mix.get("", Q.Q4_0))
+        tensors[name] = (encode(w, qtype, rng), qtype)
+    return write_gguf(path, tensors, KQUANT)
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in list(model.named_buffers(remove_duplicate=False))
+            + list(model.named_parameters(remove_duplicate=False)) if "kv_cache" not in n}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("mix", list(_MIXES))
+def test_the_streamed_load_equals_building_from_the_whole_state(tmp_path, mix, tied):
+    """`load` (each matrix's module built as it is read; a layer's q/k/v and w1/w3 read into one
+    buffer, packed once) gives the modules, buffers and logits that building the model from the
+    whole state dict of blocks gives (`read_gguf` then `build_model`: every module built after
+    reading, fused products copied together)."""
+    from torchllama.checkpoint.common import build_model
+
+    path = _mixed_file(tmp_path / "m.gguf", _MIXES[mix], tied)
+    streamed, _ = torchllama.load(path)
+    args, state, _ = gguf_format.read_gguf(path, torch.float32, False, "auto")
+    whole = build_model(args, state, str(path))
+    assert [(n, type(m)) for n, m in streamed.named_modules()] == \
+        [(n, type(m)) for n, m in whole.named_modules()]
+    ours, theirs = _buffers(streamed), _buffers(whole)
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and torch.equal(t, theirs[name]), name
+    for layer in streamed.layers:                  # the parts view their fused product
+        for fused, parts in ((layer.attention.wqkv, ("wq", "wk", "wv")),
+                             (layer.feed_forward.w13, ("w1", "w3"))):
+            if fused is not None:
+                part = getattr(layer.attention if parts[0] == "wq" else layer.feed_forward,
+                               parts[0])
+                assert part.codes.data_ptr() == fused.codes.data_ptr()
+    tokens = torch.tensor([[1, 20, 200, 4, 50]])
+    with torch.inference_mode():
+        assert torch.equal(streamed(tokens), whole(tokens))
+        streamed.setup_caches(1, 8)
+        whole.setup_caches(1, 8)
+        assert torch.equal(streamed(tokens, 0), whole(tokens, 0))
+
+
+def test_the_progress_bar_is_off_in_the_api_unless_asked(small_file, capsys):
+    path, _ = small_file
+    torchllama.load(path)
+    assert "loading weights" not in capsys.readouterr().err
+    torchllama.load(path, progress=True)
+    assert "loading weights" in capsys.readouterr().err
+
+
+def test_metadata_arrays_read_as_the_gguf_library_reads_them(tmp_path):
+    """Our reader parses arrays of strings and numbers in one loop: the same fields (parts,
+    indices, types, contents) as `gguf.GGUFReader`, empty and nested arrays included; an array
+    cut short by the end of the file is refused."""
+    extra = {"test.strings": ("add_array", ["", "a", "éé", "x" * 300]),
+             "test.empty": ("add_array", []),
+             "test.ints": ("add_array", list(range(-3, 1000))),
+             "test.floats": ("add_array", [0.5, -2.25]),
+             "test.bools": ("add_array", [True, False]),
+             "test.nested": ("add_array", [[1, 2], [3]])}
+    path = write_gguf(tmp_path / "m.gguf", f32_tensors(random_weights(SMALL)), extra_keys=extra)
+    ours, theirs = gguf_format.open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), key
+        assert [(p.dtype, p.tobytes()) for p in mine.parts] == \
+            [(p.dtype, p.tobytes()) for p in field.parts], key
+        assert mine.contents() == field.contents(), key
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:data.index(b"x" * 300) + 100])
+    with pytest.raises(ModelFileError, match="truncated or corrupt GGUF file"):
+        torchllama.load(cut)

@@ -138,6 +138,50 @@ def test_quantize_model_shares_one_table_between_tied_embeddings_and_output():
     assert isinstance(int4.output, LINEAR8)             # the vocabulary stays 8-bit
 
 
+@pytest.mark.skipif(not KERNELS, reason="fused products need torchllama's kernels")
+@pytest.mark.parametrize("kind", ["q4 f16", "q4 f32", "q4 mixed", "q8 small"])
+def test_fused_linears_are_what_fusing_separate_linears_gives(kind):
+    """`fused_linears` (one module packed over stacked rows, parts viewing it) equals building
+    the parts apart and `fuse_rows`-ing them (bit for bit, buffer dtypes included), and
+    `fuse_rows` of its parts copies nothing; parts whose scales would be stored in different
+    dtypes are not fused (None), as `fuse_rows` refuses them."""
+    from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, fuse_rows, fused_linears,
+                                                quantized_linear)
+
+    g = torch.Generator().manual_seed(0)
+    sizes, K = [16, 8, 24], 64
+    N = sum(sizes)
+    if kind.startswith("q4"):
+        d = torch.randint(1, 100, (N, K // 32), generator=g).float() / 64     # f16-exact
+        if kind != "q4 f16":
+            d[:16 if kind == "q4 mixed" else N] += 1e-4                       # not f16-exact
+        weight = Q4Blocks(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g),
+                          d, -8 * d)
+    else:
+        codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        codes[16:24] = codes[16:24] // 8                    # one part within ±32: "small"
+        weight = Q8Blocks(codes, torch.rand(N, K // 32, generator=g))
+    apart = [quantized_linear(w) for w in weight.split_rows(sizes)]
+    reference = fuse_rows(apart)
+    linears = fused_linears(weight, sizes)
+    if kind == "q4 mixed":
+        assert reference is None and linears is None
+        return
+    fused, parts = linears[0], linears[1:]
+    for ours, theirs in zip(parts, apart):
+        for a, b in zip(ours.packed(), theirs.packed()):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    again = fuse_rows(parts)
+    for a, b, c in zip(again.packed(), reference.packed(), fused.packed()):
+        assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(a, c)
+    assert again.codes.data_ptr() == fused.codes.data_ptr()             # no copy
+    assert reference.codes.data_ptr() != fused.codes.data_ptr()
+    x = torch.randn(3, K, generator=g)
+    assert torch.equal(again(x), reference(x))
+    if kind == "q8 small":
+        assert [bool(p.small) for p in parts] == [False, True, False] and not bool(fused.small)
+
+
 def test_dtype_names():
     assert parse_dtype("float32") == (torch.float32, None)
     assert parse_dtype("auto") == (torch.float32, "auto")

@@ -94,7 +94,8 @@ def generate(prompt: str = DEFAULT_PROMPT, model: Optional[str] = None,
     _check_kv_cache_dtype(kv_cache_dtype)
     StopStrings(stop or [])                                  # validates the strings first
     prompts = _read_prompt_file(prompt_file) if prompt_file is not None else None
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype,
+                          progress=True)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)
@@ -263,7 +264,8 @@ def chat(model: Optional[str] = None, system: Optional[str] = None, max_new_toke
     _check_draft(draft, draft_tokens)
     parse_dtype(dtype)
     _check_kv_cache_dtype(kv_cache_dtype)
-    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype)
+    llm, tokenizer = load(model, dtype=dtype, adapter=adapter, kv_cache_dtype=kv_cache_dtype,
+                          progress=True)
     drafter = _load_draft(draft, model)
     if compile:
         _compile_decode(llm)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torchllama.transforms.layout import column_major
 from torchllama.errors import ArgumentError, ModelFileError
@@ -166,13 +167,15 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     thread); without them they get the column-major layout that is faster with MKL (see
     `torchllama.transforms.layout.set_weight_layout`), converted tensor by tensor.
 
-    Weights given quantized (`torchllama.transforms.quantize.Q4Blocks` / `Q8Blocks` / ...) replace their
-    modules by quantized ones (`torchllama.transforms.quantize.install_quantized`).
+    Weights given quantized (`torchllama.transforms.quantize.Q4Blocks` / `Q8Blocks` / ...), or as
+    quantized modules already built from them, replace their modules by quantized ones
+    (`torchllama.transforms.quantize.install_quantized`).
 
     Args:
         args: the model's hyperparameters.
-        state: our (Meta's) parameter name → tensor, already in the target dtype, or quantized
-            weight. Consumed: entries are replaced as they are converted.
+        state: our (Meta's) parameter name → tensor, already in the target dtype, quantized
+            weight or quantized linear module. Consumed: entries are replaced as they are
+            converted.
         source: the checkpoint's path, for error messages.
 
     Returns:
@@ -195,9 +198,9 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
             parts.append(f"unexpected tensors {names_list(unexpected)}")
         raise ModelFileError(f"{source}: {'; '.join(parts)}")
     for name, shape in expected.items():
-        if state[name].shape != shape:
-            raise ModelFileError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(shape)}")
+        if _shape(state[name]) != shape:
+            raise ModelFileError(f"{source}: tensor {name} has shape {tuple(_shape(state[name]))}"
+                                 f", expected {tuple(shape)}")
     quantized = {n: w for n, w in state.items() if not isinstance(w, torch.Tensor)}
     if quantized:
         from torchllama.transforms.quantize import install_quantized
@@ -227,6 +230,14 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)
+
+
+def _shape(w) -> torch.Size:
+    """The (out, in) shape of a weight: a tensor's, a quantized weight's, or a quantized linear
+    module's (already built from one, `torchllama.checkpoint.gguf.load_gguf_state_dict`)."""
+    if isinstance(w, torch.nn.Module):
+        return torch.Size((w.out_features, w.in_features))
+    return w.shape
 
 
 def _kernels_run_float32() -> bool:
@@ -277,10 +288,27 @@ def meta_model(args, source: str = "the model's configuration") -> Transformer:
             f"{n:.3g} parameters, more than any checkpoint ({MAX_PARAMETERS:.0e}): is the "
             "file damaged?")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipRandomInit():
             return Transformer(args)
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
         raise ModelFileError(f"{source}: cannot build a model of these sizes ({e})") from None
+
+
+#: What `_SkipRandomInit` skips: the init function (seen first under a mode) and the method.
+_RANDOM_INITS = (torch.nn.init.normal_, torch.Tensor.normal_)
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Random initialisation of meta tensors skipped: they hold no values to fill, and
+    `Tensor.normal_` (nn.Embedding's init) on the meta device runs through torch's Python
+    decompositions, whose first use imports ~800 modules (sympy, mpmath...): 2.5-4 s of a
+    load on a 2-core machine, for nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tensor = args[0] if args else (kwargs or {}).get("tensor")
+        if func in _RANDOM_INITS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **(kwargs or {}))
 
 
 def linear_weight_names(args, source: str = "the model's configuration") -> set[str]:

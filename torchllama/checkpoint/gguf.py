@@ -15,6 +15,15 @@ GGUF (llama.cpp's file format) holds three things we need:
 deepseek2, ...), which turns the ``{arch}.*`` keys into `ModelArgs` (it may read tensors that
 are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name and layout.
 
+Loading (`load_gguf_state_dict` with `modules`, as `torchllama.load` does) reads the file
+through its memory mapping, tensor by tensor, on a few threads: each matrix kept in its blocks
+is converted from the mapped bytes straight into the arrays of its blocks (`read_blocks`;
+a layer's q/k/v and w1/w3 into one stacked buffer), its module built from them at once
+(`quantized_linear`, `fused_linears`: the kernels' packed layout), and its file pages handed
+back (`_release_file_pages`). So the peak holds the finished modules plus the few tensors in
+flight, never the whole file's blocks beside them (a 7B Q4_0: 5.5 GB peak for 5.0 GB of
+modules; it was 11 GB).
+
 Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
 key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
 supported types; a tensor whose data runs past the end of the file, whose row length is not a
@@ -29,20 +38,24 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
 import torch
 
-from torchllama.checkpoint.common import expected_shapes, linear_weight_names
+from torchllama.checkpoint.common import meta_model
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
-from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, Scheme, fits, quantize_weight,
-                                 scheme_for)
+from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, Scheme, fits,
+                                            fused_linears, fusion_groups, quantize_weight,
+                                            quantized_linear, scheme_for)
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
@@ -59,6 +72,64 @@ class _Reader(gguf.GGUFReader):
     info while mapping it (a row length that is not a multiple of its type's block size, data
     that runs past the end of the file) but names only the type; when it refuses a file, each
     tensor is mapped again on its own, so the error can name it."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        """The library's `_get` (count values of dtype at offset, in the file's byte order),
+        sliced from a plain ndarray view of the mapping: slicing the `numpy.memmap` itself
+        costs Python code per call (its `__getitem__` and `__array_finalize__`), and a
+        49k-token vocabulary with its merges takes ~200k calls (5 s of a 1B model's load on a
+        2-core machine; 0.5 s this way)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)      # same memory, no copy
+        dtype = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        """The library's (size, parts, data indices, types) of a metadata value. Arrays of
+        strings or numbers (a vocabulary's tokens, merges, scores, types: ~150k elements) are
+        parsed in one loop here rather than one recursive call per element, into the same
+        parts (a view per element; for a string its length, then its bytes)."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        sub = gguf.GGUFValueType(int(itype[0]))
+        n, start = int(alen[0]), orig_offs + 12
+        if sub == gguf.GGUFValueType.STRING:
+            elements, end = self._strings(start, n)
+            first = 3                                     # parts: itype, alen, (len, bytes)…
+        elif sub in self.gguf_scalar_to_np:
+            dtype = np.dtype(self.gguf_scalar_to_np[sub])
+            end = start + n * dtype.itemsize
+            if end > len(self._plain):
+                raise ValueError(f"an array of {n} {sub.name} runs past the end of the file")
+            elements = list(self._plain[start:end].view(dtype).reshape(n, 1))  # (1,) views
+            first = 2
+        else:                                             # arrays of arrays: the library's way
+            return super()._get_field_parts(orig_offs, raw_type)
+        step = len(elements) // n if n else 1
+        return (end - orig_offs, [itype, alen] + elements, list(range(first, 2 + len(elements),
+                                                                      step)),
+                [gguf.GGUFValueType.ARRAY] + ([sub] if n else []))
+
+    def _strings(self, offs: int, n: int) -> tuple[list[np.ndarray], int]:
+        """n GGUF strings from offs: [length (1,) uint64, bytes (length,) uint8] views each,
+        and the offset after them."""
+        plain, size = self._plain, len(self._plain)
+        u64 = np.dtype("<u8")
+        parts: list[np.ndarray] = []
+        for _ in range(n):
+            if offs + 8 > size:
+                raise ValueError(f"an array of {n} strings runs past the end of the file")
+            length = int.from_bytes(plain[offs:offs + 8].tobytes(), "little")
+            if offs + 8 + length > size:
+                raise ValueError(f"a string of {length} bytes runs past the end of the file")
+            parts += (plain[offs:offs + 8].view(u64), plain[offs + 8:offs + 8 + length])
+            offs += 8 + length
+        return parts, offs
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         try:
@@ -188,12 +259,14 @@ _FLOAT_TYPES = {
 }
 
 
-def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None):
+def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None,
+              modules: bool = False):
     """(args, state dict in our names and `dtype`, tokenizer) of a GGUF file; the family adapter
     of its `general.architecture` gives the hyperparameters and tensor names.
 
     With `quant` ("auto" or a `torchllama.transforms.quantize.Scheme`), the matrices of linear layers and
-    the token embeddings come as `Q4Blocks` / `Q8Blocks` instead of float tensors (see
+    the token embeddings come as `Q4Blocks` / `Q8Blocks` instead of float tensors, and with
+    `modules` those of linear layers as their modules, built tensor by tensor (see
     `load_gguf_state_dict`).
 
     Raises:
@@ -208,7 +281,8 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None)
     tokenizer = tokenizer_from_gguf_metadata(metadata, source)
     if tokenizer.chat_template is None and family.chat_template is not None:
         tokenizer.chat_template = family.chat_template      # the family's built-in format
-    state = load_gguf_state_dict(reader, family, args, dtype, source, progress, quant)
+    state = load_gguf_state_dict(reader, family, args, dtype, source, progress, quant,
+                                 modules)
     return args, state, tokenizer
 
 
@@ -259,8 +333,8 @@ def tensor_index(reader: gguf.GGUFReader, source: str) -> TensorIndex:
 
 
 def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArgs,
-                         dtype: torch.dtype, source: str, progress: bool = True, quant=None
-                         ) -> dict[str, torch.Tensor]:
+                         dtype: torch.dtype, source: str, progress: bool = True, quant=None,
+                         modules: bool = False) -> dict[str, Any]:
     """Every tensor of a GGUF file in our names, shapes checked: dequantized, or with `quant`
     the matrices kept quantized.
 
@@ -270,16 +344,20 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         args: the model's hyperparameters (from the file's metadata).
         dtype: dtype of the returned float tensors.
         source: file path, for error messages.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar of the bytes read.
         quant: None (dequantize everything), "auto" (the file's own blocks for the types the
             kernels take, `BLOCK_TYPES`: Q4_0/Q4_1/Q4_K → `Q4Blocks`, Q8_0/Q5_0/Q6_K →
             `Q8Blocks`, exactly; other quantized types dequantized, reported in one line;
             float matrices stay float) or a `torchllama.transforms.quantize.Scheme` (every matrix in that
             scheme). See `_quantized`.
+        modules: the matrices kept quantized of linear layers without a bias come as their
+            finished modules (`torchllama.transforms.quantize.quantized_linear`), each built as
+            soon as its tensor is read: the blocks of one tensor at a time are in memory beside
+            the modules, not the blocks of all of them (a 7B model: 4 GB less at the peak).
 
     Returns:
-        our name → tensor (dtype) or quantized weight. `output.weight` is absent for tied
-        embeddings.
+        our name → tensor (dtype), quantized weight or (with `modules`) module.
+        `output.weight` is absent for tied embeddings.
 
     Raises:
         ModelFileError: an unknown or missing tensor, a shape mismatch, an unsupported
@@ -287,28 +365,34 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
     """
     from tqdm import tqdm
 
-    expected = expected_shapes(args, source)
+    model = meta_model(args, source)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
     mappings = family.mappings("gguf", args.n_layers, set(expected))
-    by_name = {m.theirs: m for m in mappings}
     parts = _Parts(mappings)
-    state: dict[str, torch.Tensor] = {}
-    quantizable = linear_weight_names(args, source) | {"tok_embeddings.weight"} if quant else set()
-    no_kernel: set[str] = set()
-    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress,
-                  leave=False):
-        mapping = by_name.get(t.name)
-        if mapping is None:
-            if family.gguf_ignored is not None and family.gguf_ignored.fullmatch(t.name):
-                continue
-            raise ModelFileError(f"{source}: unexpected tensor {t.name!r}")
-        _check_stored_shape(t, mapping, expected, args, source)
-        loaded = None
-        if set(mapping.ours) <= quantizable and _rows_only(mapping.layout):
-            loaded = _kept_quantized(t, mapping, quant, expected, args, source, no_kernel)
-        if loaded is None:
-            loaded = _dequantized(t, mapping, args, dtype, source, parts)
-        state.update(loaded)
-        _release_file_pages(reader, t)
+    state: dict[str, Any] = {}
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantizable = linears | {"tok_embeddings.weight"} if quant else set()
+    built = {n for n in linears if n.removesuffix("weight") + "bias" not in expected and not (
+        n == "output.weight" and args.tie_embeddings)} if modules else set()
+    by_name = {m.theirs: m for m in mappings}
+    stored = {n for t in reader.tensors if t.name in by_name for n in by_name[t.name].ours}
+    tied_output = modules and args.tie_embeddings and "output.weight" not in stored and \
+        "output.bias" not in expected
+    job = _Job(reader, family, args, source, quant, expected, by_name, quantizable, built,
+               tied_output, set())
+    bar = tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), desc="loading weights",
+               unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, leave=False)
+    with bar, _conversion_pool() as pool:
+        for t, converting in job.submit(pool):         # in file order; first error raised
+            mapping = job.mapping_of(t)
+            if mapping is not None and converting is not _IN_GROUP:
+                loaded = None if converting is None else converting.result()
+                if loaded is None:
+                    loaded = _dequantized(t, mapping, args, dtype, source, parts)
+                    _release_file_pages(reader, t)
+                state.update(loaded)
+            bar.update(int(t.n_bytes))
+    no_kernel = job.no_kernel
     _check_none_missing(state, expected, family, args, source)
     if no_kernel:
         print(f"note: {source}: no kernel for {', '.join(sorted(no_kernel))} tensors; they are "
@@ -333,17 +417,150 @@ def _check_stored_shape(t: Any, mapping: Mapping, expected: dict[str, torch.Size
             f"{tuple(want)} for {', '.join(mapping.ours)}")
 
 
-def _kept_quantized(t: Any, mapping: Mapping, quant, expected: dict[str, torch.Size],
-                    args: ModelArgs, source: str, no_kernel: set) -> dict | None:
-    """A matrix kept quantized (`_quantized`): our name → its rows after the mapping's layout;
-    None to load it as float (no kernel for its type under "auto", or our shapes do not fit the
-    blocks)."""
-    q = _quantized(t, quant if quant == "auto" else scheme_for(mapping.ours[0], quant),
-                   source, no_kernel)
-    if q is None or not all(fits(torch.Size((expected[n][0], q.shape[1])), _scheme_of(q))
-                            for n in mapping.ours):
-        return None
-    return dict(zip(mapping.ours, _layout_rows(mapping.layout, q, args)))
+#: Most tensors converted at once (`_conversion_pool`): each holds one tensor's blocks.
+MAX_LOAD_THREADS = 4
+
+
+@contextmanager
+def _conversion_pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads that convert tensors side by side (numpy and torch release the GIL), as many as
+    torch's threads (at most `MAX_LOAD_THREADS`), each running its torch ops on one thread
+    (torch's thread count is 1 meanwhile, and restored after). Conversions are short copies
+    and casts: split inside each op, they cost more in thread wake-ups and barriers than they
+    gain (a 7B model's matrices on 2 busy cores: 12 s with 2 torch threads per op, 7 s with
+    one, 6 s with two tensors at a time on one thread each)."""
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max(1, min(threads, MAX_LOAD_THREADS)),
+                              thread_name_prefix="torchllama-load")
+    torch.set_num_threads(1)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
+
+
+#: `_Job.submit`'s mark of a tensor that the conversion of its fusion group's first reads.
+_IN_GROUP = object()
+
+
+@dataclass
+class _Job:
+    """What `load_gguf_state_dict` converts, and how: the file, the names and shapes it maps
+    to, which matrices stay quantized (`quantizable`) and which come as modules (`built`;
+    `tied_output`: the output projection from the token embeddings' table too); `no_kernel`
+    collects the types loaded as float for want of a kernel."""
+
+    reader: gguf.GGUFReader
+    family: Family
+    args: ModelArgs
+    source: str
+    quant: Any
+    expected: dict[str, torch.Size]
+    by_name: dict[str, Mapping]
+    quantizable: set[str]
+    built: set[str]
+    tied_output: bool
+    no_kernel: set[str]
+
+    def mapping_of(self, t: Any) -> Mapping | None:
+        """The mapping of GGUF tensor `t` (its shape checked), None for one the family ignores.
+
+        Raises:
+            ModelFileError: a tensor of no mapping, or of another shape than its mapping stores.
+        """
+        mapping = self.by_name.get(t.name)
+        if mapping is None:
+            ignored = self.family.gguf_ignored
+            if ignored is not None and ignored.fullmatch(t.name):
+                return None
+            raise ModelFileError(f"{self.source}: unexpected tensor {t.name!r}")
+        _check_stored_shape(t, mapping, self.expected, self.args, self.source)
+        return mapping
+
+    def submit(self, pool: ThreadPoolExecutor) -> list[tuple[Any, Any]]:
+        """(tensor, its conversion) for every tensor, in file order: a future of the matrices
+        kept quantized (`kept_quantized`; a fusion group's first tensor: `fused_group`, its
+        others `_IN_GROUP`), None for the rest (converted by the caller). A tensor whose name
+        or shape is wrong gets None; the caller's `mapping_of` raises in file order."""
+        mappings = {}
+        for t in self.reader.tensors:
+            try:
+                mappings[t.name] = self.mapping_of(t)
+            except ModelFileError:
+                mappings[t.name] = None
+        groups = self._fusion_groups(mappings)
+        jobs = []
+        for t in self.reader.tensors:
+            mapping, group = mappings[t.name], groups.get(t.name)
+            if group is not None:
+                first = group[0] is t
+                jobs.append((t, pool.submit(self.fused_group, group) if first else _IN_GROUP))
+            elif mapping is not None and set(mapping.ours) <= self.quantizable and \
+                    _rows_only(mapping.layout):
+                jobs.append((t, pool.submit(self.kept_quantized, t, mapping)))
+            else:
+                jobs.append((t, None))
+        return jobs
+
+    def _fusion_groups(self, mappings: dict[str, Mapping | None]) -> dict[str, list]:
+        """GGUF name → the tensors of its fusion group (`fusion_groups`) in row order, for the
+        groups read as one (`fused_group`): modules of the file's blocks under "auto", each
+        tensor ours as it is, all of one block form."""
+        if self.quant != "auto":
+            return {}
+        ours = {}                                      # our name → its tensor, as it is
+        for t in self.reader.tensors:
+            m = mappings[t.name]
+            if m is not None and type(m.layout) is Layout and len(m.ours) == 1:
+                ours[m.ours[0]] = t
+        groups = {}
+        for names in fusion_groups(set(ours) & self.built):
+            tensors = [ours[n] for n in names]
+            forms = {_block_form(t.tensor_type) for t in tensors}
+            if len(forms) == 1 and None not in forms:
+                groups.update((t.name, tensors) for t in tensors)
+        return groups
+
+    def kept_quantized(self, t: Any, mapping: Mapping) -> dict | None:
+        """A matrix kept quantized (`_quantized`): our name → its rows after the mapping's
+        layout, as a module for the names in `built` (`quantized_linear`); its file pages
+        released. None to load it as float (no kernel for its type under "auto", or our shapes
+        do not fit the blocks). Runs in `_conversion_pool`'s threads."""
+        quant = self.quant if self.quant == "auto" else scheme_for(mapping.ours[0], self.quant)
+        q = _quantized(t, quant, self.source, self.no_kernel)
+        if q is None or not all(fits(torch.Size((self.expected[n][0], q.shape[1])),
+                                     _scheme_of(q)) for n in mapping.ours):
+            return None
+        rows = _layout_rows(mapping.layout, q, self.args)
+        del q                                          # the rows are views or copies of it
+        loaded = {n: quantized_linear(w) if n in self.built else w
+                  for n, w in zip(mapping.ours, rows)}
+        if self.tied_output and mapping.ours == ("tok_embeddings.weight",):
+            output = quantized_linear(loaded["tok_embeddings.weight"])
+            if isinstance(output, BlockLinear):       # its table serves the embeddings too
+                loaded["output.weight"] = output
+        _release_file_pages(self.reader, t)
+        return loaded
+
+    def fused_group(self, tensors: list) -> dict:
+        """The matrices of one fusion group (`fusion_groups`, e.g. a layer's q, k, v) read into
+        one stacked block weight, their modules views of one module packed once
+        (`fused_linears`), or built apart from its rows where they cannot be fused. Runs in
+        `_conversion_pool`'s threads."""
+        sizes, K = [int(t.shape[1]) for t in tensors], int(tensors[0].shape[0])
+        stacked = _empty_blocks(tensors[0].tensor_type, sum(sizes), K)
+        start = 0
+        for t, n in zip(tensors, sizes):
+            read_blocks(t, self.source, [x[start:start + n] for x in stacked])
+            _release_file_pages(self.reader, t)
+            start += n
+        weight = (Q4Blocks if tensors[0].tensor_type in _Q4_TYPES else Q8Blocks)(
+            *(torch.from_numpy(x) for x in stacked))
+        linears = fused_linears(weight, sizes)
+        if linears is None:
+            linears = [None] + [quantized_linear(w) for w in weight.split_rows(sizes)]
+        return {self.by_name[t.name].ours[0]: lin for t, lin in zip(tensors, linears[1:])}
 
 
 class _Parts:
@@ -416,14 +633,16 @@ _PLAIN_BLOCKS = {_Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
 _Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
 _Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
 _Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)])
-#: Rows converted at a time (bounds the float32 scratch of the code extraction).
+#: Each type's block, as numpy reads it in the file.
+_BLOCKS = {**_PLAIN_BLOCKS, _Q.Q4_K: _Q4_K_BLOCK, _Q.Q6_K: _Q6_K_BLOCK, _Q.Q5_0: _Q5_0_BLOCK}
+#: Rows converted at a time: bounds the scratch arrays of a conversion (~16 MB at K = 4096).
 _ROWS_PER_CHUNK = 4096
 
 
 def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
-    """The integer codes of K-quant/Q5_0 blocks, unpacked by the `gguf` library itself: the
-    blocks are dequantized with their scales set so that the result is the code (d = 1,
-    sub-block scales 1, offsets 0), which is exact in float32.
+    """The integer codes of Q5_0 blocks, unpacked by the `gguf` library itself: the blocks are
+    dequantized with their scales set so that the result is the code (d = 1), which is exact
+    in float32.
 
     Args:
         raw: (rows, blocks) structured array of the type's block dtype (a copy is changed).
@@ -436,66 +655,133 @@ def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
     return gguf.quants.dequantize(raw.view(np.uint8).reshape(raw.shape[0], -1), typ)
 
 
-def _block_rows(raw: np.ndarray, typ) -> Q4Blocks | Q8Blocks:
-    """Rows of a quantized matrix (raw (rows, bytes per row) uint8) as the file's blocks."""
-    rows = raw.shape[0]
+#: Byte masks repeated over a word: the nibble and bit-field operations below act on 8 (4)
+#: bytes at once, each byte as it would alone (what a shift carries into a neighbour is masked).
+_LOW4, _HIGH4, _LOW2 = (np.uint64(0x0101010101010101 * v) for v in (0x0F, 0xF0, 0x03))
+_LOW6, _BITS45 = (np.uint32(0x01010101 * v) for v in (0x3F, 0x30))
+
+
+def _words(b: np.ndarray, dtype, first: int, last: int) -> np.ndarray:
+    """Bytes first..last-1 of every block of b (rows, blocks), as words of `dtype`: a view
+    (rows, blocks, (last − first) / word size) when the block size allows it, else a copy."""
+    raw = b.view(np.uint8).reshape(*b.shape, b.dtype.itemsize)[..., first:last]
+    size = np.dtype(dtype).itemsize
+    if b.dtype.itemsize % size or first % size:
+        raw = np.ascontiguousarray(raw)
+    return raw.view(dtype)
+
+
+def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> None:
+    """Q4_K super-blocks (rows, K/256) → Q4 blocks of 32 (ggml-common.h block_q4_K,
+    ggml-quants.c dequantize_row_q4_K): w = (d·sc_j)·q − dmin·mn_j for sub-block j.
+
+    Each 64 weights of a super-block are 32 bytes: weights 0-31 in their low nibbles,
+    32-63 in their high nibbles; a Q4 block holds weights i and i + 16 in byte i. The eight
+    6-bit sc_j, mn_j are packed in 12 bytes (`gguf.quants.Q4_K.get_scale_min`'s layout).
+    """
+    rows, nb = b.shape
+    qs = _words(b, np.uint64, 16, 144).reshape(rows, nb, 4, 2, 2)   # (…, 64s, bytes 0-15 | 16-31)
+    lo, hi = qs[..., 0, :], qs[..., 1, :]
+    out = codes.view(np.uint64).reshape(rows, nb, 4, 2, 2)         # (…, sub-blocks 2j | 2j+1)
+    np.bitwise_or(lo & _LOW4, (hi << 4) & _HIGH4, out=out[..., 0, :])    # weights 0-31
+    np.bitwise_or((lo >> 4) & _LOW4, hi & _HIGH4, out=out[..., 1, :])    # weights 32-63
+    s = _words(b, np.uint32, 4, 16)                               # (rows, K/256, 3): 12 bytes
+    sc, mn = np.empty((2, rows, nb, 2), np.uint32)
+    sc[..., 0], mn[..., 0] = s[..., 0] & _LOW6, s[..., 1] & _LOW6          # j = 0-3
+    sc[..., 1] = (s[..., 2] & _LOW4.astype(np.uint32)) | ((s[..., 0] >> 2) & _BITS45)  # 4-7
+    mn[..., 1] = ((s[..., 2] >> 4) & _LOW4.astype(np.uint32)) | ((s[..., 1] >> 2) & _BITS45)
+    sc, mn = (x.view(np.uint8).astype(np.float32) for x in (sc, mn))       # (rows, K/256, 8)
+    d[:] = (b["d"].astype(np.float32)[..., None] * sc).reshape(rows, -1)
+    m[:] = -(b["dmin"].astype(np.float32)[..., None] * mn).reshape(rows, -1)
+
+
+def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray) -> None:
+    """Q6_K super-blocks (rows, K/256) → int8 codes q − 32 and one scale d·sc_j per 16
+    weights (ggml-common.h block_q6_K, ggml-quants.c dequantize_row_q6_K): each 128 weights
+    take 64 bytes of low nibbles (ql) and 32 of 2-bit high parts (qh); weight l + 32·k of
+    the 128 (l < 32) is ql[l + 32·(k % 2)] (low nibble for k < 2, high for k ≥ 2) with bits
+    2k, 2k+1 of qh[l] above it."""
+    rows, nb = b.shape
+    ql = _words(b, np.uint64, 0, 128).reshape(rows, nb, 2, 2, 4)   # (…, 128s, l | l+32, 4)
+    qh = _words(b, np.uint64, 128, 192).reshape(rows, nb, 2, 4)    # (…, 128s, 4 words of l)
+    out = codes.view(np.uint64).reshape(rows, nb, 2, 4, 4)         # (…, 128s, k, 4 words)
+    for k in range(4):
+        low = ql[..., k % 2, :] & _LOW4 if k < 2 else (ql[..., k % 2, :] >> 4) & _LOW4
+        np.bitwise_or(low, ((qh >> (2 * k)) & _LOW2) << 4, out=out[..., k, :])  # q ∈ [0, 63]
+    codes -= 32                                                            # q − 32, int8
+    d[:] = (b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
+            ).reshape(rows, -1)                                            # (rows, K/16)
+
+
+def _convert_rows(b: np.ndarray, typ, out: list[np.ndarray]) -> None:
+    """Rows of a quantized matrix (b: (rows, blocks) of the type's block dtype) written into
+    `out`: [codes, d, m] of `Q4Blocks`, [codes, d] of `Q8Blocks`, those rows."""
+    rows = b.shape[0]
     if typ in _PLAIN_BLOCKS:
-        b = raw.view(_PLAIN_BLOCKS[typ])                                   # (rows, K/32)
-        d = torch.from_numpy(b["d"].astype(np.float32))
-        if typ == _Q.Q8_0:
-            return Q8Blocks(torch.from_numpy(np.ascontiguousarray(b["qs"])).view(rows, -1), d)
-        m = -8 * d if typ == _Q.Q4_0 else torch.from_numpy(b["m"].astype(np.float32))
-        return Q4Blocks(torch.from_numpy(np.ascontiguousarray(b["qs"])).view(rows, -1), d, m)
-    if typ == _Q.Q5_0:                                                     # w = d·(q − 16)
-        b = raw.view(_Q5_0_BLOCK)
-        codes = _codes_of(b, typ, {"d": 1.0})                               # q − 16
-        return Q8Blocks(torch.from_numpy(codes.astype(np.int8)),
-                        torch.from_numpy(b["d"].astype(np.float32)))
-    if typ == _Q.Q6_K:                                                     # w = d·sc_j·(q − 32)
-        b = raw.view(_Q6_K_BLOCK)                                          # (rows, K/256)
-        codes = _codes_of(b, typ, {"d": 1.0, "scales": 1})                  # q − 32
-        d = b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
-        return Q8Blocks(torch.from_numpy(codes.astype(np.int8)),
-                        torch.from_numpy(d.reshape(rows, -1)))             # (rows, K/16)
-    # Q4_K: w = (d·sc_j)·q − dmin·mn_j per sub-block j of 32
-    b = raw.view(_Q4_K_BLOCK)
-    ones = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)       # sc_j = 1, mn_j = 0
-    codes = _codes_of(b, typ, {"d": 1.0, "dmin": 0.0, "scales": ones})
-    sc, mn = gguf.quants.Q4_K.get_scale_min(b["scales"].reshape(-1, 12))   # (rows·K/256, 8)
-    d = b["d"].astype(np.float32).reshape(-1, 1) * sc.astype(np.float32)
-    dm = b["dmin"].astype(np.float32).reshape(-1, 1) * mn.astype(np.float32)
-    return Q4Blocks.from_values(torch.from_numpy(codes.astype(np.uint8)),
-                                torch.from_numpy(d.reshape(rows, -1)),
-                                torch.from_numpy(-dm.reshape(rows, -1)))
+        out[0].reshape(rows, b.shape[1], -1)[:] = b["qs"]                 # the stored bytes
+        out[1][:] = b["d"]                                                # f16 → f32, exact
+        if typ == _Q.Q4_0:                                                # w = d·q − 8·d
+            np.multiply(out[1], np.float32(-8), out=out[2])
+        elif typ == _Q.Q4_1:                                              # w = d·q + m
+            out[2][:] = b["m"]
+    elif typ == _Q.Q5_0:                                                  # w = d·(q − 16)
+        out[0][:] = _codes_of(b, typ, {"d": 1.0})                          # q − 16
+        out[1][:] = b["d"]
+    elif typ == _Q.Q6_K:
+        _q6_k_rows(b, *out)
+    else:
+        _q4_k_rows(b, *out)
 
 
-def read_blocks(t: Any, source: str) -> Q4Blocks | Q8Blocks:
-    """A quantized GGUF matrix of a `BLOCK_TYPES` type as its blocks, exactly as stored
-    (converted _ROWS_PER_CHUNK rows at a time).
+def _block_form(typ) -> str | None:
+    """Which arrays a type's blocks are read into (`_empty_blocks`): "q4", "q8/32" (a scale
+    per 32), "q8/16" (per 16, Q6_K); None for the types not kept in blocks."""
+    if typ not in BLOCK_TYPES:
+        return None
+    return "q4" if typ in _Q4_TYPES else "q8/16" if typ == _Q.Q6_K else "q8/32"
+
+
+def _empty_blocks(typ, rows: int, K: int) -> list[np.ndarray]:
+    """The arrays a (rows, K) matrix of `typ` is converted into: Q4 [codes (rows, K/2) uint8,
+    d, m (rows, K/32) float32]; Q8 [codes (rows, K) int8, d (rows, K/B) float32], B = 16
+    for Q6_K, else 32."""
+    if typ in _Q4_TYPES:
+        return [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32),
+                np.empty((rows, K // 32), np.float32)]
+    return [np.empty((rows, K), np.int8),
+            np.empty((rows, K // (16 if typ == _Q.Q6_K else 32)), np.float32)]
+
+
+def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
+                ) -> Q4Blocks | Q8Blocks:
+    """A quantized GGUF matrix of a `BLOCK_TYPES` type as its blocks, exactly as stored:
+    converted from the file mapping straight into the arrays of the result, `_ROWS_PER_CHUNK`
+    rows at a time, then its block scales checked (a non-finite f16 d, m or dmin in the file
+    is the only way one of them can be non-finite).
+
+    Args:
+        out: the arrays to convert into (`_empty_blocks` of its type and shape, e.g. rows of a
+            larger one); new ones by default.
 
     Raises:
         ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
     """
     typ = t.tensor_type
-    rows = int(t.shape[1])
+    rows, K = int(t.shape[1]), int(t.shape[0])
     try:
-        raw = np.asarray(t.data).reshape(rows, -1)
-        parts = [_block_rows(np.ascontiguousarray(raw[r:r + _ROWS_PER_CHUNK]), typ)
-                 for r in range(0, rows, _ROWS_PER_CHUNK)]
+        b = np.asarray(t.data).reshape(rows, -1).view(_BLOCKS[typ])        # (rows, blocks)
     except ValueError as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
-    if isinstance(parts[0], Q4Blocks):
-        w = Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "m")))
-        scales = (w.d, w.m)
-    else:
-        w = Q8Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d")))
-        scales = (w.d,)
-    for x in scales:
-        if not bool(torch.isfinite(x).all()):
-            n = int((~torch.isfinite(x)).sum())
-            raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
-                                 "scale(s) that are not finite numbers: the file is damaged")
-    return w
+    out = _empty_blocks(typ, rows, K) if out is None else out
+    with np.errstate(all="ignore"):                  # a damaged scale: reported below
+        for r in range(0, rows, _ROWS_PER_CHUNK):
+            _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
+    if not all(np.isfinite(x).all() for x in out[1:]):                    # d (and m)
+        n = sum(int(np.count_nonzero(~np.isfinite(x))) for x in out[1:])
+        raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
+                             "scale(s) that are not finite numbers: the file is damaged")
+    out = [torch.from_numpy(x) for x in out]
+    return Q4Blocks(*out) if typ in _Q4_TYPES else Q8Blocks(*out)
 
 
 def _quantized(t: Any, quant, source: str, no_kernel: set):

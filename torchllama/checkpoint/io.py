@@ -58,7 +58,7 @@ def read_model_args(path: Optional[str | os.PathLike] = None) -> ModelArgs:
 
 
 def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype = "auto",
-         max_seq_len: Optional[int] = None, progress: bool = True,
+         max_seq_len: Optional[int] = None, progress: bool = False,
          adapter: Optional[str | os.PathLike] = None, kv_cache_dtype: str = "auto"):
     """Load a checkpoint into our `Transformer` and its tokenizer; the format is detected.
 
@@ -74,7 +74,8 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
             'int4-g256': weight-only quantization of every linear layer (and a tied
             embedding), activations float32 around bfloat16 matmuls (`torchllama.transforms.quantize`).
         max_seq_len: context length to use (default: the checkpoint's, e.g. 8192 for SmolLM2).
-        progress: show a progress bar while loading weights.
+        progress: show a progress bar (stderr) of the weights' bytes read (the CLI does;
+            off by default here).
         adapter: a LoRA adapter folder in PEFT's format (or a `torchllama finetune` run
             folder: its latest checkpoint) applied on top of the weights without merging
             (`torchllama.transforms.lora.load_adapter`; on a quantized base as in QLoRA).
@@ -98,7 +99,8 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
     path = resolve_model_path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
-        args, state, tokenizer = gguf_format.read_gguf(path, torch_dtype, progress, quant)
+        args, state, tokenizer = gguf_format.read_gguf(path, torch_dtype, progress, quant,
+                                                       modules=True)
     else:
         args, state, tokenizer = READERS[fmt](path, torch_dtype, progress)
     if max_seq_len is not None:
