@@ -139,18 +139,19 @@ def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> d
     from torchllama.bench.decode import _prompt_ids
 
     out: dict = {name: {"prefill": {}, "decode": {}} for name in engine.settings}
-    for T in cfg.prefill:
-        ids = _prompt_ids(vocab_size, T)[0].tolist()
-        runs = {name: engine.prefill(opt, ids) for name, opt in engine.settings.items()}
+    figures = [("prefill", str(T), T, None) for T in cfg.prefill] + [
+        ("decode", decode_key(b, c), c, b) for b, c in cfg.decode_figures()]
+    for kind, key, length, batch in figures:
+        if kind == "prefill":
+            ids = _prompt_ids(vocab_size, length)[0].tolist()
+            runs = {name: engine.prefill(opt, ids) for name, opt in engine.settings.items()}
+        else:
+            prompts = _prompt_ids(vocab_size, length - cfg.new_tokens, batch).tolist()
+            runs = {name: engine.decode(opt, prompts) for name, opt in engine.settings.items()}
         for name, rates in _best(runs, cfg.runs).items():
-            out[name]["prefill"][T] = rates
-        for run in runs.values():
-            engine.release(run)
-    for batch, context in cfg.decode_figures():
-        prompts = _prompt_ids(vocab_size, context - cfg.new_tokens, batch).tolist()
-        runs = {name: engine.decode(opt, prompts) for name, opt in engine.settings.items()}
-        for name, rates in _best(runs, cfg.runs).items():
-            out[name]["decode"][decode_key(batch, context)] = rates
+            out[name][kind][key] = rates
+            print(f"{name}: {kind} {key}: {max(rates):.2f} tok/s (runs: "
+                  f"{', '.join(f'{r:.2f}' for r in rates)})", flush=True)
         for run in runs.values():
             engine.release(run)
     return out
@@ -172,6 +173,7 @@ def child_torchllama(path: str, cfg: ShapesConfig) -> dict:
         model.setup_caches(1, 8)
         prefill(model, torch.tensor([[100]]), 0)                      # (1, 1) → (1, V)
     load_s, rss = time.perf_counter() - t0, peak_rss_gb()
+    print(f"torchllama: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     model.use_caches(None)
 
     def run_prefill(_, ids):
@@ -202,6 +204,7 @@ def child_llama_cpp(path: str, cfg: ShapesConfig) -> dict:
     first = peer.PrefillRun(model, [100], True)
     first()
     load_s, rss = time.perf_counter() - t0, peak_rss_gb()
+    print(f"llama.cpp: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     try:
         model.free(first.ctx)
         engine = EngineRuns(
@@ -231,19 +234,24 @@ def child_main(argv: list[str]) -> int:
 # The parent: files, processes, tables
 # ---------------------------------------------------------------------------------------------
 
-def run_engine(engine: str, path: Path, cfg: ShapesConfig) -> dict:
+def run_engine(engine: str, path: Path, cfg: ShapesConfig,
+               print_fn: Callable[[str], None] = print) -> dict:
     """One engine's result on one file, measured in a new Python process (same interpreter,
-    OMP_NUM_THREADS = threads); {"engine", "error"} when that process fails (its last stderr
-    line kept)."""
+    OMP_NUM_THREADS = threads), its progress lines passed to `print_fn` as they come;
+    {"engine", "error"} when that process fails (its last stderr line kept)."""
     with tempfile.TemporaryDirectory(prefix="torchllama-shapes-") as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads))
-        proc = subprocess.run(
-            [sys.executable, "-m", "torchllama.bench.shapes_bench", engine, str(path),
-             json.dumps(asdict(cfg)), str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1")
+        with open(err, "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torchllama.bench.shapes_bench", engine, str(path),
+                 json.dumps(asdict(cfg)), str(out)],
+                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            for line in proc.stdout:
+                print_fn("    " + line.rstrip())
+            proc.wait()
         if proc.returncode != 0 or not out.exists():
-            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
+            lines = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()]
             return {"engine": engine, "error": f"exit code {proc.returncode}: "
                     f"{lines[-1] if lines else 'no message'}"}
         return json.loads(out.read_text())
@@ -386,7 +394,7 @@ def run_shapes_bench(shapes: list[str], types: list[str], cfg: ShapesConfig,
         result = ModelResult(shape.name, qtype, label, str(path))
         for engine in ("torchllama",) + (("llama.cpp",) if peer == "llama.cpp" else ()):
             print_fn(f"{label}: {engine} …")
-            result.engines[engine] = run_engine(engine, path, cfg)
+            result.engines[engine] = run_engine(engine, path, cfg, print_fn)
         results.append(result)
     for line in ["", *markdown_table(results, cfg), "", *verbose_table(results, cfg)]:
         print_fn(line)
