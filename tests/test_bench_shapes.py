@@ -140,6 +140,8 @@ def test_bad_arguments_are_clear(tmp_path):
         run_shapes_bench(["tiny"], ["q4_0"], ShapesConfig((8,), (4,), (1,), 1, 1, 4), "none")
     with pytest.raises(ArgumentError, match="beyond the 7b shape's context"):
         run_shapes_bench(["7b"], ["q4_0"], ShapesConfig((8,), (8192,), (1,), 1, 1, 4), "none")
+    with pytest.raises(ArgumentError, match="4100 positions are beyond the 7b"):
+        run_shapes_bench(["7b"], ["q4_0"], ShapesConfig((4096,), (512,), (1,), 1, 1, 4), "none")
     existing = tmp_path / "r.json"
     existing.write_text("{}")
     with pytest.raises(ArgumentError, match="already exists"):

@@ -420,11 +420,11 @@ def _check_args(cfg: ShapesConfig, peer: str, json_path: Optional[str], shapes: 
     if min(cfg.contexts) <= cfg.new_tokens:
         raise ArgumentError(f"--context {min(cfg.contexts)}: must exceed --new-tokens "
                             f"{cfg.new_tokens} (decode ends at the context)")
+    longest = max(max(cfg.contexts), max(cfg.prefill) + cfg.new_tokens)   # prefill's cache too
     for shape in shapes:
-        if max(cfg.contexts + cfg.prefill) > shape.context_length:
-            raise ArgumentError(f"--context/--prefill {max(cfg.contexts + cfg.prefill)}: "
-                                f"beyond the {shape.name} shape's context of "
-                                f"{shape.context_length}")
+        if longest > shape.context_length:
+            raise ArgumentError(f"--context/--prefill: {longest} positions are beyond the "
+                                f"{shape.name} shape's context of {shape.context_length}")
 
 
 def _write_json(path: Path, results: list[ModelResult], cfg: ShapesConfig,
