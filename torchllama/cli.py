@@ -372,6 +372,37 @@ def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens
     return 0
 
 
+def bench_shapes(shape: Optional[list[str]] = None, type: Optional[list[str]] = None,
+                 prefill: str = "128,512,2048", context: str = "512,4096", batch: str = "1,8",
+                 threads: int = 2, peer: str = "llama.cpp", runs: int = 3, new_tokens: int = 32,
+                 json: Optional[str] = None) -> int:
+    """Prefill, decode, load time and peak RSS at real sizes: random-weight GGUFs of Llama
+    shapes (written once into $TORCHLLAMA_CACHE/shapes, SmolLM2's tokenizer), each engine in a
+    process of its own, llama.cpp with flash attention on and off (the faster shown).
+
+    Args:
+        shape: 1b (Llama 3.2 1B), 3b (Llama 3.2 3B), 7b (Llama 2 7B), 8b (Llama 3.1 8B) or tiny;
+            comma lists too (default: 1b).
+        type: q4_0, q4_k_m (llama.cpp's Q4_K_M mix) or q8_0; comma lists too (default: q4_0).
+        prefill: prompt lengths of the prefill figures (comma list).
+        context: decode figures after a prompt filling each context (comma list).
+        batch: decode batch sizes (comma list; those above 1 at the smallest context).
+        threads: threads of both engines.
+        peer: llama.cpp (through llama-cpp-python: `make bench-peer`) or none.
+        runs: timed runs per figure after a warm-up (the best is shown).
+        new_tokens: greedy decode steps per run.
+        json: also write every run's figures to this new JSON file.
+    """
+    from torchllama.bench.shapes_bench import (ShapesConfig, parse_sizes, run_shapes_bench,
+                                               split_names)
+
+    cfg = ShapesConfig(parse_sizes(prefill, "prefill"), parse_sizes(context, "context"),
+                       parse_sizes(batch, "batch"), threads, runs, new_tokens)
+    run_shapes_bench(split_names(shape or ["1b"]), split_names(type or ["q4_0"]), cfg, peer,
+                     json)
+    return 0
+
+
 def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
                 model: Optional[str] = None, dtype: str = "auto", new_tokens: int = 128,
                 kv_cache_dtype: str = "auto") -> int:
@@ -836,7 +867,7 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
 
 #: `torchllama bench SUBCOMMAND`: one measurement each, with only its own options.
 BENCH: dict[str, Callable[..., int]] = {
-    "decode": bench_decode, "serve": bench_serve, "load": bench_load,
+    "decode": bench_decode, "shapes": bench_shapes, "serve": bench_serve, "load": bench_load,
     "speculative": bench_speculative, "train": bench_train}
 
 #: `torchllama COMMAND`: a function, or a dict of subcommands (`torchllama bench decode`).

@@ -114,6 +114,12 @@ class LlamaCpp:
         self._batches.append(batch)
         return batch
 
+    def free(self, ctx) -> None:
+        """Free one context of `context` now (its KV cache and buffers), before `close`."""
+        if ctx in self._contexts:
+            self._contexts.remove(ctx)
+            self.lib.llama_free(ctx)
+
     def close(self) -> None:
         """Free the batches, contexts and model (in that order)."""
         for batch in self._batches:

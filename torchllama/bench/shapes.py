@@ -1,0 +1,471 @@
+"""Random-weight GGUF files of real model shapes, for benchmarks at real sizes
+(`torchllama bench shapes`).
+
+Shapes (`SHAPES`; sources: each model's published config.json):
+
+    1b     Llama 3.2 1B: dim 2048, 16 layers, 32/8 heads, FFN 8192, θ 500000, tied embeddings
+    3b     Llama 3.2 3B: dim 3072, 28 layers, 24/8 heads, FFN 8192, θ 500000, tied embeddings
+    7b     Llama 2 7B:   dim 4096, 32 layers, 32/32 heads, FFN 11008, θ 10000, untied
+    8b     Llama 3.1 8B: dim 4096, 32 layers, 32/8 heads, FFN 14336, θ 500000, untied
+    tiny   a test shape: dim 256, 2 layers, 4/2 heads, FFN 512, tied
+
+Every file carries SmolLM2's tokenizer (copied from the embedded SmolLM2-135M GGUF), so the
+vocabulary is 49152 tokens, not the real models' (Llama 3: 128256, Llama 2: 32000): the
+embedding and output matrices are smaller than the real ones (1B: 101M parameters each instead
+of 263M; 7B: 201M instead of 131M). Llama 3's RoPE frequency scaling is not written (it changes
+the rotation angles, not the work).
+
+Types (`QUANT_TYPES`), with llama.cpp's choice of type per tensor (`tensor_type`):
+
+    q4_0     Q4_0 matrices, Q6_K output (and tied token embedding)
+    q4_k_m   llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output (and a tied token
+             embedding) and for attn_v and ffn_down in the layers `use_more_bits` picks
+    q8_0     Q8_0 everywhere
+
+Norms are float32 ~1; matrices are ~N(0, 0.02): Q4_0 and Q8_0 quantized from such floats by
+`gguf.quants.quantize`, Q4_K and Q6_K (which the `gguf` package cannot quantize) written as
+random valid blocks whose f16 scales give values of that spread (`_q4_k_blocks`,
+`_q6_k_blocks`). Files are written tensor by tensor (peak memory: the largest tensor's bytes),
+atomically, into `$TORCHLLAMA_CACHE/shapes/<shape>-<type>.gguf` and reused while their
+`torchllama.shapes.spec` metadata matches (`ensure_shape_file`). Never commit them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import gguf
+import numpy as np
+
+from torchllama.errors import ArgumentError
+
+#: Bumped whenever the bytes a spec produces change (old cached files are then rewritten).
+GENERATOR_VERSION = 1
+SPEC_KEY = "torchllama.shapes.spec"
+WEIGHT_STD = 0.02            # spread of every matrix's values (Llama's init std)
+CHUNK_VALUES = 1 << 22       # values generated at a time (16 MiB of float32)
+VOCAB_SIZE = 49152           # SmolLM2's tokenizer (checked against the copied token list)
+T = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model shape (sizes only; the weights are random).
+
+    Attributes:
+        name: the shape's name in `SHAPES` (and in file names).
+        dim: model width.
+        n_layers: decoder layers.
+        n_heads: query heads (head_dim = dim / n_heads).
+        n_kv_heads: key/value heads.
+        hidden_dim: SwiGLU hidden size.
+        rope_theta: RoPE base.
+        tie_embeddings: the output projection is the token embedding (no output tensor).
+        context_length: the model's trained context (`llama.context_length`).
+        norm_eps: RMSNorm epsilon.
+        model: what the shape is of, for tables.
+    """
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    rope_theta: float
+    tie_embeddings: bool
+    context_length: int
+    norm_eps: float = 1e-5
+    model: str = ""
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("tiny", 256, 2, 4, 2, 512, 500000.0, True, 4096, model="test shape"),
+    Shape("1b", 2048, 16, 32, 8, 8192, 500000.0, True, 131072, model="Llama 3.2 1B"),
+    Shape("3b", 3072, 28, 24, 8, 8192, 500000.0, True, 131072, model="Llama 3.2 3B"),
+    Shape("7b", 4096, 32, 32, 32, 11008, 10000.0, False, 4096, model="Llama 2 7B"),
+    Shape("8b", 4096, 32, 32, 8, 14336, 500000.0, False, 131072, model="Llama 3.1 8B"),
+)}
+
+#: --type → (the type of most matrices, GGUF's general.file_type).
+QUANT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "q4_0": (T.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "q4_k_m": (T.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "q8_0": (T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+def get_shape(name: str) -> Shape:
+    """The `SHAPES` entry called `name`.
+
+    Raises:
+        ArgumentError: an unknown name (the choices listed).
+    """
+    if name not in SHAPES:
+        raise ArgumentError(f"--shape {name!r}: use one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def check_type(qtype: str) -> str:
+    """`qtype` itself when it is one of `QUANT_TYPES`.
+
+    Raises:
+        ArgumentError: an unknown type (the choices listed).
+    """
+    if qtype not in QUANT_TYPES:
+        raise ArgumentError(f"--type {qtype!r}: use one of {', '.join(QUANT_TYPES)}")
+    return qtype
+
+
+def model_args(shape: Shape):
+    """The shape as our `ModelArgs` (SmolLM2's vocabulary of 49152 tokens)."""
+    from torchllama.config import ModelArgs
+
+    return ModelArgs(dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
+                     n_kv_heads=shape.n_kv_heads, vocab_size=VOCAB_SIZE,
+                     hidden_dim=shape.hidden_dim, norm_eps=shape.norm_eps,
+                     rope_theta=shape.rope_theta, max_seq_len=shape.context_length,
+                     tie_embeddings=shape.tie_embeddings)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Which type each tensor gets: llama.cpp's rule
+# ---------------------------------------------------------------------------------------------
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits in the _M mixes: the first and last
+    eighth, and every third layer between (src/llama-quant.cpp, `use_more_bits`)."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def tensor_type(our_name: str, shape: tuple[int, ...], qtype: str, n_layers: int,
+                tied: bool) -> gguf.GGMLQuantizationType:
+    """The GGUF type llama-quantize gives one of our tensors in the `qtype` mix.
+
+    Source: llama.cpp src/llama-quant.cpp (`llama_tensor_get_type_impl`, ggml-org/llama.cpp
+    at commit 007dbbf, read through the search tool), for the Llama architecture without an
+    imatrix: 1-D tensors stay F32; the output projection — or the token embedding when the
+    output is tied to it — is Q6_K unless the mix is Q8_0; in Q4_K_M, attn_v (our
+    attention.wv) and ffn_down (our feed_forward.w2) are Q6_K in the layers `use_more_bits`
+    picks (the attn_v count equals the layer index in a layer-ordered file); every other
+    matrix has the mix's base type (the token embedding of an untied model included).
+
+    Args:
+        our_name: our parameter name (Meta's: layers.{i}.attention.wv.weight, ...).
+        shape: its shape; rows must divide into the type's blocks.
+        qtype: a `QUANT_TYPES` name.
+        n_layers: the model's layers.
+        tied: the output projection is the token embedding.
+
+    Raises:
+        ArgumentError: rows that do not divide into the chosen type's blocks.
+    """
+    base = QUANT_TYPES[check_type(qtype)][0]
+    if len(shape) == 1:
+        return T.F32
+    head = our_name == "output.weight" or (tied and our_name == "tok_embeddings.weight")
+    chosen = base
+    if head and base != T.Q8_0:
+        chosen = T.Q6_K
+    elif base == T.Q4_K and our_name.endswith(("attention.wv.weight", "feed_forward.w2.weight")):
+        m = _LAYER.match(our_name)
+        if m and use_more_bits(int(m.group(1)), n_layers):
+            chosen = T.Q6_K
+    block = gguf.GGML_QUANT_SIZES[chosen][0]
+    if shape[-1] % block:
+        raise ArgumentError(f"{our_name}: rows of {shape[-1]} values do not divide into "
+                            f"{chosen.name} blocks of {block}")
+    return chosen
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of a shape file: GGUF name, our name, (rows, columns) and GGUF type."""
+
+    name: str
+    ours: str
+    shape: tuple[int, ...]
+    type: gguf.GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data in the file (before alignment padding)."""
+        block, size = gguf.GGML_QUANT_SIZES[self.type]
+        return int(np.prod(self.shape)) // block * size
+
+
+def tensor_plan(shape: Shape, qtype: str) -> list[PlannedTensor]:
+    """The tensors of a `shape` file of type `qtype`, in llama.cpp's file order (token
+    embedding, layer by layer, final norm, output). Names and shapes come from our model (built
+    on the meta device) and the Llama family's GGUF table, which keeps Meta's layout."""
+    import torch
+
+    from torchllama.families import family_for_args
+    from torchllama.model import Transformer
+
+    args = model_args(shape)
+    with torch.device("meta"):
+        state = Transformer(args).state_dict()
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    plan = []
+    for m in family_for_args(args, "gguf").mappings("gguf", args.n_layers, set(state)):
+        (ours,) = m.ours
+        dims = tuple(state[ours].shape)
+        plan.append(PlannedTensor(m.theirs, ours, dims, tensor_type(
+            ours, dims, qtype, args.n_layers, args.tie_embeddings)))
+
+    def order(t: PlannedTensor) -> tuple[int, int]:
+        layer = _LAYER.match(t.ours)
+        if layer:
+            return 1, int(layer.group(1))
+        return (0, 0) if t.ours == "tok_embeddings.weight" else (2, 0)
+    return sorted(plan, key=order)                 # stable: table order within a layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Random blocks
+# ---------------------------------------------------------------------------------------------
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    """(n,) float → (n, 2) uint8: each as little-endian IEEE half."""
+    return values.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _q4_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 144) uint8: random valid Q4_K blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_q4_K; `gguf.quants.Q4_K.dequantize_blocks`): f16 d, f16 dmin,
+    12 bytes of eight 6-bit sub-block scales sc and minimums m, 128 bytes of 4-bit codes q;
+    value = d·sc·q − dmin·m. With m = sc and dmin = 7.5·d, value = d·sc·(q − 7.5), zero mean;
+    q uniform on 0..15 has std 4.61, sc uniform on 32..63 has rms 48.6, so d = 0.02 / (4.61 ·
+    48.6) (± 10 % per block).
+    """
+    out = np.empty((n, 144), dtype=np.uint8)
+    d = WEIGHT_STD / (4.61 * 48.6) * rng.uniform(0.9, 1.1, n)
+    out[:, 0:2] = _f16_bytes(d)
+    out[:, 2:4] = _f16_bytes(7.5 * d)
+    sc = rng.integers(32, 64, (n, 8), dtype=np.uint8)          # (n, 8) 6-bit; m = sc
+    lo, hi = sc[:, :4], sc[:, 4:]
+    out[:, 4:8] = (lo & 0x3F) | ((hi >> 4) << 6)                # sc[0..3] + sc[4..7] bits 4-5
+    out[:, 8:12] = (lo & 0x3F) | ((hi >> 4) << 6)               # m[0..3]  + m[4..7] bits 4-5
+    out[:, 12:16] = (hi & 0x0F) | ((hi & 0x0F) << 4)            # sc[4..7], m[4..7] bits 0-3
+    out[:, 16:] = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    return out
+
+
+def _q6_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 210) uint8: random valid Q6_K blocks of values ~ WEIGHT_STD spread.
+
+    Layout (ggml-common.h block_q6_K; `gguf.quants.Q6_K.dequantize_blocks`): 128 bytes of low
+    4 bits, 64 bytes of high 2 bits of the 6-bit codes q, 16 int8 sub-block scales sc, f16 d;
+    value = d·sc·(q − 32). q uniform on 0..63 has std 18.5, sc uniform on 64..127 rms 97.8,
+    so d = 0.02 / (18.5 · 97.8) (± 10 % per block), as small as llama.cpp's own Q6_K scales
+    of such weights.
+    """
+    out = np.empty((n, 210), dtype=np.uint8)
+    out[:, :192] = rng.integers(0, 256, (n, 192), dtype=np.uint8)
+    out[:, 192:208] = rng.integers(64, 128, (n, 16), dtype=np.uint8)    # int8 scales > 0
+    out[:, 208:210] = _f16_bytes(WEIGHT_STD / (18.5 * 97.8) * rng.uniform(0.9, 1.1, n))
+    return out
+
+
+def random_tensor(rng: np.random.Generator, t: PlannedTensor) -> np.ndarray:
+    """The data of one planned tensor: float32 ~1 for a norm (its shape), else (rows, row
+    bytes) uint8 blocks of ~N(0, WEIGHT_STD) values, made CHUNK_VALUES at a time."""
+    if t.type == T.F32:
+        return (1.0 + WEIGHT_STD * rng.standard_normal(t.shape, dtype=np.float32))
+    rows, cols = t.shape
+    block, size = gguf.GGML_QUANT_SIZES[t.type]
+    out = np.empty((rows, cols // block * size), dtype=np.uint8)
+    step = max(1, CHUNK_VALUES // cols)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        if t.type in (T.Q4_0, T.Q8_0):
+            x = rng.standard_normal((n, cols), dtype=np.float32)            # (n, cols)
+            x *= WEIGHT_STD
+            out[r:r + n] = gguf.quants.quantize(x, t.type)
+        elif t.type == T.Q4_K:
+            out[r:r + n] = _q4_k_blocks(rng, n * cols // block).reshape(n, -1)
+        elif t.type == T.Q6_K:
+            out[r:r + n] = _q6_k_blocks(rng, n * cols // block).reshape(n, -1)
+        else:
+            raise ValueError(f"no random blocks for {t.type.name}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The file
+# ---------------------------------------------------------------------------------------------
+
+def spec_string(shape: Shape, qtype: str, seed: int) -> str:
+    """What a file is made from, as stored under SPEC_KEY: generator version, shape, type and
+    seed (JSON)."""
+    return json.dumps({"generator": GENERATOR_VERSION, "shape": asdict(shape), "type": qtype,
+                       "seed": seed}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_fields() -> list[tuple[str, object, gguf.GGUFValueType, Optional[gguf.GGUFValueType]]]:
+    """SmolLM2's `tokenizer.*` metadata (key, value, type, array item type), read from the
+    embedded SmolLM2-135M GGUF (located without importing its package)."""
+    from torchllama.checkpoint.common import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    fields = []
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            fields.append((key, field.contents(), vtype, sub))
+    tokens = next(f[1] for f in fields if f[0] == "tokenizer.ggml.tokens")
+    if len(tokens) != VOCAB_SIZE:
+        raise ValueError(f"SmolLM2's tokenizer has {len(tokens)} tokens, expected {VOCAB_SIZE}")
+    return fields
+
+
+def _writer(path: Path, shape: Shape, qtype: str, plan: list[PlannedTensor], seed: int
+            ) -> gguf.GGUFWriter:
+    """A GGUFWriter on `path` with the shape's metadata (our Llama family's keys, the file
+    type, SmolLM2's tokenizer, the spec) and the plan's tensor infos; header not yet written."""
+    from torchllama.families import family_for_args
+
+    args = model_args(shape)
+    family = family_for_args(args, "gguf")
+    writer = gguf.GGUFWriter(path, family.gguf_architecture)
+    writer.add_string(SPEC_KEY, spec_string(shape, qtype, seed))       # 2nd key: _first_spec
+    writer.add_name(f"torchllama random-weight {shape.name} ({shape.model} shape)")
+    family.gguf_metadata(writer, args)
+    writer.add_file_type(QUANT_TYPES[qtype][1])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value, vtype, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub)
+    for t in plan:
+        if t.type == T.F32:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[t.type]
+            byte_shape = (t.shape[0], t.shape[1] // block * size)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes,
+                                   raw_dtype=t.type)
+    return writer
+
+
+def write_shape_file(shape: Shape, qtype: str, path: Path, seed: int = 0,
+                     progress: bool = True) -> None:
+    """Write the random-weight GGUF of `shape` in the `qtype` mix to `path` directly (callers
+    write to a temporary path and rename: `ensure_shape_file`), one tensor at a time.
+
+    Each tensor's values come from NumPy's generator seeded with (seed, its index), so a spec
+    always gives the same bytes.
+
+    Raises:
+        ArgumentError: an unknown qtype, or a shape whose rows do not divide into blocks.
+    """
+    from tqdm import tqdm
+
+    plan = tensor_plan(shape, qtype)
+    writer = _writer(path, shape, qtype, plan, seed)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        with tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True,
+                  desc=f"writing {path.name}", disable=not progress, leave=False) as bar:
+            for index, t in enumerate(plan):
+                rng = np.random.default_rng([seed, index])
+                writer.write_tensor_data(random_tensor(rng, t))
+                bar.update(t.nbytes)
+    finally:
+        writer.close()
+
+
+def shape_path(shape: Shape, qtype: str) -> Path:
+    """Where the cached file of (shape, type) lives: $TORCHLLAMA_CACHE/shapes/<shape>-<type>.gguf
+    (default cache ~/.cache/torchllama)."""
+    from torchllama.checkpoint.common import model_cache_dir
+
+    return model_cache_dir() / "shapes" / f"{shape.name}-{qtype}.gguf"
+
+
+def _first_spec(path: Path) -> Optional[str]:
+    """The SPEC_KEY string of a GGUF file when it is among its first two metadata keys (where
+    `_writer` puts it), read from the header alone; None otherwise."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if head[:4] != b"GGUF":
+        return None
+    pos = 24                                     # magic, version, tensor count, key count
+    for _ in range(2):
+        (n,) = struct.unpack_from("<Q", head, pos)
+        key = head[pos + 8:pos + 8 + n].decode(errors="replace")
+        pos += 8 + n
+        (vtype,) = struct.unpack_from("<I", head, pos)
+        if vtype != gguf.GGUFValueType.STRING:
+            return None
+        (n,) = struct.unpack_from("<Q", head, pos + 4)
+        value = head[pos + 12:pos + 12 + n].decode(errors="replace")
+        pos += 12 + n
+        if key == SPEC_KEY:
+            return value
+    return None
+
+
+def is_current(path: Path, shape: Shape, qtype: str, seed: int = 0) -> bool:
+    """Whether `path` is a shape file of this spec (its SPEC_KEY, read from the header) and
+    at least as long as its tensors' data. Files are only ever renamed into place complete
+    (`ensure_shape_file`), so this catches other specs and cut-off copies, cheaply (parsing the
+    whole header with `gguf.GGUFReader` takes seconds: 100k tokenizer strings)."""
+    if not path.is_file():
+        return False
+    try:
+        if _first_spec(path) != spec_string(shape, qtype, seed):
+            return False
+    except (struct.error, OSError):
+        return False
+    data = sum(-(-t.nbytes // gguf.GGUF_DEFAULT_ALIGNMENT) * gguf.GGUF_DEFAULT_ALIGNMENT
+               for t in tensor_plan(shape, qtype))
+    return path.stat().st_size >= data
+
+
+def ensure_shape_file(shape: str | Shape, qtype: str, *, seed: int = 0, progress: bool = True,
+                      path: Optional[Path] = None) -> Path:
+    """The random-weight GGUF of (shape, qtype): the cached file when it is current
+    (`is_current`), else written anew (temporary file, then renamed).
+
+    Args:
+        shape: a `SHAPES` name or a `Shape`.
+        qtype: a `QUANT_TYPES` name.
+        seed: the random seed (part of the spec).
+        progress: a progress bar while writing.
+        path: where the file goes (default `shape_path`).
+
+    Returns:
+        The file's path.
+
+    Raises:
+        ArgumentError: an unknown shape or type.
+        OSError: the cache folder cannot be written.
+    """
+    from torchllama.checkpoint.common import atomic_output
+
+    shape = get_shape(shape) if isinstance(shape, str) else shape
+    check_type(qtype)
+    path = Path(path) if path is not None else shape_path(shape, qtype)
+    if is_current(path, shape, qtype, seed):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path, folder=False, force=True) as tmp:
+        write_shape_file(shape, qtype, tmp, seed, progress)
+    return path

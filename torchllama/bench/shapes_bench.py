@@ -1,0 +1,441 @@
+"""`torchllama bench shapes`: throughput, load time and peak memory at real model sizes, on the
+random-weight GGUFs of `torchllama.bench.shapes`, ours side by side with llama.cpp.
+
+Each engine runs in a process of its own per model (`python -m torchllama.bench.shapes_bench`),
+so its load time and peak RSS are its own:
+
+- load: seconds from the call that loads the file (ours: `torchllama.load(path)`, the default
+  path; llama.cpp: `llama_model_load_from_file`, memory-mapped) to the end of the first forward
+  (one token), and the process's peak RSS then (`resource.getrusage` ru_maxrss; llama.cpp's
+  counts the file's pages it has touched);
+- prefill: a T-token prompt into an empty KV cache, the last position's logits only;
+- decode: `new_tokens` greedy steps after a prompt of C − new_tokens tokens (the cache holds C
+  positions at the end), at batch 1 for every context C, at batch B > 1 for the smallest C
+  (B different prompts decoded together; tokens of all rows per second).
+
+The loops are `torchllama.bench.decode`'s (ours: `ours_runs`, `OursDecodeRun`) and
+`torchllama.bench.peer`'s (llama.cpp: `PrefillRun`, `DecodeRun`), on the same token ids with the
+same threads. llama.cpp runs with flash attention on and off, interleaved; the table shows the
+faster of each figure (`bench.decode._fastest_setting`) and the verbose table both. Each figure
+is the best of `runs` runs, each after a pause (`timing.PAUSE_S`), after one warm-up run: a
+process of its own cannot interleave with the other engine, so the best is the figure least
+hurt by the shared machine's noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from torchllama.bench.timing import PAUSE_S
+from torchllama.errors import ArgumentError
+
+ENGINES = ("torchllama", "llama.cpp")
+PEERS = ("llama.cpp", "none")
+
+
+@dataclass
+class ShapesConfig:
+    """What `torchllama bench shapes` measures (sizes in tokens).
+
+    Attributes:
+        prefill: prompt lengths of the prefill figures.
+        contexts: cache lengths C of the decode figures (prompt C − new_tokens, then decode).
+        batches: decode batch sizes (those > 1 at the smallest context only).
+        threads: threads of both engines.
+        runs: timed runs per figure (after one warm-up; the best is shown).
+        new_tokens: greedy steps per decode run.
+    """
+
+    prefill: tuple[int, ...] = (128, 512, 2048)
+    contexts: tuple[int, ...] = (512, 4096)
+    batches: tuple[int, ...] = (1, 8)
+    threads: int = 2
+    runs: int = 3
+    new_tokens: int = 32
+
+    def decode_figures(self) -> list[tuple[int, int]]:
+        """(batch, context) of every decode figure, batch 1 first."""
+        figures = [(1, c) for c in self.contexts] if 1 in self.batches else []
+        return figures + [(b, min(self.contexts)) for b in self.batches if b > 1]
+
+
+def decode_key(batch: int, context: int) -> str:
+    """'b1@512': the name of a decode figure."""
+    return f"b{batch}@{context}"
+
+
+def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
+    """'128,512,2048' → (128, 512, 2048).
+
+    Raises:
+        ArgumentError: an item that is not an integer ≥ 1 (the flag named).
+    """
+    try:
+        values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ArgumentError(f"--{flag} {text!r}: expected a comma-separated list of integers "
+                            "≥ 1, e.g. 128,512")
+    return values
+
+
+def split_names(values: list[str]) -> list[str]:
+    """['1b,3b', '7b'] → ['1b', '3b', '7b'] (repeated flags and comma lists, in order, once
+    each)."""
+    names = [v.strip() for item in values for v in item.split(",") if v.strip()]
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# One engine, in its own process
+# ---------------------------------------------------------------------------------------------
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set size so far, in GB (10⁹ bytes); Linux reports
+    ru_maxrss in KiB, macOS in bytes."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def _best(runs: dict[str, Callable[[], tuple[int, float]]], repeats: int
+          ) -> dict[str, list[float]]:
+    """Tokens/s of `repeats` timed runs of each setting, interleaved, each after a pause and
+    after one warm-up run of each (whose figure is dropped)."""
+    for run in runs.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            time.sleep(PAUSE_S)
+            tokens, seconds = run()
+            rates[name].append(tokens / seconds)
+    return rates
+
+
+@dataclass
+class EngineRuns:
+    """How one engine makes its runs: settings (name → option), `prefill(option, ids)` and
+    `decode(option, rows of ids)` give run closures, `release(run)` frees what one holds."""
+
+    settings: dict[str, object]
+    prefill: Callable
+    decode: Callable
+    release: Callable = lambda run: None
+
+
+def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> dict:
+    """{setting: {"prefill": {T: [tok/s…]}, "decode": {"b1@512": [tok/s…]}}} of every figure
+    of `cfg`, the settings interleaved figure by figure."""
+    from torchllama.bench.decode import _prompt_ids
+
+    out: dict = {name: {"prefill": {}, "decode": {}} for name in engine.settings}
+    figures = [("prefill", str(T), T, None) for T in cfg.prefill] + [
+        ("decode", decode_key(b, c), c, b) for b, c in cfg.decode_figures()]
+    for kind, key, length, batch in figures:
+        if kind == "prefill":
+            ids = _prompt_ids(vocab_size, length)[0].tolist()
+            runs = {name: engine.prefill(opt, ids) for name, opt in engine.settings.items()}
+        else:
+            prompts = _prompt_ids(vocab_size, length - cfg.new_tokens, batch).tolist()
+            runs = {name: engine.decode(opt, prompts) for name, opt in engine.settings.items()}
+        for name, rates in _best(runs, cfg.runs).items():
+            out[name][kind][key] = rates
+            print(f"{name}: {kind} {key}: {max(rates):.2f} tok/s (runs: "
+                  f"{', '.join(f'{r:.2f}' for r in rates)})", flush=True)
+        for run in runs.values():
+            engine.release(run)
+    return out
+
+
+def child_torchllama(path: str, cfg: ShapesConfig) -> dict:
+    """Our figures on `path`: load (`torchllama.load(path)`, defaults) to the first forward,
+    peak RSS, then `measure_figures` with bench.decode's loops."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    from torchllama.bench.decode import OursDecodeRun, ours_runs
+    from torchllama.checkpoint import load
+    from torchllama.generation.steps import prefill
+
+    t0 = time.perf_counter()
+    model, _ = load(path, progress=False)
+    with torch.inference_mode():
+        model.setup_caches(1, 8)
+        prefill(model, torch.tensor([[100]]), 0)                      # (1, 1) → (1, V)
+    load_s, rss = time.perf_counter() - t0, peak_rss_gb()
+    print(f"torchllama: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    model.use_caches(None)
+
+    def run_prefill(_, ids):
+        return ours_runs(model, torch.tensor([ids]), cfg.new_tokens)[0]
+
+    def run_decode(_, prompts):
+        return OursDecodeRun(model, torch.tensor(prompts), cfg.new_tokens)
+
+    def release(_):
+        model.use_caches(None)
+
+    figures = measure_figures(EngineRuns({"torchllama": None}, run_prefill, run_decode,
+                                         release), cfg, model.args.vocab_size)
+    from torchllama.kernels import isa
+
+    return {"engine": "torchllama", "version": f"torch {torch.__version__}, kernels {isa()}",
+            "load_s": load_s, "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(),
+            "settings": figures}
+
+
+def child_llama_cpp(path: str, cfg: ShapesConfig) -> dict:
+    """llama.cpp's figures on `path` (llama-cpp-python, `bench.peer`): load to the first
+    forward, peak RSS, then `measure_figures` with flash attention on and off."""
+    from torchllama.bench import peer
+
+    t0 = time.perf_counter()
+    model = peer.LlamaCpp(path, cfg.threads)
+    first = peer.PrefillRun(model, [100], True)
+    first()
+    load_s, rss = time.perf_counter() - t0, peak_rss_gb()
+    print(f"llama.cpp: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    try:
+        model.free(first.ctx)
+        engine = EngineRuns(
+            {"llama.cpp fa=on": True, "llama.cpp fa=off": False},
+            lambda fa, ids: peer.PrefillRun(model, ids, fa),
+            lambda fa, prompts: peer.DecodeRun(model, prompts, cfg.new_tokens, fa),
+            lambda run: model.free(run.ctx))
+        figures = measure_figures(engine, cfg, model.n_vocab)
+    finally:
+        model.close()
+    return {"engine": "llama.cpp", "version": peer.peer_version(), "load_s": load_s,
+            "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(), "settings": figures}
+
+
+def child_main(argv: list[str]) -> int:
+    """`python -m torchllama.bench.shapes_bench ENGINE GGUF CONFIG_JSON OUT_JSON`: measure one
+    engine on one file and write its result (JSON) to OUT_JSON."""
+    engine, path, config, out = argv
+    cfg = ShapesConfig(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in json.loads(config).items()})
+    result = (child_torchllama if engine == "torchllama" else child_llama_cpp)(path, cfg)
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: files, processes, tables
+# ---------------------------------------------------------------------------------------------
+
+def run_engine(engine: str, path: Path, cfg: ShapesConfig,
+               print_fn: Callable[[str], None] = print) -> dict:
+    """One engine's result on one file, measured in a new Python process (same interpreter,
+    OMP_NUM_THREADS = threads), its progress lines passed to `print_fn` as they come;
+    {"engine", "error"} when that process fails (its last stderr line kept)."""
+    with tempfile.TemporaryDirectory(prefix="torchllama-shapes-") as tmp:
+        out, err = Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1")
+        with open(err, "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torchllama.bench.shapes_bench", engine, str(path),
+                 json.dumps(asdict(cfg)), str(out)],
+                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            for line in proc.stdout:
+                print_fn("    " + line.rstrip())
+            proc.wait()
+        if proc.returncode != 0 or not out.exists():
+            lines = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()]
+            return {"engine": engine, "error": f"exit code {proc.returncode}: "
+                    f"{lines[-1] if lines else 'no message'}"}
+        return json.loads(out.read_text())
+
+
+def fastest(result: dict) -> dict:
+    """{"prefill": {T: tok/s}, "decode": {key: tok/s}}: the best run of each figure over the
+    engine's settings (llama.cpp: the faster of flash attention on and off)."""
+    best: dict = {"prefill": {}, "decode": {}}
+    for figures in result.get("settings", {}).values():
+        for kind in best:
+            for key, rates in figures[kind].items():
+                best[kind][str(key)] = max(best[kind].get(str(key), 0.0), max(rates))
+    return best
+
+
+@dataclass
+class ModelResult:
+    """Both engines' results on one (shape, type) file."""
+
+    shape: str
+    qtype: str
+    label: str
+    path: str
+    engines: dict[str, dict] = field(default_factory=dict)
+
+
+
+def _cell(ours: Optional[float], peer: Optional[float], fmt: str = ".1f") -> str:
+    """'64.1 / 106.3 / 0.60×' (ours / peer / ours ÷ peer), 'ours' alone without a peer, '–'
+    when ours is missing."""
+    if ours is None:
+        return "–"
+    if peer is None:
+        return f"{ours:{fmt}}"
+    return f"{ours:{fmt}} / {peer:{fmt}} / {ours / peer:.2f}×"
+
+
+def _figure_columns(cfg: ShapesConfig) -> list[tuple[str, str, str]]:
+    """(kind, key, column title) of every throughput figure, in table order."""
+    cols = [("prefill", str(T), f"prefill {T}") for T in cfg.prefill]
+    return cols + [("decode", decode_key(b, c), f"decode b{b} @{c}")
+                   for b, c in cfg.decode_figures()]
+
+
+def markdown_table(results: list[ModelResult], cfg: ShapesConfig) -> list[str]:
+    """The summary table: one row per model; tok/s of each figure, load seconds and peak RSS
+    (GB), each 'ours / llama.cpp / ratio' when the peer ran (its faster setting)."""
+    cols = _figure_columns(cfg)
+    lines = ["| model | " + " | ".join(t for _, _, t in cols) + " | load s | peak RSS GB |",
+             "|---" * (len(cols) + 3) + "|"]
+    for r in results:
+        ours, peer = r.engines.get("torchllama", {}), r.engines.get("llama.cpp")
+        best_ours = fastest(ours)
+        best_peer = fastest(peer) if peer and "error" not in peer else None
+        cells = [_cell(best_ours[kind].get(key), best_peer[kind].get(key) if best_peer else None)
+                 for kind, key, _ in cols]
+        for name, fmt in (("load_s", ".1f"), ("rss_load_gb", ".2f")):
+            cells.append(_cell(ours.get(name), best_peer and peer.get(name), fmt))
+        lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def verbose_table(results: list[ModelResult], cfg: ShapesConfig) -> list[str]:
+    """Every engine setting's figures (best of its runs, tok/s), load seconds, peak RSS after
+    loading and at the end (GB), and the errors of engines that failed."""
+    cols = _figure_columns(cfg)
+    lines = ["| model | engine | " + " | ".join(t for _, _, t in cols)
+             + " | load s | RSS load / end GB |", "|---" * (len(cols) + 4) + "|"]
+    for r in results:
+        for engine, res in r.engines.items():
+            if "error" in res:
+                lines.append(f"| {r.label} | {engine}: failed ({res['error']}) |")
+                continue
+            for setting, figures in res["settings"].items():
+                cells = [f"{max(figures[kind][key]):.1f}" if key in figures[kind] else "–"
+                         for kind, key, _ in cols]
+                lines.append(f"| {r.label} | {setting} | " + " | ".join(cells) +
+                             f" | {res['load_s']:.1f} | {res['rss_load_gb']:.2f} / "
+                             f"{res['rss_peak_gb']:.2f} |")
+    return lines
+
+
+def _header(cfg: ShapesConfig, peer: str) -> list[str]:
+    """What every figure depends on: CPU capability, our kernels' ISA, threads, versions, the
+    vocabulary, how figures are taken."""
+    import torch
+
+    from torchllama.kernels import isa
+
+    lines = [f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torchllama kernels "
+             f"{isa()}, {cfg.threads} threads, torch {torch.__version__}"]
+    if peer == "llama.cpp":
+        from torchllama.bench.peer import peer_version
+
+        lines.append(f"peer {peer_version()}, flash attention on and off (each figure: the "
+                     "faster; both in the verbose table)")
+    lines.append("random weights, SmolLM2's tokenizer: vocabulary 49152 (Llama 3: 128256, "
+                 "Llama 2: 32000)")
+    lines.append(f"best of {cfg.runs} runs after a warm-up, each engine in its own process; "
+                 f"decode: {cfg.new_tokens} greedy steps ending at the context; load: "
+                 "load() to the end of the first forward, peak RSS then; cells: ours / "
+                 "llama.cpp / ours ÷ llama.cpp")
+    return lines
+
+
+def run_shapes_bench(shapes: list[str], types: list[str], cfg: ShapesConfig,
+                     peer: str = "llama.cpp", json_path: Optional[str] = None,
+                     print_fn: Callable[[str], None] = print, progress: bool = True
+                     ) -> list[ModelResult]:
+    """Write (or reuse) each shape × type file, measure each engine on it in a process of its
+    own, print the markdown table and the verbose one, and write everything to `json_path`.
+
+    Args:
+        shapes: `bench.shapes.SHAPES` names.
+        types: `bench.shapes.QUANT_TYPES` names.
+        cfg: the figures (`ShapesConfig`).
+        peer: "llama.cpp" or "none".
+        json_path: a new file for the results (None: none written).
+        print_fn: where lines go.
+        progress: progress bars while writing files.
+
+    Returns:
+        One `ModelResult` per (shape, type), in order.
+
+    Raises:
+        ArgumentError: an unknown shape, type or peer; llama-cpp-python missing for the peer;
+            an existing json_path; a context not above new_tokens or beyond a shape's.
+    """
+    from torchllama.bench import shapes as shape_files
+
+    todo = [(shape_files.get_shape(s), shape_files.check_type(t)) for s in shapes for t in types]
+    _check_args(cfg, peer, json_path, [s for s, _ in todo])
+    for line in _header(cfg, peer):
+        print_fn(line)
+    results = []
+    for shape, qtype in todo:
+        path = shape_files.ensure_shape_file(shape, qtype, progress=progress)
+        label = f"{shape.name.upper()} {qtype.upper()} ({shape.model})"
+        result = ModelResult(shape.name, qtype, label, str(path))
+        for engine in ("torchllama",) + (("llama.cpp",) if peer == "llama.cpp" else ()):
+            print_fn(f"{label}: {engine} …")
+            result.engines[engine] = run_engine(engine, path, cfg, print_fn)
+        results.append(result)
+    for line in ["", *markdown_table(results, cfg), "", *verbose_table(results, cfg)]:
+        print_fn(line)
+    if json_path is not None:
+        _write_json(Path(json_path), results, cfg, _header(cfg, peer))
+    return results
+
+
+def _check_args(cfg: ShapesConfig, peer: str, json_path: Optional[str], shapes: list) -> None:
+    """ArgumentError for a bad peer, a missing llama-cpp-python, an existing --json file, or
+    figures that do not fit (runs, new tokens, contexts)."""
+    if peer not in PEERS:
+        raise ArgumentError(f"--peer {peer!r}: use one of {', '.join(PEERS)}")
+    if peer == "llama.cpp":
+        from torchllama.bench.peer import import_llama_cpp
+
+        import_llama_cpp()
+    if json_path is not None and Path(json_path).exists():
+        raise ArgumentError(f"--json {json_path}: already exists (choose a new file)")
+    for name in ("runs", "new_tokens", "threads"):
+        if getattr(cfg, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be ≥ 1")
+    if min(cfg.contexts) <= cfg.new_tokens:
+        raise ArgumentError(f"--context {min(cfg.contexts)}: must exceed --new-tokens "
+                            f"{cfg.new_tokens} (decode ends at the context)")
+    longest = max(max(cfg.contexts), max(cfg.prefill) + cfg.new_tokens)   # prefill's cache too
+    for shape in shapes:
+        if longest > shape.context_length:
+            raise ArgumentError(f"--context/--prefill: {longest} positions are beyond the "
+                                f"{shape.name} shape's context of {shape.context_length}")
+
+
+def _write_json(path: Path, results: list[ModelResult], cfg: ShapesConfig,
+                header: list[str]) -> None:
+    """The results, config and header lines as JSON, written atomically."""
+    from torchllama.checkpoint.common import atomic_output
+
+    data = {"header": header, "config": asdict(cfg), "results": [asdict(r) for r in results]}
+    with atomic_output(path, folder=False) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
