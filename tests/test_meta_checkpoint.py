@@ -137,7 +137,7 @@ def test_single_shard_roundtrip(tmp_path, sp_model, capsys):
     folder = write_checkpoint(tmp_path / "llama-2-tiny", split_state(state, 1, args.head_dim),
                               params_of(args), sp_model, tokenizer_in_parent=True)
 
-    model, tok = torchllama.load(folder)  # progress bar on
+    model, tok = torchllama.load(folder, progress=True)
     assert "loading weights" in capsys.readouterr().err
 
     assert model.args == args  # vocab 32000 from the tokenizer, max_seq_len 4096 by default
