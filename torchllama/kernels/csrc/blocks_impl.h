@@ -283,11 +283,18 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
 
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row). Prefill:
-// PM × PG tiles over chunks of MC activation rows, so a weight tile is reused from cache.
+// PM × PG tiles over chunks of MC activation rows, so a weight tile is reused from cache. The
+// tile is the product's, measured on AVX2 (16 ymm registers; an 8192 × 2048 product of 128
+// rows, one thread, Zen 3): Q4 4 × 2 (≈ 120 GFLOP/s; 4 × 1, 2 × 2, 6 × 1 no faster); 8-bit codes
+// within ±32 4 × 1 (≈ 80, 4 × 2: 76); full-range 8-bit codes 2 × 4 (≈ 90, 4 × 2: 88). Two
+// threads on this shared machine vary ±40%, too much to rank tiles by.
+#ifndef TL_TILES
+#define TL_TILES 4, 2, 4, 1, 2, 4
+#endif
+constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
 constexpr int64_t MC = 64;
-constexpr int PM = 4, PG = 2;                     // the prefill tile: PM rows × PG groups
 
-template <typename T14, typename T11, typename TPP, typename TP1, typename T1P>
+template <int PM, int PG, typename T14, typename T11, typename TPP, typename TP1, typename T1P>
 static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11, TPP tpp,
                          TP1 tp1, T1P t1p) {
   if (M < 4) {
@@ -316,7 +323,8 @@ static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11
 
 template <typename S>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
-  drive(a.M, g0, g1,
+  constexpr int PM = TILES[0], PG = TILES[1];
+  drive<PM, PG>(a.M, g0, g1,
         [&](int64_t m, int64_t g) { q4_tile<1, 4, S>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q4_tile<1, 1, S>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q4_tile<PM, PG, S>(a, m, w, g, y); },
@@ -326,7 +334,8 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 
 template <int B, typename S, bool SMALL>
 static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
-  drive(a.M, g0, g1,
+  constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
+  drive<PM, PG>(a.M, g0, g1,
         [&](int64_t m, int64_t g) { q8_tile<1, 4, B, S, SMALL>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q8_tile<1, 1, B, S, SMALL>(a, m, w, g, y); },
         [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, S, SMALL>(a, m, w, g, y); },
