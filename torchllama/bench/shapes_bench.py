@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from torchllama.bench.timing import PAUSE_S
+from torchllama.bench.timing import interleaved_rates
 from torchllama.errors import ArgumentError
 
 ENGINES = ("torchllama", "llama.cpp")
@@ -107,21 +107,6 @@ def peak_rss_gb() -> float:
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
-def _best(runs: dict[str, Callable[[], tuple[int, float]]], repeats: int
-          ) -> dict[str, list[float]]:
-    """Tokens/s of `repeats` timed runs of each setting, interleaved, each after a pause and
-    after one warm-up run of each (whose figure is dropped)."""
-    for run in runs.values():
-        run()
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            time.sleep(PAUSE_S)
-            tokens, seconds = run()
-            rates[name].append(tokens / seconds)
-    return rates
-
-
 @dataclass
 class EngineRuns:
     """How one engine makes its runs: settings (name → option), `prefill(option, ids)` and
@@ -148,7 +133,7 @@ def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> d
         else:
             prompts = _prompt_ids(vocab_size, length - cfg.new_tokens, batch).tolist()
             runs = {name: engine.decode(opt, prompts) for name, opt in engine.settings.items()}
-        for name, rates in _best(runs, cfg.runs).items():
+        for name, rates in interleaved_rates(runs, cfg.runs).items():
             out[name][kind][key] = rates
             print(f"{name}: {kind} {key}: {max(rates):.2f} tok/s (runs: "
                   f"{', '.join(f'{r:.2f}' for r in rates)})", flush=True)

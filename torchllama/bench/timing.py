@@ -18,12 +18,20 @@ def measure(runs: dict[str, Callable[[], tuple[int, float]]], repeats: int) -> d
     of the run before (OpenMP's, ggml's thread pool) poll for work a while after it ends, and on
     a 2-core machine they would take the next run's cores (measured: torchllama's decode
     99 tok/s right after llama.cpp's, 141 alone)."""
+    return {name: statistics.median(r) for name, r in interleaved_rates(runs, repeats).items()}
+
+
+def interleaved_rates(runs: dict[str, Callable[[], tuple[int, float]]], repeats: int
+                      ) -> dict[str, list[float]]:
+    """Tokens/s of `repeats` timed runs of each setting (each run returns (tokens, seconds)),
+    interleaved A, B, A, B, ... after one untimed warm-up of each (allocations, kernel
+    selection), with `PAUSE_S` before each timed run (see `measure`)."""
     for run in runs.values():
-        run()  # warm-up (allocations, kernel selection)
+        run()
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             time.sleep(PAUSE_S)
             tokens, seconds = run()
             rates[name].append(tokens / seconds)
-    return {name: statistics.median(r) for name, r in rates.items()}
+    return rates
