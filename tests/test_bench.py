@@ -178,3 +178,25 @@ def test_llama_cpp_peer_runs_on_the_same_file(tiny_gguf, tiny):
     assert any(line.startswith("peer llama-cpp-python") for line in lines)
     assert any(line.startswith("  llama.cpp fa=on: prefill") for line in lines)
     assert any(line.startswith("  llama.cpp fa=off: prefill") for line in lines)
+
+
+def test_interleaved_rates_warm_up_once_then_alternate(monkeypatch):
+    """Each setting warms up once (dropped), then the timed runs alternate A, B, A, B; the
+    rates are tokens / seconds of each timed run, in order; `measure` is their median."""
+    from torchllama.bench import timing
+
+    monkeypatch.setattr(timing, "PAUSE_S", 0.0)
+    calls: list[str] = []
+    seconds = {"a": iter([9.0, 1.0, 2.0, 4.0]), "b": iter([9.0, 0.5, 0.25, 1.0])}
+
+    def run(name):
+        def go():
+            calls.append(name)
+            return 8, next(seconds[name])
+        return go
+
+    rates = timing.interleaved_rates({"a": run("a"), "b": run("b")}, repeats=3)
+    assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
+    assert rates == {"a": [8.0, 4.0, 2.0], "b": [16.0, 32.0, 8.0]}
+    seconds = {"a": iter([9.0, 1.0, 2.0, 4.0]), "b": iter([9.0, 0.5, 0.25, 1.0])}
+    assert timing.measure({"a": run("a"), "b": run("b")}, repeats=3) == {"a": 4.0, "b": 16.0}
