@@ -552,12 +552,16 @@ class Q8Linear(BlockLinear):
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        codes = weight.codes
-        small = torch.tensor(codes.numel() > 0 and int(codes.amin()) >= -32
-                             and int(codes.amax()) <= 32)
-        self._init(N, K, [pack_rows(codes, K // 32, 4),
-                          pack_rows(compact_scales(weight.d)[0], weight.d.shape[1], 1), small],
-                   bias)
+        self._init(N, K, [pack_rows(weight.codes, K // 32, 4),
+                          pack_rows(compact_scales(weight.d)[0], weight.d.shape[1], 1),
+                          self.small_codes(weight.codes)], bias)
+
+    @staticmethod
+    def small_codes(codes: torch.Tensor) -> torch.Tensor:
+        """The `small` flag of int8 codes (N, K): a bool scalar tensor, true when every code
+        is within ±32 (and there is at least one)."""
+        return torch.tensor(codes.numel() > 0 and int(codes.amin()) >= -32
+                            and int(codes.amax()) <= 32)
 
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
@@ -804,9 +808,7 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     for a, b in bounds:
         packed = [t[a // 8:b // 8] for t in fused.packed()[:3 if q4 else 2]]  # (G_i, ·, ·)
         if not q4:                                    # as `Q8Linear` decides it, per part
-            codes = weight.codes[a:b]
-            packed.append(torch.tensor(codes.numel() > 0 and int(codes.amin()) >= -32
-                                       and int(codes.amax()) <= 32))
+            packed.append(Q8Linear.small_codes(weight.codes[a:b]))
         parts.append(type(fused).from_packed(b - a, fused.in_features, packed))
     return [fused] + parts
 
