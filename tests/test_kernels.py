@@ -181,6 +181,17 @@ small = Q8Blocks(torch.randint(-32, 33, (20, 256), generator=g, dtype=torch.int8
                  torch.rand(20, 16, generator=g))                       # Q6_K-like codes
 assert bool(Q8Linear(small).small) and not bool(Q8Linear(q8).small)
 y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x), Q8Linear(small)(x)], 1)
+from torchllama.transforms.quantize import ScaleFactors                  # the scale forms:
+sup = lambda sign: (sign * torch.rand(20, 1, generator=g) * 0.01).half()
+sub = lambda n, lo, hi, t: torch.randint(lo, hi, (20, n), generator=g, dtype=t)
+fd, fm = ScaleFactors(sup(1), sub(8, 0, 64, torch.uint8)), ScaleFactors(sup(-1), sub(8, 0, 64, torch.uint8))
+f6 = ScaleFactors(sup(1), sub(16, -128, 128, torch.int8))
+d0 = torch.rand(20, 8, generator=g).half().float()
+forms = [Q4Linear(Q4Blocks(q4.codes, fd.values(), fm.values(), fd, fm)),   # Q4_K super-blocks
+         Q4Linear(Q4Blocks(q4.codes, d0, -8 * d0)),                         # Q4_0: m = -8 d
+         Q8Linear(Q8Blocks(small.codes, f6.values(), f6))]                  # Q6_K super-blocks
+assert [f.d.dtype for f in forms] == [torch.uint8, torch.float16, torch.int8] and forms[1].m.dim() == 0
+y = torch.cat([y] + [f(x) for f in forms], 1)
 x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
 y7 = torch.cat([Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))(x7),
                 Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
@@ -669,6 +680,38 @@ def test_a_tied_embedding_reads_the_packed_rows():
     assert embedding.codes.data_ptr() == linear.codes.data_ptr()           # one copy
     ids = torch.tensor([[3, 39, 8], [0, 0, 17]])
     assert torch.equal(embedding(ids), blocks.dequantize()[ids])
+
+
+@pytest.mark.parametrize("typ", [Q.Q4_K, Q.Q6_K, Q.Q4_0], ids=lambda t: t.name)
+def test_compact_scales_give_the_bits_of_float32_scales(typ):
+    """Q4_K / Q6_K scales kept as the file's factors (f16 super-scale × small integer, formed
+    in the kernel) and Q4_0's m kept as −8·d give the outputs of the float32 d and m bit for
+    bit, in fewer bytes; rows read back (weights, a tied embedding) are the same, and so are
+    a last group padded with zero rows (N = 13)."""
+    raw = random_blocks(typ, 13, 512, seed=21)
+    blocks = read_blocks(gguf_tensor(raw, typ), "t")
+    compact = linear_for(blocks)
+    ops, q4 = torch.ops.torchllama, typ != Q.Q6_K
+    scales = [pack_rows(t, t.shape[1], 1) for t in ([blocks.d, blocks.m] if q4 else [blocks.d])]
+    assert all(t.dtype == torch.float32 for t in scales)                   # the reference form
+    if q4:
+        plain = lambda x: ops.q4_linear(x, compact.codes, *scales)[:, :13]  # noqa: E731
+    else:
+        plain = lambda x: ops.q8_linear(x, compact.codes, *scales, True)[:, :13]  # noqa: E731
+    forms = {Q.Q4_K: torch.uint8, Q.Q6_K: torch.int8, Q.Q4_0: torch.float16}
+    assert compact.d.dtype == forms[typ]
+    if typ == Q.Q4_0:
+        assert compact.m.dim() == 0 and float(compact.m) == -8.0
+    nbytes = sum(t.numel() * t.element_size() for t in compact.packed()[1:3 if q4 else 2])
+    assert nbytes < 0.6 * sum(t.numel() * t.element_size() for t in scales)
+    g = torch.Generator().manual_seed(22)
+    for M in (1, 3, 9):
+        x = torch.randn(M, 512, generator=g)
+        assert torch.equal(compact(x), plain(x)), M
+        assert compact(x).abs().max() > 0.1                                # not all zeros
+    assert torch.equal(compact.weight_blocks().dequantize(), blocks.dequantize())
+    ids = torch.tensor([[12, 0, 7], [8, 8, 3]])
+    assert torch.equal(quantized_embedding(blocks, compact)(ids), blocks.dequantize()[ids])
 
 
 def test_a_killed_builds_lock_is_removed_only_when_stale(tmp_path):

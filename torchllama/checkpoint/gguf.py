@@ -53,9 +53,9 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
-from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, Scheme, fits,
-                                            fused_linears, fusion_groups, quantize_weight,
-                                            quantized_linear, scheme_for)
+from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, ScaleFactors,
+                                            Scheme, fits, fused_linears, fusion_groups,
+                                            quantize_weight, quantized_linear, scheme_for)
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
@@ -555,8 +555,7 @@ class _Job:
             read_blocks(t, self.source, [x[start:start + n] for x in stacked])
             _release_file_pages(self.reader, t)
             start += n
-        weight = (Q4Blocks if tensors[0].tensor_type in _Q4_TYPES else Q8Blocks)(
-            *(torch.from_numpy(x) for x in stacked))
+        weight = _blocks_of(tensors[0].tensor_type, stacked)
         linears = fused_linears(weight, sizes)
         if linears is None:
             linears = [None] + [quantized_linear(w) for w in weight.split_rows(sizes)]
@@ -671,9 +670,12 @@ def _words(b: np.ndarray, dtype, first: int, last: int) -> np.ndarray:
     return raw.view(dtype)
 
 
-def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> None:
+def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray,
+               d_super: np.ndarray, sc_out: np.ndarray, m_super: np.ndarray,
+               mn_out: np.ndarray) -> None:
     """Q4_K super-blocks (rows, K/256) → Q4 blocks of 32 (ggml-common.h block_q4_K,
-    ggml-quants.c dequantize_row_q4_K): w = (d·sc_j)·q − dmin·mn_j for sub-block j.
+    ggml-quants.c dequantize_row_q4_K): w = (d·sc_j)·q − dmin·mn_j for sub-block j; the
+    factors too (`ScaleFactors`: d and sc_j, −dmin and mn_j).
 
     Each 64 weights of a super-block are 32 bytes: weights 0-31 in their low nibbles,
     32-63 in their high nibbles; a Q4 block holds weights i and i + 16 in byte i. The eight
@@ -690,14 +692,18 @@ def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -
     sc[..., 0], mn[..., 0] = s[..., 0] & _LOW6, s[..., 1] & _LOW6          # j = 0-3
     sc[..., 1] = (s[..., 2] & _LOW4.astype(np.uint32)) | ((s[..., 0] >> 2) & _BITS45)  # 4-7
     mn[..., 1] = ((s[..., 2] >> 4) & _LOW4.astype(np.uint32)) | ((s[..., 1] >> 2) & _BITS45)
+    sc_out[:], mn_out[:] = sc.view(np.uint8).reshape(rows, -1), mn.view(np.uint8).reshape(rows, -1)
+    d_super[:], m_super[:] = b["d"], -b["dmin"]                            # f16, exact
     sc, mn = (x.view(np.uint8).astype(np.float32) for x in (sc, mn))       # (rows, K/256, 8)
     d[:] = (b["d"].astype(np.float32)[..., None] * sc).reshape(rows, -1)
     m[:] = -(b["dmin"].astype(np.float32)[..., None] * mn).reshape(rows, -1)
 
 
-def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray) -> None:
+def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndarray,
+               sc: np.ndarray) -> None:
     """Q6_K super-blocks (rows, K/256) → int8 codes q − 32 and one scale d·sc_j per 16
-    weights (ggml-common.h block_q6_K, ggml-quants.c dequantize_row_q6_K): each 128 weights
+    weights, and its factors d, sc_j (ggml-common.h block_q6_K, ggml-quants.c
+    dequantize_row_q6_K): each 128 weights
     take 64 bytes of low nibbles (ql) and 32 of 2-bit high parts (qh); weight l + 32·k of
     the 128 (l < 32) is ql[l + 32·(k % 2)] (low nibble for k < 2, high for k ≥ 2) with bits
     2k, 2k+1 of qh[l] above it."""
@@ -709,6 +715,7 @@ def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray) -> None:
         low = ql[..., k % 2, :] & _LOW4 if k < 2 else (ql[..., k % 2, :] >> 4) & _LOW4
         np.bitwise_or(low, ((qh >> (2 * k)) & _LOW2) << 4, out=out[..., k, :])  # q ∈ [0, 63]
     codes -= 32                                                            # q − 32, int8
+    d_super[:], sc[:] = b["d"], b["scales"].reshape(rows, -1)
     d[:] = (b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
             ).reshape(rows, -1)                                            # (rows, K/16)
 
@@ -734,22 +741,42 @@ def _convert_rows(b: np.ndarray, typ, out: list[np.ndarray]) -> None:
 
 
 def _block_form(typ) -> str | None:
-    """Which arrays a type's blocks are read into (`_empty_blocks`): "q4", "q8/32" (a scale
-    per 32), "q8/16" (per 16, Q6_K); None for the types not kept in blocks."""
+    """Which arrays a type's blocks are read into (`_empty_blocks`): "q4", "q4/k" (with
+    Q4_K's scale factors), "q8/32" (a scale per 32), "q8/16" (per 16, and its factors: Q6_K);
+    None for the types not kept in blocks."""
     if typ not in BLOCK_TYPES:
         return None
-    return "q4" if typ in _Q4_TYPES else "q8/16" if typ == _Q.Q6_K else "q8/32"
+    if typ in _Q4_TYPES:
+        return "q4/k" if typ == _Q.Q4_K else "q4"
+    return "q8/16" if typ == _Q.Q6_K else "q8/32"
 
 
 def _empty_blocks(typ, rows: int, K: int) -> list[np.ndarray]:
     """The arrays a (rows, K) matrix of `typ` is converted into: Q4 [codes (rows, K/2) uint8,
     d, m (rows, K/32) float32]; Q8 [codes (rows, K) int8, d (rows, K/B) float32], B = 16
-    for Q6_K, else 32."""
+    for Q6_K, else 32; then the K-quants' factors (`ScaleFactors`: super (rows, K/256)
+    float16, sub (rows, nd) uint8 (Q4_K's sc, then mn) or int8 (Q6_K's sc))."""
+    sup = lambda: np.empty((rows, K // 256), np.float16)                 # noqa: E731
     if typ in _Q4_TYPES:
-        return [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32),
-                np.empty((rows, K // 32), np.float32)]
-    return [np.empty((rows, K), np.int8),
-            np.empty((rows, K // (16 if typ == _Q.Q6_K else 32)), np.float32)]
+        arrays = [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32),
+                  np.empty((rows, K // 32), np.float32)]
+        if typ == _Q.Q4_K:
+            arrays += [sup(), np.empty((rows, K // 32), np.uint8), sup(),
+                       np.empty((rows, K // 32), np.uint8)]
+        return arrays
+    if typ == _Q.Q6_K:
+        return [np.empty((rows, K), np.int8), np.empty((rows, K // 16), np.float32), sup(),
+                np.empty((rows, K // 16), np.int8)]
+    return [np.empty((rows, K), np.int8), np.empty((rows, K // 32), np.float32)]
+
+
+def _blocks_of(typ, arrays: list[np.ndarray]) -> Q4Blocks | Q8Blocks:
+    """`_empty_blocks`'s arrays, filled, as the block weight (sharing their memory)."""
+    t = [torch.from_numpy(x) for x in arrays]
+    if typ in _Q4_TYPES:
+        factors = [None, None] if len(t) == 3 else [ScaleFactors(*t[3:5]), ScaleFactors(*t[5:7])]
+        return Q4Blocks(*t[:3], *factors)
+    return Q8Blocks(*t[:2], ScaleFactors(*t[2:4]) if len(t) == 4 else None)
 
 
 def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
@@ -776,12 +803,12 @@ def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
     with np.errstate(all="ignore"):                  # a damaged scale: reported below
         for r in range(0, rows, _ROWS_PER_CHUNK):
             _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
-    if not all(np.isfinite(x).all() for x in out[1:]):                    # d (and m)
-        n = sum(int(np.count_nonzero(~np.isfinite(x))) for x in out[1:])
+    scales = out[1:3] if typ in _Q4_TYPES else out[1:2]                   # d (and m)
+    if not all(np.isfinite(x).all() for x in scales):
+        n = sum(int(np.count_nonzero(~np.isfinite(x))) for x in scales)
         raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
                              "scale(s) that are not finite numbers: the file is damaged")
-    out = [torch.from_numpy(x) for x in out]
-    return Q4Blocks(*out) if typ in _Q4_TYPES else Q8Blocks(*out)
+    return _blocks_of(typ, out)
 
 
 def _quantized(t: Any, quant, source: str, no_kernel: set):

@@ -130,7 +130,36 @@ class Int4Weight:
 #   Q8_0  w = d·q              → Q8Blocks B = 32                      (block_q8_0)
 #   Q5_0  w = d·(q − 16)       → Q8Blocks B = 32, codes q − 16        (block_q5_0)
 #   Q6_K  w = d·sc_j·(q − 32) per 16 → Q8Blocks B = 16, codes q − 32  (block_q6_K)
-# (the products d·sc_j of an f16 and a 6- or 8-bit integer are exact in float32).
+# (the products d·sc_j of an f16 and a 6- or 8-bit integer are exact in float32). For the
+# K-quants the loader also hands over those two factors (`ScaleFactors`): the kernels then keep
+# the f16 d and the small integers and form the product themselves, bit for bit the same scale
+# in 4.6 instead of 6 bits a weight (Q4_K), 8.6 instead of 10 (Q6_K).
+
+@dataclass
+class ScaleFactors:
+    """Block scales given as products: scale[n, j] = super[n, j // S] · sub[n, j], exact in
+    float32 (a float16 times an integer of at most 8 bits).
+
+    Attributes:
+        super: (N, nd/S) float16, one per super-block of S scales (GGUF's d, or −dmin).
+        sub: (N, nd) uint8 (Q4_K's 6-bit sc_j, mn_j: S = 8) or int8 (Q6_K's sc_j: S = 16).
+    """
+
+    super: torch.Tensor
+    sub: torch.Tensor
+
+    def values(self) -> torch.Tensor:
+        """(N, nd) float32 scales."""
+        S = self.sub.shape[1] // self.super.shape[1]
+        return self.super.float().repeat_interleave(S, dim=1) * self.sub.float()
+
+    def map_rows(self, fn) -> "ScaleFactors":
+        return ScaleFactors(fn(self.super), fn(self.sub))
+
+
+def _map_factors(f: Optional[ScaleFactors], fn) -> Optional[ScaleFactors]:
+    return None if f is None else f.map_rows(fn)
+
 
 @dataclass
 class Q4Blocks:
@@ -140,11 +169,15 @@ class Q4Blocks:
         codes: (N, K/2) uint8; byte j of block b holds q[32b + j] in its low nibble and
             q[32b + j + 16] in its high nibble (GGUF's Q4_0/Q4_1 order).
         d, m: (N, K/32) float32 block scales and offsets.
+        d_factors, m_factors: the same d and m as products (`ScaleFactors`, Q4_K: d·sc_j and
+            (−dmin)·mn_j), or None.
     """
 
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
+    d_factors: Optional[ScaleFactors] = None
+    m_factors: Optional[ScaleFactors] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -189,11 +222,12 @@ class Q4Blocks:
         return Int4Weight(self.values(), d, m + 8 * d, 32)
 
     def map_rows(self, fn) -> "Q4Blocks":
-        return Q4Blocks(fn(self.codes), fn(self.d), fn(self.m))
+        return Q4Blocks(fn(self.codes), fn(self.d), fn(self.m), _map_factors(self.d_factors, fn),
+                        _map_factors(self.m_factors, fn))
 
     def split_rows(self, sizes) -> tuple["Q4Blocks", ...]:
-        return tuple(Q4Blocks(c, d, m) for c, d, m in
-                     zip(self.codes.split(sizes), self.d.split(sizes), self.m.split(sizes)))
+        bounds = np.cumsum([0] + list(sizes)).tolist()
+        return tuple(self.map_rows(lambda t, a=a, b=b: t[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 @dataclass
@@ -204,10 +238,12 @@ class Q8Blocks:
     Attributes:
         codes: (N, K) int8.
         d: (N, K/B) float32.
+        d_factors: the same d as products (`ScaleFactors`, Q6_K: d·sc_j), or None.
     """
 
     codes: torch.Tensor
     d: torch.Tensor
+    d_factors: Optional[ScaleFactors] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -238,10 +274,11 @@ class Q8Blocks:
         return Int8Weight.from_float(self.dequantize())
 
     def map_rows(self, fn) -> "Q8Blocks":
-        return Q8Blocks(fn(self.codes), fn(self.d))
+        return Q8Blocks(fn(self.codes), fn(self.d), _map_factors(self.d_factors, fn))
 
     def split_rows(self, sizes) -> tuple["Q8Blocks", ...]:
-        return tuple(Q8Blocks(c, d) for c, d in zip(self.codes.split(sizes), self.d.split(sizes)))
+        bounds = np.cumsum([0] + list(sizes)).tolist()
+        return tuple(self.map_rows(lambda t, a=a, b=b: t[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 BlockWeight = Union[Q4Blocks, Q8Blocks]
@@ -464,6 +501,70 @@ def unpack_rows(packed: torch.Tensor, chunk: int, rows: torch.Tensor | int) -> t
     return v[rows // 8, :, :, rows % 8, :].reshape(len(rows), blocks * P)  # (R, b·P)
 
 
+def _form(values: torch.Tensor, factors: Optional[ScaleFactors]) -> str | torch.dtype:
+    return "super" if factors is not None else compact_scales(values)[0].dtype
+
+
+def pack_scales(values: torch.Tensor, factors: Optional[ScaleFactors] = None,
+                form: str | torch.dtype | None = None) -> torch.Tensor:
+    """(N, nd) block scales in the kernels' packed form (kernels.h ScaleForm): the super-block
+    form (G, nd/S, 16 + 8·S) where `factors` are given (each row group's super-block: the 8
+    rows' float16 super-scales as 16 bytes, then the S sub-scales of the 8 rows side by side;
+    uint8 for S = 8, int8 for S = 16), else (G, nd, 8) float16 where exact, else float32;
+    `form` ("super" or a dtype, `_form`) overrides that choice."""
+    form = _form(values, factors) if form is None else form
+    if form != "super":
+        return pack_rows(values.to(form).contiguous(), values.shape[1], 1)
+    sup, sub = factors.super.contiguous(), factors.sub.contiguous()
+    nu, S = sup.shape[1], sub.shape[1] // sup.shape[1]
+    D = pack_rows(sup, nu, 1).view(sub.dtype)                                # (G, nu, 16)
+    s = pack_rows(sub, nu * S, 1).view(D.shape[0], nu, 8 * S)                # (G, nu, 8·S)
+    return torch.cat([D, s], dim=2)                                         # (G, nu, 16+8S)
+
+
+def unpack_scales(packed: torch.Tensor, rows: torch.Tensor | int,
+                  d: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[ScaleFactors]]:
+    """The inverse of `pack_scales` (and of Q4's m = c·d, a scalar c, given the rows' d):
+    rows 0..rows−1 or the (R,) row indices → ((R, nd) float32 values, their `ScaleFactors` or
+    None). Only the rows' groups are read."""
+    if packed.dim() == 0:                                                   # m = c·d
+        return d * packed, None
+    if packed.dtype in (torch.float32, torch.float16):
+        return unpack_rows(packed, 1, rows).float(), None
+    idx = torch.arange(rows) if isinstance(rows, int) else rows            # (R,)
+    G, nu, W = packed.shape
+    S, lane, at = (W - 16) // 8, idx % 8, torch.arange(len(idx))
+    groups = packed[idx // 8]                                               # (R, nu, W)
+    sup = groups[..., :16].contiguous().view(torch.float16)[at, :, lane]    # (R, nu)
+    sub = groups[..., 16:].reshape(-1, nu, S, 8)[at, :, :, lane]            # (R, nu, S)
+    factors = ScaleFactors(sup.contiguous(), sub.reshape(len(idx), nu * S).contiguous())
+    return factors.values(), factors
+
+
+#: Q4_0's offsets are m = −8·d: kept as this multiple of d (nothing stored per block).
+_Q4_0_MULTIPLE = -8.0
+
+
+def _q4_forms(w: "Q4Blocks") -> tuple:
+    """The forms of a Q4 weight's packed d and m (`_form`, or "times_d" for m = c·d): m in d's
+    form (the kernel's rule), both float32 where they would differ."""
+    d = _form(w.d, w.d_factors)
+    if w.m_factors is None and torch.equal(w.m, w.d * _Q4_0_MULTIPLE):
+        return d, "times_d"
+    m = _form(w.m, w.m_factors)
+    return (d, m) if d == m else (torch.float32, torch.float32)
+
+
+def pack_q4_scales(w: "Q4Blocks") -> list[torch.Tensor]:
+    """Q4's [d, m] in the kernels' forms (`_q4_forms`, `pack_scales`); m = c·d as the float32
+    scalar c (Q4_0: c = −8, nothing stored per block)."""
+    d_form, m_form = _q4_forms(w)
+    d = pack_scales(w.d, w.d_factors, d_form)
+    if m_form == "times_d":
+        return [d, torch.tensor(_Q4_0_MULTIPLE)]
+    return [d, pack_scales(w.m, w.m_factors, m_form)]
+
+
 class BlockLinear(WeightOnlyLinear):
     """What `Q4Linear` and `Q8Linear` share: packed buffers (`NAMES`), the output cut to N rows,
     the op's weight list."""
@@ -511,22 +612,22 @@ class Q4Linear(BlockLinear):
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
     persistent), in the kernels' packed layout (`pack_rows`; G = ⌈N/8⌉): codes (G, K/32, 128)
-    uint8, d and m (G, K/32, 8) float16 where exact, else float32 (`compact_scales`).
+    uint8; d and m (`pack_q4_scales`): (G, K/32, 8) float16 where exact, else float32, or
+    Q4_K's super-blocks (G, K/256, 80) uint8; m may be a float32 scalar c for m = c·d (Q4_0).
     """
 
     NAMES = ("codes", "d", "m")
 
     def __init__(self, weight: Q4Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        d, m = compact_scales(weight.d, weight.m)
-        self._init(N, K, [pack_rows(weight.codes, K // 32, 4), pack_rows(d, K // 32, 1),
-                          pack_rows(m, K // 32, 1)], bias)
+        self._init(N, K, [pack_rows(weight.codes, K // 32, 4), *pack_q4_scales(weight)], bias)
 
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q4Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
-        return Q4Blocks(unpack_rows(self.codes, 4, r), unpack_rows(self.d, 1, r),
-                        unpack_rows(self.m, 1, r))
+        d, d_factors = unpack_scales(self.d, r)
+        m, m_factors = unpack_scales(self.m, r, d)
+        return Q4Blocks(unpack_rows(self.codes, 4, r), d, m, d_factors, m_factors)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
@@ -543,9 +644,10 @@ class Q8Linear(BlockLinear):
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, d (G, K/B, 8) float16 where
-    exact, else float32; small: a bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the
-    kernel sum longer in int16 (the same bits either way).
+    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, d (`pack_scales`): (G, K/B, 8)
+    float16 where exact, else float32, or Q6_K's super-blocks (G, K/256, 144) int8; small: a
+    bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the kernel sum longer in int16 (the
+    same bits either way).
     """
 
     NAMES = ("codes", "d", "small")
@@ -553,8 +655,14 @@ class Q8Linear(BlockLinear):
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
         self._init(N, K, [pack_rows(weight.codes, K // 32, 4),
-                          pack_rows(compact_scales(weight.d)[0], weight.d.shape[1], 1),
+                          pack_scales(weight.d, weight.d_factors),
                           self.small_codes(weight.codes)], bias)
+
+    @property
+    def block(self) -> int:
+        """Weights per scale: 32, or 16 (Q6_K; its super-block form is only ever that)."""
+        floats = self.d.dtype in (torch.float32, torch.float16)
+        return 32 if floats and self.d.shape[1] == self.in_features // 32 else 16
 
     @staticmethod
     def small_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -566,7 +674,7 @@ class Q8Linear(BlockLinear):
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
-        return Q8Blocks(unpack_rows(self.codes, 4, r), unpack_rows(self.d, 1, r))
+        return Q8Blocks(unpack_rows(self.codes, 4, r), *unpack_scales(self.d, r))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
@@ -576,7 +684,7 @@ class Q8Linear(BlockLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"q8 blocks of {self.in_features // self.d.shape[1]}")
+                f"q8 blocks of {self.block}")
 
 
 class BlockEmbedding(nn.Module):
@@ -599,16 +707,21 @@ class BlockEmbedding(nn.Module):
         for name, t in zip(("codes", "d", "m") if self.bits == 4 else ("codes", "d"), tensors):
             self.register_buffer(name, t, persistent=False)
 
-    def _row(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        t = getattr(self, name)
-        return unpack_rows(t, 4 if name == "codes" else 1, flat) if self.packed else t[flat]
+    def _rows(self, flat: torch.Tensor) -> BlockWeight:
+        """The blocks of rows `flat` (R,): read from the packed table, or indexed."""
+        if not self.packed:
+            if self.bits == 4:
+                return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat])
+            return Q8Blocks(self.codes[flat], self.d[flat])
+        codes = unpack_rows(self.codes, 4, flat)                            # (R, K/2 or K)
+        d = unpack_scales(self.d, flat)[0]                                  # (R, nd)
+        if self.bits == 4:
+            return Q4Blocks(codes, d, unpack_scales(self.m, flat, d)[0])
+        return Q8Blocks(codes, d)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         flat = tokens.reshape(-1)                                           # (B·T,)
-        if self.bits == 4:
-            rows = Q4Blocks(self._row("codes", flat), self._row("d", flat), self._row("m", flat))
-        else:
-            rows = Q8Blocks(self._row("codes", flat), self._row("d", flat))
+        rows = self._rows(flat)
         return rows.dequantize().view(*tokens.shape, self.embedding_dim)    # (B, T, D)
 
     def extra_repr(self) -> str:
@@ -756,13 +869,17 @@ def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
     for lin in linears:
         for n in names:
             a, b = getattr(lin, n), getattr(first, n)
-            if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
+            if a.dtype != b.dtype or a.dim() != b.dim() or a.shape[1:] != b.shape[1:] or \
+                    (a.dim() == 0 and not torch.equal(a, b)):            # m = c·d: one c
                 return None
     if len({lin.bias is None for lin in linears}) > 1:
         return None
     parts = []
     for n in names:
         tensors = [getattr(lin, n) for lin in linears]
+        if tensors[0].dim() == 0:                                          # the shared c
+            parts.append(tensors[0])
+            continue
         joined = _side_by_side(tensors)
         parts.append(torch.cat(tensors) if joined is None else joined)        # (ΣG, ·, ·)
     if isinstance(first, Q8Linear):                         # small where every part is
@@ -775,11 +892,19 @@ def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
         rows = slice(start, start + lin.out_features)
         groups = slice(rows.start // 8, rows.stop // 8)
         for n in names:
-            setattr(lin, n, getattr(fused, n)[groups])         # (G_i, ·, ·) view
+            if getattr(fused, n).dim():
+                setattr(lin, n, getattr(fused, n)[groups])     # (G_i, ·, ·) view
         if bias is not None:
             lin.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
         start = rows.stop
     return fused
+
+
+def _scale_forms(weight: BlockWeight) -> tuple:
+    """The forms the packed d (and m) of a weight take (`_form`, `_q4_forms`)."""
+    if isinstance(weight, Q8Blocks):
+        return (_form(weight.d, weight.d_factors),)
+    return _q4_forms(weight)
 
 
 def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockLinear]]:
@@ -791,22 +916,22 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     Returns:
         [the module of all rows, the part modules…], or None where `fuse_rows` would not fuse
         them (no kernels, a part that is not whole groups of 8 rows, or parts whose scales
-        `compact_scales` would store in different dtypes): then build them apart.
+        would be packed in different forms, `_scale_forms`): then build them apart.
     """
     from torchllama import kernels
 
     if not kernels.available() or any(n % 8 for n in sizes):
         return None
-    fused = quantized_linear(weight)                                  # Q4Linear / Q8Linear
     q4 = isinstance(weight, Q4Blocks)
     bounds = list(zip(np.cumsum([0] + sizes[:-1]).tolist(), np.cumsum(sizes).tolist()))
-    if fused.d.dtype == torch.float32 and len(sizes) > 1 and any(   # a part alone in float16?
-            compact_scales(*([weight.d[a:b]] + ([weight.m[a:b]] if q4 else [])))[0].dtype
-            == torch.float16 for a, b in bounds):
+    forms = _scale_forms(weight)
+    if len(sizes) > 1 and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
         return None
+    fused = quantized_linear(weight)                                  # Q4Linear / Q8Linear
     parts = []
     for a, b in bounds:
-        packed = [t[a // 8:b // 8] for t in fused.packed()[:3 if q4 else 2]]  # (G_i, ·, ·)
+        packed = [t[a // 8:b // 8] if t.dim() else t                    # (G_i, ·, ·), or c
+                  for t in fused.packed()[:3 if q4 else 2]]
         if not q4:                                    # as `Q8Linear` decides it, per part
             packed.append(Q8Linear.small_codes(weight.codes[a:b]))
         parts.append(type(fused).from_packed(b - a, fused.in_features, packed))

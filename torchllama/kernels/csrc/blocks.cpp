@@ -19,8 +19,11 @@
 //       B = 32 or 16; small: every |code| ≤ 32 (a speed hint the packer checks; same bits)
 //   (the weights in the packed layout of blocks_impl.h: 8 rows interleaved 4 bytes at a time;
 //   torchllama.transforms.quantize packs them)
-//   (d and m float32, or float16 where that is exact: Q4_0/Q4_1/Q8_0/Q5_0 scales are f16 in the
-//   file; the decode step reads every scale once per token, so half the bytes is faster)
+//   (d and m in one of kernels.h's ScaleForms, told apart by dtype and shape: float32
+//   (G, nd, 8); float16 (G, nd, 8) where that is exact (Q4_0/Q4_1/Q8_0/Q5_0 scales are f16 in
+//   the file); Q4_K's super-blocks uint8 (G, nd/8, 80), Q6_K's int8 (G, nd/16, 144); Q4's m a
+//   float32 scalar c for m = c·d. The decode step reads every scale once per token: fewer
+//   bytes are a faster step)
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
 //   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
 //       instruction set chosen for this CPU (kernels.h: the table's levels)
@@ -131,9 +134,16 @@ static at::Tensor product(const at::Tensor& x_, const W& w, const char* op) {
   return y;
 }
 
-static bool is_scale(const at::Tensor& t, int64_t G, int64_t nd) {
-  return (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.is_contiguous() &&
-         t.dim() == 3 && t.size(0) == G && t.size(1) == nd && t.size(2) == 8;
+// The form (kernels.h ScaleForm) of G row groups' scales, nd a row; −1 if t is none of them.
+static int32_t scale_form(const at::Tensor& t, int64_t G, int64_t nd) {
+  if (!t.is_contiguous() || t.dim() != 3 || t.size(0) != G) return -1;
+  const auto type = t.scalar_type();
+  if ((type == at::kFloat || type == at::kHalf) && t.size(1) == nd && t.size(2) == 8)
+    return type == at::kFloat ? scale_f32 : scale_f16;
+  const int64_t S = type == at::kByte ? 8 : type == at::kChar ? 16 : 0;   // subs per super
+  if (S && nd % S == 0 && t.size(1) == nd / S && t.size(2) == 16 + 8 * S)
+    return type == at::kByte ? scale_super_u8 : scale_super_i8;
+  return -1;
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
@@ -142,10 +152,16 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               codes.is_contiguous(), "q4_linear: codes must be contiguous uint8 (N/8, K/32, "
               "128) (the packed layout), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
-  TORCH_CHECK(is_scale(d, G, nb) && m.scalar_type() == d.scalar_type() && is_scale(m, G, nb),
-              "q4_linear: d and m must be contiguous float32 or float16 (N/8, K/32, 8)");
+  const int32_t d_form = scale_form(d, G, nb);
+  const bool times_d = m.dim() == 0 && m.scalar_type() == at::kFloat;
+  const int32_t m_form = times_d ? scale_times_d : scale_form(m, G, nb);
+  TORCH_CHECK((d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_u8) &&
+              (m_form == d_form || m_form == scale_times_d),
+              "q4_linear: d must be contiguous float32 or float16 (N/8, K/32, 8) or uint8 "
+              "super-blocks (N/8, K/256, 80); m the same form, or a float32 scalar c (m = c·d); "
+              "got d ", d.sizes(), " ", d.scalar_type(), ", m ", m.sizes(), " ", m.scalar_type());
   const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), G, 32 * nb,
-                   d.scalar_type() == at::kHalf};
+                   d_form, m_form, times_d ? m.item<float>() : 0.f};
   return product(x, w, "q4_linear");
 }
 
@@ -155,10 +171,17 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               codes.is_contiguous(), "q8_linear: codes must be contiguous int8 (N/8, K/32, "
               "256) (the packed layout), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
-  TORCH_CHECK(is_scale(d, G, nb) || is_scale(d, G, 2 * nb),
-              "q8_linear: d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8)");
-  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, 32 * nb / d.size(1),
-                   d.scalar_type() == at::kHalf, small};
+  int64_t block = 32;
+  int32_t d_form = scale_form(d, G, nb);
+  if (d_form != scale_f32 && d_form != scale_f16) {
+    block = 16;
+    d_form = scale_form(d, G, 2 * nb);
+  }
+  TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_i8,
+              "q8_linear: d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
+              "int8 super-blocks of 16 scales (N/8, K/256, 144); got ", d.sizes(), " ",
+              d.scalar_type());
+  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small};
   return product(x, w, "q8_linear");
 }
 

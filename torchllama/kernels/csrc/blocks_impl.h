@@ -18,7 +18,12 @@
 //   Q4: 128 bytes, chunk c = 0..3 of 32 bytes: for r = 0..7 the file's bytes 4c..4c+3 of row
 //       8g+r's block (low nibbles: q[4c..4c+3], high nibbles: q[16+4c..16+4c+3]);
 //   Q8: 256 bytes, chunk c = 0..7: for r = 0..7 the codes 4c..4c+3 of row 8g+r's block;
-//   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8).
+//   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8), float32 or
+//       float16; or (K-quants) super-blocks: per 8 (Q4_K) or 16 (Q6_K) consecutive scales of
+//       a row group, the 8 rows' float16 D, then the sub-scales s, 8 rows side by side
+//       (kernels.h ScaleForm). The scale is then D·s, one IEEE product, exact (an 11-bit
+//       significand times a 6- or 8-bit integer): the value GGUF's dequantization forms, and
+//       the loader's float32 d·sc_j, bit for bit, in 4.6 bits a weight instead of 6 (Q4_K).
 // One 32-byte load thus holds 4 weights of each of 8 rows, one broadcast holds the 4
 // activations they meet, and maddubs + madd leave row r's partial sum in int32 lane r: a
 // block's integer sums for 8 rows end in one register, and the float epilogue runs once per
@@ -30,8 +35,10 @@
 //     Q8, B=32:  y = fma(float(isum_b), d_w,b · d_x,b, y)
 //     Q8, B=16:  y = fma(float(isum_b,0), d_w,2b · d_x,b, y);  y = fma(float(isum_b,1), d_w,2b+1 · d_x,b, y)
 // with isum the exact integer dot product of the block's (sub-block's) codes and q_x, and
-// d_w·d_x one IEEE product. A chain over blocks in file order: nothing depends on M, the tile,
-// the thread or the vector width.
+// d_w·d_x one IEEE product; d_w (m_w) as stored, or D·s for a super-block form, and m_w = c·d_w
+// (one IEEE product) where m is stored as a multiple of d (Q4_0's m = −8·d: nothing stored).
+// A chain over blocks in file order: nothing depends on M, the tile, the thread or the vector
+// width.
 
 namespace ISA {
 
@@ -93,23 +100,49 @@ static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* 
 }
 
 #if ISA_LEVEL != 2
-// ---- scales stored as float32, or as float16 bits where that is exact (half the bytes) --------
-static inline float scale_at(const float* p, int64_t i) { return p[i]; }
-static inline float scale_at(const uint16_t* p, int64_t i) {
+// ---- scales: value j of row r of group g, nd values a row, stored in form F -----------------
+template <int F>
+static inline const uint8_t* super_block(const void* p, int64_t g, int64_t j, int64_t nd) {
+  constexpr int64_t S = F == scale_super_u8 ? 8 : 16;            // sub-scales per super-block
+  return static_cast<const uint8_t*>(p) + (g * (nd / S) + j / S) * (16 + 8 * S);
+}
+
+static inline float half_to_float(uint16_t h) {
 #if ISA_LEVEL == 0
-  return c10::detail::fp16_ieee_to_fp32_value(p[i]);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
 #else
-  return _cvtsh_ss(p[i]);
+  return _cvtsh_ss(h);
 #endif
+}
+
+template <int F>
+static inline float scale_at(const void* p, int64_t g, int64_t j, int64_t nd, int r) {
+  if constexpr (F == scale_f32) {
+    return static_cast<const float*>(p)[(g * nd + j) * 8 + r];
+  } else if constexpr (F == scale_f16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[(g * nd + j) * 8 + r]);
+  } else {
+    constexpr int64_t S = F == scale_super_u8 ? 8 : 16;
+    const uint8_t* u = super_block<F>(p, g, j, nd);
+    uint16_t D;
+    std::memcpy(&D, u + 2 * r, 2);
+    const uint8_t sub = u[16 + 8 * (j % S) + r];
+    return half_to_float(D) * float(F == scale_super_u8 ? int(sub) : int(int8_t(sub)));
+  }
+}
+
+// Q4's offset m of block b, row r: stored in form MF, or c·d (scale_times_d).
+template <int DF, int MF>
+static inline float offset_at(const Q4Weight& w, int64_t g, int64_t b, int64_t nb, int r) {
+  if constexpr (MF == scale_times_d) return w.m_mult * scale_at<DF>(w.d, g, b, nb, r);
+  else return scale_at<MF>(w.m, g, b, nb, r);
 }
 
 #if ISA_LEVEL == 0
 // ---- the reference: one output row at a time, the order above spelled out --------------------
-template <typename S>
+template <int DF, int MF>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
   const int64_t nb = w.K / 32, N = w.G * 8;
-  const S* wd = static_cast<const S*>(w.d);
-  const S* wm = static_cast<const S*>(w.m);
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t g = g0; g < g1; ++g)
       for (int r = 0; r < 8; ++r) {
@@ -123,19 +156,17 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
               const uint8_t byte = blk[32 * c + 4 * r + j];
               isum += int32_t(byte & 15) * x[4 * c + j] + int32_t(byte >> 4) * x[16 + 4 * c + j];
             }
-          const int64_t k = (g * nb + b) * 8 + r;
-          const float dd = scale_at(wd, k) * a.d[m * nb + b];
+          const float dd = scale_at<DF>(w.d, g, b, nb, r) * a.d[m * nb + b];
           acc = std::fma(float(isum), dd, acc);
-          acc = std::fma(scale_at(wm, k), a.s[m * nb + b], acc);
+          acc = std::fma(offset_at<DF, MF>(w, g, b, nb, r), a.s[m * nb + b], acc);
         }
         y[m * N + 8 * g + r] = acc;
       }
 }
 
-template <int B, typename S>
+template <int B, int DF>
 static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
-  const S* wd = static_cast<const S*>(w.d);
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t g = g0; g < g1; ++g)
       for (int r = 0; r < 8; ++r) {
@@ -147,7 +178,7 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
             int32_t isum = 0;
             for (int c = h * B / 4; c < (h + 1) * B / 4; ++c)
               for (int j = 0; j < 4; ++j) isum += int32_t(blk[32 * c + 4 * r + j]) * x[4 * c + j];
-            const float dd = scale_at(wd, (g * nd + b * (32 / B) + h) * 8 + r) * a.d[m * nb + b];
+            const float dd = scale_at<DF>(w.d, g, b * (32 / B) + h, nd, r) * a.d[m * nb + b];
             acc = std::fma(float(isum), dd, acc);
           }
         }
@@ -156,9 +187,22 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
 }
 #else
 // ---- AVX2: TM activation rows × TG groups of 8 weight rows per tile ---------------------------
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+// The 8 rows' scale j of group g (`scale_at`, 8 lanes).
+template <int F>
+static inline __m256 scales8(const void* p, int64_t g, int64_t j, int64_t nd) {
+  if constexpr (F == scale_f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + (g * nd + j) * 8);
+  } else if constexpr (F == scale_f16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(
+        (const __m128i*)(static_cast<const uint16_t*>(p) + (g * nd + j) * 8)));
+  } else {
+    constexpr int64_t S = F == scale_super_u8 ? 8 : 16;
+    const uint8_t* u = super_block<F>(p, g, j, nd);
+    const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u));
+    const __m128i s8 = _mm_loadl_epi64((const __m128i*)(u + 16 + 8 * (j % S)));
+    const __m256i s32 = F == scale_super_u8 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+    return _mm256_mul_ps(D, _mm256_cvtepi32_ps(s32));                  // exact
+  }
 }
 static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in every int32 lane
   int32_t v;
@@ -172,11 +216,9 @@ constexpr int64_t PF = 4;
 
 // Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
 // 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32.
-template <int TM, int TG, typename S>
+template <int TM, int TG, int DF, int MF>
 static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0, float* y) {
   const int64_t nb = w.K / 32, N = w.G * 8;
-  const S* wd = static_cast<const S*>(w.d);
-  const S* wm = static_cast<const S*>(w.m);
   const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
@@ -204,8 +246,9 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
     }
     __m256 dw[TG], mw[TG];
     for (int g = 0; g < TG; ++g) {
-      dw[g] = load8(wd + ((g0 + g) * nb + b) * 8);
-      mw[g] = load8(wm + ((g0 + g) * nb + b) * 8);
+      dw[g] = scales8<DF>(w.d, g0 + g, b, nb);
+      if constexpr (MF == scale_times_d) mw[g] = _mm256_mul_ps(dw[g], _mm256_set1_ps(w.m_mult));
+      else mw[g] = scales8<MF>(w.m, g0 + g, b, nb);
     }
     for (int i = 0; i < TM; ++i) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
@@ -224,11 +267,10 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
 // Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
 // can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
 // |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
-template <int TM, int TG, int B, typename S, bool SMALL>
+template <int TM, int TG, int B, int DF, bool SMALL>
 static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y) {
   constexpr int H = 32 / B;                          // scales per block
   const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
-  const S* wd = static_cast<const S*>(w.d);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
@@ -268,7 +310,7 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
     }
     for (int h = 0; h < H; ++h) {
       __m256 dw[TG];
-      for (int g = 0; g < TG; ++g) dw[g] = load8(wd + ((g0 + g) * nd + b * H + h) * 8);
+      for (int g = 0; g < TG; ++g) dw[g] = scales8<DF>(w.d, g0 + g, b * H + h, nd);
       for (int i = 0; i < TM; ++i) {
         const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
         for (int g = 0; g < TG; ++g)
@@ -321,49 +363,56 @@ static inline void drive(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11
   }
 }
 
-template <typename S>
+template <int DF, int MF>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = TILES[0], PG = TILES[1];
   drive<PM, PG>(a.M, g0, g1,
-        [&](int64_t m, int64_t g) { q4_tile<1, 4, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<1, 1, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<PM, PG, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<PM, 1, S>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q4_tile<1, PG, S>(a, m, w, g, y); });
+        [&](int64_t m, int64_t g) { q4_tile<1, 4, DF, MF>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<PM, PG, DF, MF>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<PM, 1, DF, MF>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q4_tile<1, PG, DF, MF>(a, m, w, g, y); });
 }
 
-template <int B, typename S, bool SMALL>
+template <int B, int DF, bool SMALL>
 static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
   drive<PM, PG>(a.M, g0, g1,
-        [&](int64_t m, int64_t g) { q8_tile<1, 4, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, S, SMALL>(a, m, w, g, y); },
-        [&](int64_t m, int64_t g) { q8_tile<1, PG, B, S, SMALL>(a, m, w, g, y); });
+        [&](int64_t m, int64_t g) { q8_tile<1, 4, B, DF, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, DF, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, DF, SMALL>(a, m, w, g, y); },
+        [&](int64_t m, int64_t g) { q8_tile<1, PG, B, DF, SMALL>(a, m, w, g, y); });
 }
 
-template <int B, typename S>
+template <int B, int DF>
 static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
-  if (w.small) q8_rows_k<B, S, true>(a, w, y, g0, g1);
-  else q8_rows_k<B, S, false>(a, w, y, g0, g1);
+  if (w.small) q8_rows_k<B, DF, true>(a, w, y, g0, g1);
+  else q8_rows_k<B, DF, false>(a, w, y, g0, g1);
 }
 #endif
 
 // ---- the table's entries: groups [g0, g1) of 8 weight rows against every activation row -------
+// (blocks.cpp admits only these forms: m in d's form or c·d; super_u8 for Q4, super_i8 for
+// Q8 with blocks of 16.)
+template <int DF>
+static void q4_rows_d(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
+  if (w.m_form == scale_times_d) q4_rows_s<DF, scale_times_d>(a, w, y, g0, g1);
+  else q4_rows_s<DF, DF>(a, w, y, g0, g1);
+}
+
 static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
-  if (w.half) q4_rows_s<uint16_t>(a, w, y, g0, g1);
-  else q4_rows_s<float>(a, w, y, g0, g1);
+  if (w.d_form == scale_f16) q4_rows_d<scale_f16>(a, w, y, g0, g1);
+  else if (w.d_form == scale_super_u8) q4_rows_d<scale_super_u8>(a, w, y, g0, g1);
+  else q4_rows_d<scale_f32>(a, w, y, g0, g1);
 }
 
 static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
-  if (w.block == 16) {
-    if (w.half) q8_rows_b<16, uint16_t>(a, w, y, g0, g1);
-    else q8_rows_b<16, float>(a, w, y, g0, g1);
-  } else {
-    if (w.half) q8_rows_b<32, uint16_t>(a, w, y, g0, g1);
-    else q8_rows_b<32, float>(a, w, y, g0, g1);
-  }
+  if (w.d_form == scale_super_i8) q8_rows_b<16, scale_super_i8>(a, w, y, g0, g1);
+  else if (w.block == 16 && w.d_form == scale_f16) q8_rows_b<16, scale_f16>(a, w, y, g0, g1);
+  else if (w.block == 16) q8_rows_b<16, scale_f32>(a, w, y, g0, g1);
+  else if (w.d_form == scale_f16) q8_rows_b<32, scale_f16>(a, w, y, g0, g1);
+  else q8_rows_b<32, scale_f32>(a, w, y, g0, g1);
 }
 #endif  // ISA_LEVEL != 2
 

@@ -28,14 +28,24 @@ namespace torchllama {
 struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
   const int8_t* q; const float* d; const float* s; int64_t M, K;
 };
+// How block scales are stored (blocks_impl.h, "The scales"): per scale j of a row group,
+//   scale_f32 / scale_f16    (G, nd, 8): the 8 rows' values side by side;
+//   scale_super_u8           (G, nd/8, 80) bytes: per super-block of 8 scales, the 8 rows'
+//                            float16 D, then 8 × 8 unsigned sub-scales s: value D·s (Q4_K);
+//   scale_super_i8           (G, nd/16, 144) bytes: the same with 16 signed sub-scales (Q6_K);
+//   scale_times_d            (Q4's m only) one float c: m = c·d (Q4_0: c = −8).
+enum ScaleForm : int32_t {
+  scale_f32 = 0, scale_f16 = 1, scale_super_u8 = 2, scale_super_i8 = 3, scale_times_d = 4
+};
 // Weights in the packed layout (blocks_impl.h): G groups of 8 rows. Q4: codes (G, K/32, 128)
-// u8, d and m (G, K/32, 8) f32, or f16 bits when half. Q8: codes (G, K/32, 256) i8, d
-// (G, K/block, 8); small: every |code| ≤ 32 (Q6_K, Q5_0), which lets int16 sums run longer.
+// u8, d and m one scale per block of 32. Q8: codes (G, K/32, 256) i8, d one scale per block
+// of `block` (32 or 16); small: every |code| ≤ 32 (Q6_K, Q5_0), which lets int16 sums run longer.
 struct Q4Weight {
-  const uint8_t* codes; const void* d; const void* m; int64_t G, K; bool half;
+  const uint8_t* codes; const void* d; const void* m; int64_t G, K;
+  int32_t d_form, m_form; float m_mult;   // m_mult: c of scale_times_d
 };
 struct Q8Weight {
-  const int8_t* codes; const void* d; int64_t G, K, block; bool half, small;
+  const int8_t* codes; const void* d; int64_t G, K, block; int32_t d_form; bool small;
 };
 
 // What a KV cache stores (torchllama.nn.kv_cache): float32, float16, bfloat16, or q8_0 records
