@@ -924,9 +924,9 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
         return None
     q4 = isinstance(weight, Q4Blocks)
     bounds = list(zip(np.cumsum([0] + sizes[:-1]).tolist(), np.cumsum(sizes).tolist()))
-    forms = _scale_forms(weight)
-    if len(sizes) > 1 and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
-        return None
+    forms = _scale_forms(weight)          # a part of float16, super-block or c·d scales is so
+    if torch.float32 in forms and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
+        return None                           # too; of float32 ones it may be float16 alone
     fused = quantized_linear(weight)                                  # Q4Linear / Q8Linear
     parts = []
     for a, b in bounds:

@@ -336,7 +336,10 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
 #define TL_TILES 4, 2, 4, 1, 2, 4
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
-constexpr int64_t MC = 64;
+#ifndef TL_MC
+#define TL_MC 64
+#endif
+constexpr int64_t MC = TL_MC;
 
 // Decode: 1 × 4-group tiles, then single groups.
 template <typename T14, typename T11>
