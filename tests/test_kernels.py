@@ -479,17 +479,19 @@ GEMMA_LIKE = dict(norm_unit_offset=True, norm_placement="sandwich", qk_norm=True
     ("int4", "llama", "auto"), ("int8", "llama", "auto"), ("int4", "gemma", "auto"),
     ("int8", "gemma", "auto"),                          # auto: float16 (quantized weights)
     ("int4", "llama", "q8_0"), ("int8", "gemma", "q8_0"), ("int8", "llama", "bfloat16"),
-    ("int4", "gemma", "float32")])
+    ("int4", "gemma", "float32"), ("mixed", "llama", "auto"), ("mixed", "gemma", "q8_0")])
 def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeypatch):
     """`decoder_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
     batch and a chunk written into another cache row; for a Llama layer and a Gemma-3-style one
     (sandwich norms with gains 1 + w, QK-norm, tanh GeGLU, soft-capping, and a sliding-window
     ring cache that decode steps wrap around); and it stores the keys and values as the
-    modules' cache does (each kv_cache_dtype), byte for byte."""
+    modules' cache does (each kv_cache_dtype), byte for byte. "mixed": Q4 blocks with wv and
+    w3 in Q8 blocks (llama.cpp's Q4_K_M mix has wv in Q6_K), so q/k/v and w1/w3 are separate
+    products, stacked in the op's call."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer
     from torchllama.transforms.fuse import FusedTransformerBlock
-    from torchllama.transforms.quantize import quantize_model
+    from torchllama.transforms.quantize import Q8Blocks, Q8Linear, quantize_model
 
     torch.manual_seed(0)
     extra = GEMMA_LIKE if family == "gemma" else {}
@@ -497,11 +499,18 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeyp
                                   max_seq_len=96, **extra))
     for p in model.parameters():                      # the gains away from 1 + 0
         torch.nn.init.normal_(p, std=0.3 if p.ndim == 1 else 0.05)
-    model = quantize_model(model, scheme)
+    model = quantize_model(model, "int4" if scheme == "mixed" else scheme)
     with torch.inference_mode():
         for layer in model.layers:
+            if scheme == "mixed":                       # two types: no fused product
+                a, f = layer.attention, layer.feed_forward
+                a.wqkv = f.w13 = None
+                a.wv = Q8Linear(Q8Blocks.from_float(a.wv.dequantize()))
+                f.w3 = Q8Linear(Q8Blocks.from_float(f.w3.dequantize()))
             assert isinstance(layer, FusedTransformerBlock), layer.layer_id
-            assert layer.weights() is not None, layer.layer_id
+            weights = layer.weights()
+            assert weights is not None, layer.layer_id
+            assert len(weights[0].wqkv) == (9 if scheme == "mixed" else 3)
     prompt = torch.randint(0, 256, (2, 9))
 
     def run():

@@ -231,7 +231,11 @@ def test_one_op_layers_stay_eager_when_compiling_is_asked():
     with pytest.warns(UserWarning, match="not compiled"):
         assert compile_decode(model) == 0.0
     assert model.compiled_decode is None
-    model.layers[0].attention.wqkv = None        # a layer the op cannot compute: compile it
+    attention = model.layers[0].attention
+    attention.wqkv = None                        # q, k, v as three products: still one op
+    assert runs_one_op_layers(model)
+    attention.wq = torch.nn.Linear(attention.wq.in_features, attention.wq.out_features,
+                                   bias=False)   # a float product the op cannot run: compile
     assert not runs_one_op_layers(model)
 
 

@@ -11,10 +11,10 @@ forward otherwise. Learned from torchtitan's `ModelSpec.parallelize_fn` and gpt-
 `QuantHandler.convert_for_runtime`: the fast path is a transform, the model stays the reference.
 
 What the op computes (checked once, at install): a pre-norm or sandwich block of RMSNorms
-(Llama, Mistral, Gemma 2/3) with one eps and gain convention; attention with one fused q/k/v
-block-weight product (`transforms.quantize.fuse_projections`), RoPE, optionally QK-norm and
-soft-capping; a gated feed-forward (SwiGLU, or GeGLU with tanh GELU) with one fused w1/w3
-block product; no biases. What a call needs (checked per call): float32 inference on
+(Llama, Mistral, Gemma 2/3) with one eps and gain convention; attention with q/k/v block-weight
+products (one fused product, `transforms.quantize.fuse_projections`, where their types agree),
+RoPE, optionally QK-norm and soft-capping; a gated feed-forward (SwiGLU, or GeGLU with tanh
+GELU) with w1/w3 block products (fused likewise); no biases. What a call needs (checked per call): float32 inference on
 torchllama's kernels, a KV cache the op can write in place (float32, float16, bfloat16 or
 q8_0: the op stores each key and value as the cache does), RoPE rotations, no position
 bias, no attention capture, and RoPE over the whole head (not partial).
@@ -46,9 +46,10 @@ class LayerWeights(NamedTuple):
     [codes, d, small] (Q8 blocks), packed, from the module's own `kernel_weight()`."""
     norms: list[torch.Tensor]       # attention_norm, ffn_norm (, post_attention_norm,
                                     # post_ffn_norm): (D,) each
-    wqkv: list[torch.Tensor]        # wq, wk, wv stacked: (H·hd + 2·KV·hd) rows
+    wqkv: list[torch.Tensor]        # wq, wk, wv stacked: (H·hd + 2·KV·hd) rows, one weight
+                                    # or three (3 tensors each)
     wo: list[torch.Tensor]          # (D) rows
-    w13: list[torch.Tensor]         # w1, w3 stacked: (2·F) rows
+    w13: list[torch.Tensor]         # w1, w3 stacked: (2·F) rows, one weight or two
     w2: list[torch.Tensor]          # (D) rows
     qk_norms: list[torch.Tensor]    # [] or [q_norm, k_norm]: (hd,) each
 
@@ -118,13 +119,27 @@ def fits(block: TransformerBlock) -> bool:
         for n in norms)
 
 
+def _stacked_weight(fused: Optional[nn.Module], parts: list[nn.Module]
+                    ) -> Optional[list[torch.Tensor]]:
+    """The op's weight of a product whose outputs are `parts`' side by side: the fused
+    module's, else every part's in turn (3 tensors each; parts of different block types, as
+    llama.cpp's Q4_K_M mix gives wv in Q6_K, cannot be one weight); None if a part has none."""
+    if fused is not None:
+        return _block_weight(fused)
+    weights = [_block_weight(m) for m in parts]
+    return None if any(w is None for w in weights) else [t for w in weights for t in w]
+
+
 def layer_weights(block: TransformerBlock) -> Optional[tuple[LayerWeights, LayerConfig]]:
-    """The op's weights and scalars for this block, or None unless it `fits` and its four
-    products are fused block weights (`fuse_projections`; an adapter or float weights: None)."""
+    """The op's weights and scalars for this block, or None unless it `fits` and its products
+    are block weights (fused by `fuse_projections` where their types agree; an adapter or
+    float weights: None)."""
     if not fits(block):
         return None
     attention, ffn = block.attention, block.feed_forward
-    products = [_block_weight(m) for m in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
+    products = [_stacked_weight(attention.wqkv, [attention.wq, attention.wk, attention.wv]),
+                _block_weight(attention.wo),
+                _stacked_weight(ffn.w13, [ffn.w1, ffn.w3]), _block_weight(ffn.w2)]
     if any(w is None for w in products):
         return None
     norms = _norms(block)
@@ -142,9 +157,11 @@ class FusedTransformerBlock(TransformerBlock):
     forward. Made by `install`, never constructed directly."""
 
     def weights(self) -> Optional[tuple[LayerWeights, LayerConfig]]:
-        """`layer_weights(self)`, remembered while the fused products are the same modules (an
+        """`layer_weights(self)`, remembered while the products are the same modules (an
         adapter or a new quantization replaces them)."""
-        key = (self.attention.wqkv, self.feed_forward.w13, self.attention_norm.weight)
+        a, f = self.attention, self.feed_forward
+        key = (a.wqkv, f.w13, a.wq, a.wk, a.wv, a.wo, f.w1, f.w2, f.w3,
+               self.attention_norm.weight)
         cached = getattr(self, "_fused_cache", None)
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
             self._fused_cache = cached = (key, layer_weights(self))

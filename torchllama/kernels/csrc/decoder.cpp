@@ -38,15 +38,28 @@
 namespace torchllama {
 
 // A weight is [codes (uint8), d, m] (Q4) or [codes (int8), d, small (a bool scalar)] (Q8), in
-// the packed layout (blocks.cpp).
-static at::Tensor linear(const at::Tensor& x2, const std::vector<at::Tensor>& w) {
-  TORCH_CHECK(w.size() == 3, "decoder_layer: a weight is [codes, d, m] or [codes, d, small], "
-              "got ", w.size(), " tensors");
-  if (w[0].scalar_type() == at::kByte) return q4_linear(x2, w[0], w[1], w[2]);
-  return q8_linear(x2, w[0], w[1], w[2].item<bool>());
+// the packed layout (blocks.cpp); a product of P stacked weights, 3·P tensors: their outputs
+// side by side (q, k and v of different types, as in llama.cpp's Q4_K_M mix: Q6_K v).
+static at::Tensor product(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& d,
+                          const at::Tensor& m) {
+  if (codes.scalar_type() == at::kByte) return q4_linear(x2, codes, d, m);
+  return q8_linear(x2, codes, d, m.item<bool>());
 }
 
-static int64_t rows_of(const std::vector<at::Tensor>& w) { return 8 * w.at(0).size(0); }
+static at::Tensor linear(const at::Tensor& x2, const std::vector<at::Tensor>& w) {
+  TORCH_CHECK(!w.empty() && w.size() % 3 == 0, "decoder_layer: a weight is [codes, d, m] or "
+              "[codes, d, small] per stacked part, got ", w.size(), " tensors");
+  if (w.size() == 3) return product(x2, w[0], w[1], w[2]);
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < w.size(); i += 3) parts.push_back(product(x2, w[i], w[i + 1], w[i + 2]));
+  return at::cat(parts, 1);                                                  // (M, Σ rows)
+}
+
+static int64_t rows_of(const std::vector<at::Tensor>& w) {
+  int64_t rows = 0;
+  for (size_t i = 0; i < w.size(); i += 3) rows += 8 * w.at(i).size(0);
+  return rows;
+}
 
 // (B, T, H, hd) queries and (B, T, KV, hd) keys after QK-norm (if any) and RoPE.
 static std::pair<at::Tensor, at::Tensor> queries_keys(
