@@ -102,10 +102,12 @@ def test_quantized_activations_equal_the_numpy_reference():
     np.testing.assert_array_equal(s, d_ref * q_ref.astype(np.int32).sum(-1).astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16", "q8-16-small"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8-16", "q8-16-small", "q8-16-six", "q8-six"])
 def test_integer_dot_products_are_exact(kind):
     """With unit scales and integer activations whose block maxima are 127 (so d_x = 1 and
-    q_x = x), the kernel's output is the integer matmul, which NumPy computes in int64."""
+    q_x = x), the kernel's output is the integer matmul, which NumPy computes in int64: decode
+    rows (M ≤ 3) and prefill tiles. "six": codes in [−32, 31] (Q6_K's; Q5_0's [−16, 15]) kept
+    in 6 bits."""
     rng = np.random.default_rng(6)
     N, K, M = 24, 224, 6                     # 7 blocks: the pairs of blocks and a lone last one
     x = rng.integers(-127, 128, (M, K)).astype(np.float32)
@@ -116,15 +118,42 @@ def test_integer_dot_products_are_exact(kind):
         ones = torch.ones(N, K // 32)
         blocks = Q4Blocks.from_values(torch.from_numpy(q), ones, torch.zeros(N, K // 32))
     else:
-        B = 32 if kind == "q8" else 16
-        lo, hi = (-32, 32) if kind.endswith("small") else (-128, 127)       # int16 sums longer
+        B = 32 if kind in ("q8", "q8-six") else 16
+        lo, hi = {"q8-16-small": (-32, 32), "q8-16-six": (-32, 31), "q8-six": (-16, 15)}.get(
+            kind, (-128, 127))                              # small: int16 sums run longer
         q = rng.integers(lo, hi + 1, (N, K))
         q[0], q[1] = hi, lo
         blocks = Q8Blocks(torch.from_numpy(q.astype(np.int8)), torch.ones(N, K // B))
     linear = linear_for(blocks)
-    assert kind == "q4" or bool(linear.small) == kind.endswith("small")
-    y = linear(torch.from_numpy(x)).numpy()
-    np.testing.assert_array_equal(y, (x.astype(np.int64) @ q.T).astype(np.float32))
+    assert kind == "q4" or bool(linear.small) == kind.endswith(("small", "six"))
+    if kind != "q4":
+        assert linear.codes.shape[-1] == (192 if kind.endswith("six") else 256)
+    expected = (x.astype(np.int64) @ q.T).astype(np.float32)
+    for rows in (slice(0, 1), slice(1, 4), slice(0, M)):
+        np.testing.assert_array_equal(linear(torch.from_numpy(x[rows])).numpy(), expected[rows])
+
+
+def test_six_bit_codes_pack_and_read_back():
+    """Codes in [−32, 31] are kept in 6 bits: the op's one-pass packing equals the readable
+    `pack_six(pack_rows(…))` (rows padded to a group of 8 included), reads back exactly (every
+    row, or a tied embedding's rows), and a code outside the range is refused."""
+    from torchllama.transforms.quantize import pack_six, unpack_codes, unpack_six
+
+    g = torch.Generator().manual_seed(12)
+    for N in (13, 64):
+        codes = torch.randint(-32, 32, (N, 96), generator=g, dtype=torch.int8)
+        codes[0, :2] = torch.tensor([-32, 31])
+        packed = torch.ops.torchllama.pack_six(codes)
+        assert packed.shape == ((N + 7) // 8, 3, 192)
+        assert torch.equal(packed, pack_six(pack_rows(codes, 3, 4)))
+        assert torch.equal(unpack_six(packed), pack_rows(codes, 3, 4))
+        assert torch.equal(unpack_codes(packed, N), codes)
+        rows = torch.tensor([N - 1, 0, 5, 5])
+        assert torch.equal(unpack_codes(packed, rows), codes[rows])
+    with pytest.raises(RuntimeError, match=r"outside \[-32, 31\] in row 9"):
+        bad = torch.zeros(16, 32, dtype=torch.int8)
+        bad[9, 3] = 32
+        torch.ops.torchllama.pack_six(bad)
 
 
 @pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
@@ -180,7 +209,14 @@ assert Q8Linear(half).d.dtype == torch.float16 and Q8Linear(q8).d.dtype == torch
 small = Q8Blocks(torch.randint(-32, 33, (20, 256), generator=g, dtype=torch.int8),
                  torch.rand(20, 16, generator=g))                       # Q6_K-like codes
 assert bool(Q8Linear(small).small) and not bool(Q8Linear(q8).small)
-y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x), Q8Linear(small)(x)], 1)
+six = Q8Blocks(torch.randint(-32, 32, (20, 256), generator=g, dtype=torch.int8),
+               torch.rand(20, 16, generator=g))                         # 6-bit codes (Q6_K)
+five = Q8Blocks(torch.randint(-16, 16, (20, 256), generator=g, dtype=torch.int8),
+                torch.rand(20, 8, generator=g).half().float())          # (Q5_0)
+assert Q8Linear(six).codes.shape[-1] == Q8Linear(five).codes.shape[-1] == 192
+y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x), Q8Linear(small)(x)] +
+              [Q8Linear(w)(x[:m]).ravel()[None].expand(7, -1)        # decode rows too
+               for w in (six, five, q8, small) for m in (1, 3, 7)], 1)
 from torchllama.transforms.quantize import ScaleFactors                  # the scale forms:
 sup = lambda sign: (sign * torch.rand(20, 1, generator=g) * 0.01).half()
 sub = lambda n, lo, hi, t: torch.randint(lo, hi, (20, n), generator=g, dtype=t)

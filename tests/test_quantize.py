@@ -139,12 +139,14 @@ def test_quantize_model_shares_one_table_between_tied_embeddings_and_output():
 
 
 @pytest.mark.skipif(not KERNELS, reason="fused products need torchllama's kernels")
-@pytest.mark.parametrize("kind", ["q4 f16", "q4 f32", "q4 mixed", "q8 small"])
+@pytest.mark.parametrize("kind", ["q4 f16", "q4 f32", "q4 mixed", "q8 small", "q8 six",
+                                  "q8 mixed"])
 def test_fused_linears_are_what_fusing_separate_linears_gives(kind):
     """`fused_linears` (one module packed over stacked rows, parts viewing it) equals building
     the parts apart and `fuse_rows`-ing them (bit for bit, buffer dtypes included), and
     `fuse_rows` of its parts copies nothing; parts whose scales would be stored in different
-    dtypes are not fused (None), as `fuse_rows` refuses them."""
+    dtypes, or whose codes in 8 and in 6 bits, are not fused (None), as `fuse_rows` refuses
+    them."""
     from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, fuse_rows, fused_linears,
                                                 quantized_linear)
 
@@ -159,12 +161,19 @@ def test_fused_linears_are_what_fusing_separate_linears_gives(kind):
                           d, -8 * d)
     else:
         codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-        codes[16:24] = codes[16:24] // 8                    # one part within ±32: "small"
+        if kind == "q8 six":                                # every part in 6 bits
+            codes //= 8
+        else:                                               # one part within ±32: "small",
+            codes[16:24] = codes[16:24] // 8 + (kind == "q8 small")    # 6 bits if "mixed"
+            codes[16, 0] = 32 if kind == "q8 small" else codes[16, 0]
         weight = Q8Blocks(codes, torch.rand(N, K // 32, generator=g))
     apart = [quantized_linear(w) for w in weight.split_rows(sizes)]
     reference = fuse_rows(apart)
     linears = fused_linears(weight, sizes)
-    if kind == "q4 mixed":
+    if kind.startswith("q8"):
+        assert [p.codes.shape[-1] for p in apart] == {
+            "q8 small": [256] * 3, "q8 six": [192] * 3, "q8 mixed": [256, 192, 256]}[kind]
+    if kind in ("q4 mixed", "q8 mixed"):
         assert reference is None and linears is None
         return
     fused, parts = linears[0], linears[1:]

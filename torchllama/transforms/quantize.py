@@ -501,6 +501,53 @@ def unpack_rows(packed: torch.Tensor, chunk: int, rows: torch.Tensor | int) -> t
     return v[rows // 8, :, :, rows % 8, :].reshape(len(rows), blocks * P)  # (R, b·P)
 
 
+def pack_six(packed: torch.Tensor) -> torch.Tensor:
+    """Packed int8 codes (G, blocks, 256), every one in [−32, 31], → their 6-bit form (G, blocks,
+    192) int8 (blocks_impl.h): u = code + 32; bytes 0..127 the low 4 bits of chunk c's (c < 4)
+    codes in the low nibbles and of chunk 4 + c's in the high nibbles; bytes 128..159 the top
+    2 bits of chunks 0..3 (chunk c at bits 2c, 2c + 1 of each lane), 160..191 of chunks 4..7."""
+    G, blocks, _ = packed.shape
+    u = (packed + 32).view(torch.uint8).view(G, blocks, 2, 4, 32)       # (G, b, 2, 4, 32) 0..63
+    nibbles = (u[:, :, 0] & 15) | (u[:, :, 1] << 4)                     # (G, b, 4, 32)
+    top = u >> 4                                                        # (G, b, 2, 4, 32) 0..3
+    top = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+    return torch.cat([nibbles.reshape(G, blocks, 128), top.reshape(G, blocks, 64)],
+                     dim=2).view(torch.int8)                            # (G, b, 192)
+
+
+def pack_rows_six(codes: torch.Tensor, blocks: int) -> torch.Tensor:
+    """`pack_six(pack_rows(codes, blocks, 4))` of int8 codes (N, K): torchllama's op where the
+    kernels are built (one pass, no temporaries: a 7B head is 131 M codes), else that."""
+    from torchllama import kernels
+
+    if kernels.available():
+        return torch.ops.torchllama.pack_six(codes)
+    return pack_six(pack_rows(codes, blocks, 4))
+
+
+def unpack_six(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_six`: (…, 192) → (…, 256) int8 codes."""
+    p = packed.view(torch.uint8)
+    nibbles = p[..., :128].unflatten(-1, (4, 32))                          # (…, 4, 32)
+    top = p[..., 128:].unflatten(-1, (2, 1, 32))                           # (…, 2, 1, 32)
+    shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
+    high = (top >> shifts) & 3                                             # (…, 2, 4, 32)
+    low = torch.stack([nibbles & 15, nibbles >> 4], dim=-3)                # (…, 2, 4, 32)
+    codes = (low | (high << 4)).to(torch.int8) - 32                        # (…, 2, 4, 32)
+    return codes.flatten(-3)                                               # (…, 256)
+
+
+def unpack_codes(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
+    """`unpack_rows` of packed codes of any kind (Q4's (G, b, 128) uint8, Q8's (G, b, 256)
+    int8 or their 6-bit form (G, b, 192)): only the rows' groups are expanded."""
+    if packed.shape[-1] != 192:
+        return unpack_rows(packed, 4, rows)
+    if isinstance(rows, int):
+        return unpack_rows(unpack_six(packed[:(rows + 7) // 8]), 4, rows)
+    groups = unpack_six(packed[rows // 8])                                  # (R, b, 256)
+    return unpack_rows(groups, 4, 8 * torch.arange(len(rows)) + rows % 8)   # (R, K)
+
+
 def _form(values: torch.Tensor, factors: Optional[ScaleFactors]) -> str | torch.dtype:
     return "super" if factors is not None else compact_scales(values)[0].dtype
 
@@ -627,7 +674,7 @@ class Q4Linear(BlockLinear):
         r = self.out_features if rows is None else rows
         d, d_factors = unpack_scales(self.d, r)
         m, m_factors = unpack_scales(self.m, r, d)
-        return Q4Blocks(unpack_rows(self.codes, 4, r), d, m, d_factors, m_factors)
+        return Q4Blocks(unpack_codes(self.codes, r), d, m, d_factors, m_factors)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
@@ -644,7 +691,8 @@ class Q8Linear(BlockLinear):
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, d (`pack_scales`): (G, K/B, 8)
+    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, or (G, K/32, 192) in 6 bits
+    where every code is in [−32, 31] (`pack_six`: Q6_K, Q5_0), d (`pack_scales`): (G, K/B, 8)
     float16 where exact, else float32, or Q6_K's super-blocks (G, K/256, 144) int8; small: a
     bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the kernel sum longer in int16 (the
     same bits either way).
@@ -654,9 +702,20 @@ class Q8Linear(BlockLinear):
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        self._init(N, K, [pack_rows(weight.codes, K // 32, 4),
-                          pack_scales(weight.d, weight.d_factors),
-                          self.small_codes(weight.codes)], bias)
+        lo, hi = _code_range(weight.codes)
+        if lo >= -32 and hi <= 31:                      # `six_bit_codes`
+            codes = pack_rows_six(weight.codes, K // 32)                    # (G, K/32, 192)
+        else:
+            codes = pack_rows(weight.codes, K // 32, 4)                     # (G, K/32, 256)
+        self._init(N, K, [codes, pack_scales(weight.d, weight.d_factors),
+                          torch.tensor(lo >= -32 and hi <= 32)], bias)     # `small_codes`
+
+    @staticmethod
+    def six_bit_codes(codes: torch.Tensor) -> bool:
+        """Whether int8 codes (N, K) all lie in [−32, 31] (Q6_K's, Q5_0's), so the kernels keep
+        them in 6 bits (`pack_six`: 0.75× the bytes, the same products)."""
+        lo, hi = _code_range(codes)
+        return lo >= -32 and hi <= 31
 
     @property
     def block(self) -> int:
@@ -668,13 +727,13 @@ class Q8Linear(BlockLinear):
     def small_codes(codes: torch.Tensor) -> torch.Tensor:
         """The `small` flag of int8 codes (N, K): a bool scalar tensor, true when every code
         is within ±32 (and there is at least one)."""
-        return torch.tensor(codes.numel() > 0 and int(codes.amin()) >= -32
-                            and int(codes.amax()) <= 32)
+        lo, hi = _code_range(codes)
+        return torch.tensor(lo >= -32 and hi <= 32)
 
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
-        return Q8Blocks(unpack_rows(self.codes, 4, r), *unpack_scales(self.d, r))
+        return Q8Blocks(unpack_codes(self.codes, r), *unpack_scales(self.d, r))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
@@ -685,6 +744,14 @@ class Q8Linear(BlockLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"q8 blocks of {self.block}")
+
+
+def _code_range(codes: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of int8 codes in one pass; int8's whole range for none (no narrower form)."""
+    if codes.numel() == 0:
+        return -128, 127
+    lo, hi = torch.aminmax(codes)
+    return int(lo), int(hi)
 
 
 class BlockEmbedding(nn.Module):
@@ -713,7 +780,7 @@ class BlockEmbedding(nn.Module):
             if self.bits == 4:
                 return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat])
             return Q8Blocks(self.codes[flat], self.d[flat])
-        codes = unpack_rows(self.codes, 4, flat)                            # (R, K/2 or K)
+        codes = unpack_codes(self.codes, flat)                              # (R, K/2 or K)
         d = unpack_scales(self.d, flat)[0]                                  # (R, nd)
         if self.bits == 4:
             return Q4Blocks(codes, d, unpack_scales(self.m, flat, d)[0])
@@ -916,7 +983,8 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     Returns:
         [the module of all rows, the part modules…], or None where `fuse_rows` would not fuse
         them (no kernels, a part that is not whole groups of 8 rows, or parts whose scales
-        would be packed in different forms, `_scale_forms`): then build them apart.
+        would be packed in different forms, `_scale_forms`, or codes in 6 and in 8 bits):
+        then build them apart.
     """
     from torchllama import kernels
 
@@ -927,6 +995,8 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     forms = _scale_forms(weight)          # a part of float16, super-block or c·d scales is so
     if torch.float32 in forms and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
         return None                           # too; of float32 ones it may be float16 alone
+    if not q4 and len({Q8Linear.six_bit_codes(w.codes) for w in weight.split_rows(sizes)}) > 1:
+        return None                           # codes in 6 bits and in 8
     fused = quantized_linear(weight)                                  # Q4Linear / Q8Linear
     parts = []
     for a, b in bounds:

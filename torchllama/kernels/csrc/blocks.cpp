@@ -16,7 +16,8 @@
 // Ops (registered as torch.library ops `torchllama::…`; fake implementations in Python):
 //   q4_linear(x (M, K) f32, codes (N/8, K/32, 128) u8, d (N/8, K/32, 8), m (same)) → (M, N) f32
 //   q8_linear(x (M, K) f32, codes (N/8, K/32, 256) i8, d (N/8, K/B, 8), small) → (M, N) f32,
-//       B = 32 or 16; small: every |code| ≤ 32 (a speed hint the packer checks; same bits)
+//       B = 32 or 16; small: every |code| ≤ 32 (a speed hint the packer checks; same bits);
+//       codes (N/8, K/32, 192): 6-bit codes, every one in [−32, 31] (Q6_K, Q5_0; small)
 //   (the weights in the packed layout of blocks_impl.h: 8 rows interleaved 4 bytes at a time;
 //   torchllama.transforms.quantize packs them)
 //   (d and m in one of kernels.h's ScaleForms, told apart by dtype and shape: float32
@@ -25,6 +26,7 @@
 //   float32 scalar c for m = c·d. The decode step reads every scale once per token: fewer
 //   bytes are a faster step)
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
+//   pack_six(codes (N, K) i8 in [−32, 31]) → (N/8, K/32, 192) i8: the 6-bit packed codes
 //   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
 //       instruction set chosen for this CPU (kernels.h: the table's levels)
 //   kernel_levels(isa) → ["q4_rows=avx2", …]: where each kernel of that level's table comes
@@ -167,10 +169,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      bool small) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 256 && codes.scalar_type() == at::kChar &&
-              codes.is_contiguous(), "q8_linear: codes must be contiguous int8 (N/8, K/32, "
-              "256) (the packed layout), got ", codes.sizes());
+  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == 256 || codes.size(2) == 192) &&
+              codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes "
+              "must be contiguous int8 (N/8, K/32, 256) (the packed layout) or (N/8, K/32, 192) "
+              "(6-bit codes), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
+  const bool six = codes.size(2) == 192;
+  TORCH_CHECK(!six || small, "q8_linear: 6-bit codes are small (within ±32): small must be true");
   int64_t block = 32;
   int32_t d_form = scale_form(d, G, nb);
   if (d_form != scale_f32 && d_form != scale_f16) {
@@ -181,8 +186,42 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "q8_linear: d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
               "int8 super-blocks of 16 scales (N/8, K/256, 144); got ", d.sizes(), " ",
               d.scalar_type());
-  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small};
+  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six};
   return product(x, w, "q8_linear");
+}
+
+// int8 codes (N, K), every one in [−32, 31], straight into the packed 6-bit layout (G, K/32,
+// 192) (blocks_impl.h; the bits of Python's `pack_six(pack_rows(codes, K/32, 4))`, in one pass
+// without temporaries). Rows past N (to a multiple of 8) are code 0.
+static at::Tensor pack_six(const at::Tensor& codes_) {
+  TORCH_CHECK(codes_.dim() == 2 && codes_.scalar_type() == at::kChar && codes_.size(1) % 32 == 0,
+              "pack_six: codes must be (N, K) int8 with K a multiple of 32, got ", codes_.sizes());
+  const at::Tensor codes = codes_.contiguous();
+  const int64_t N = codes.size(0), K = codes.size(1), G = (N + 7) / 8, nb = K / 32;
+  at::Tensor out = at::zeros({G, nb, 192}, codes.options());
+  const int8_t* src = codes.data_ptr<int8_t>();
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  at::parallel_for(0, G, 64, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < 8; ++r) {
+        const int8_t* row = 8 * g + r < N ? src + (8 * g + r) * K : nullptr;   // null: zeros
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* o = dst + (g * nb + b) * 192;
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const int lo = (row ? row[32 * b + 4 * c + j] : 0) + 32;
+              const int hi = (row ? row[32 * b + 16 + 4 * c + j] : 0) + 32;
+              TORCH_CHECK(lo >= 0 && lo < 64 && hi >= 0 && hi < 64,
+                          "pack_six: a code outside [-32, 31] in row ", 8 * g + r);
+              const int l = 4 * r + j;
+              o[32 * c + l] = uint8_t((lo & 15) | ((hi & 15) << 4));
+              o[128 + l] |= uint8_t((lo >> 4) << (2 * c));
+              o[160 + l] |= uint8_t((hi >> 4) << (2 * c));
+            }
+        }
+      }
+  });
+  return out;
 }
 
 }  // namespace torchllama
@@ -191,6 +230,7 @@ TORCH_LIBRARY(torchllama, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor d, bool small=False) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("pack_six(Tensor codes) -> Tensor");
   m.def("isa() -> int", &torchllama::isa_code);
   m.def("kernel_levels(int isa) -> str[]", &torchllama::kernel_levels_of);
 }
@@ -199,5 +239,6 @@ TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
   m.impl("q4_linear", &torchllama::q4_linear);
   m.impl("q8_linear", &torchllama::q8_linear);
   m.impl("quantize_act", &torchllama::quantize_act);
+  m.impl("pack_six", &torchllama::pack_six);
 }
 

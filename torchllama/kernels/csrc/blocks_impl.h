@@ -18,6 +18,10 @@
 //   Q4: 128 bytes, chunk c = 0..3 of 32 bytes: for r = 0..7 the file's bytes 4c..4c+3 of row
 //       8g+r's block (low nibbles: q[4c..4c+3], high nibbles: q[16+4c..16+4c+3]);
 //   Q8: 256 bytes, chunk c = 0..7: for r = 0..7 the codes 4c..4c+3 of row 8g+r's block;
+//   Q8 in 6 bits (codes in [−32, 31]: Q6_K, Q5_0): 192 bytes of u = code + 32: 128 bytes of
+//       its low 4 bits in Q4's arrangement (chunk c = 0..3: the low nibbles hold Q8's chunk c,
+//       the high nibbles Q8's chunk 4 + c), then 32 bytes of the top 2 bits of the low nibbles'
+//       weights (lane l: chunk c's at bits 2c, 2c + 1) and 32 of the high nibbles' (`six_to_eight`);
 //   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8), float32 or
 //       float16; or (K-quants) super-blocks: per 8 (Q4_K) or 16 (Q6_K) consecutive scales of
 //       a row group, the 8 rows' float16 D, then the sub-scales s, 8 rows side by side
@@ -138,6 +142,16 @@ static inline float offset_at(const Q4Weight& w, int64_t g, int64_t b, int64_t n
   else return scale_at<MF>(w.m, g, b, nb, r);
 }
 
+// One 6-bit block of a row group (192 bytes) as Q8's 256 int8 codes (the layout above).
+static inline void six_to_eight(const uint8_t* p, int8_t* out) {
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      const int top_lo = (p[128 + l] >> (2 * c)) & 3, top_hi = (p[160 + l] >> (2 * c)) & 3;
+      out[32 * c + l] = int8_t(((p[32 * c + l] & 15) | (top_lo << 4)) - 32);
+      out[32 * (4 + c) + l] = int8_t(((p[32 * c + l] >> 4) | (top_hi << 4)) - 32);
+    }
+}
+
 #if ISA_LEVEL == 0
 // ---- the reference: one output row at a time, the order above spelled out --------------------
 template <int DF, int MF>
@@ -172,7 +186,12 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
       for (int r = 0; r < 8; ++r) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
+          int8_t expanded[256];
           const int8_t* blk = w.codes + (g * nb + b) * 256;
+          if (w.six) {
+            six_to_eight(reinterpret_cast<const uint8_t*>(w.codes) + (g * nb + b) * 192, expanded);
+            blk = expanded;
+          }
           const int8_t* x = a.q + m * a.K + 32 * b;
           for (int h = 0; h < 32 / B; ++h) {          // the block's one or two scales
             int32_t isum = 0;
@@ -323,6 +342,97 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
     for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
 }
 
+// 6-bit codes (Q8Weight::six). u = code + 32 of chunk c's low-nibble (HI = 0) or high-nibble
+// (HI = 1) weights of the block at p: the low 4 bits, or'ed with the top 2 moved to bits 4, 5.
+template <int C, int HI>
+static inline __m256i six_u(const uint8_t* p) {
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * C));
+  const __m256i top = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * HI));
+  const __m256i nib = _mm256_and_si256(HI ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+  const __m256i at45 = C == 2 ? top : C == 3 ? _mm256_srli_epi16(top, 2)   // bits 2C, 2C+1 → 4, 5
+                                             : _mm256_slli_epi16(top, 4 - 2 * C);
+  return _mm256_or_si256(nib, _mm256_and_si256(at45, _mm256_set1_epi8(0x30)));
+}
+
+// The block at p as Q8's 8 chunks of int8 codes (prefill expands a tile's blocks once per chunk
+// of activation rows and runs the 8-bit tiles on them).
+static inline void six_to_eight8(const uint8_t* p, int8_t* out) {
+  const __m256i off = _mm256_set1_epi8(32);
+  auto put = [&](int c, __m256i u) { _mm256_storeu_si256((__m256i*)(out + 32 * c),
+                                                         _mm256_sub_epi8(u, off)); };
+  put(0, six_u<0, 0>(p)), put(1, six_u<1, 0>(p)), put(2, six_u<2, 0>(p)), put(3, six_u<3, 0>(p));
+  put(4, six_u<0, 1>(p)), put(5, six_u<1, 1>(p)), put(6, six_u<2, 1>(p)), put(7, six_u<3, 1>(p));
+}
+
+// Decode on 6-bit codes: ⟨u, q_x⟩ by maddubs (u ≤ 63, so two chunks' int16 sums stay ≤ 32004),
+// then isum = ⟨u, q_x⟩ − 32·Σ q_x over the (sub-)block, the exact integer ⟨code, q_x⟩ that the
+// 8-bit tile forms; the float steps are q8_tile's. sx: Σ q_x per 16 activations of row m.
+template <int HI, int TG>
+static inline void six_half(const uint8_t* const* p, const int8_t* x, __m256i* s32) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[TG];
+  auto pair = [&](auto c0, auto c1) {
+    const __m256i x0 = bcast4(x + 16 * HI + 4 * decltype(c0)::value),
+                  x1 = bcast4(x + 16 * HI + 4 * decltype(c1)::value);
+    for (int g = 0; g < TG; ++g)
+      s16[g] = _mm256_add_epi16(_mm256_maddubs_epi16(six_u<decltype(c0)::value, HI>(p[g]), x0),
+                                _mm256_maddubs_epi16(six_u<decltype(c1)::value, HI>(p[g]), x1));
+    for (int g = 0; g < TG; ++g) s32[g] = _mm256_add_epi32(s32[g], _mm256_madd_epi16(s16[g], ones));
+  };
+  pair(std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{});
+  pair(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+}
+
+template <int TG, int B, int DF>
+static inline void six_tile(const Act& a, int64_t m, const Q8Weight& w, int64_t g0, float* y,
+                            const int32_t* sx) {
+  constexpr int H = 32 / B;
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.codes);
+  __m256 acc[TG];
+  for (int g = 0; g < TG; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p[TG];
+    for (int g = 0; g < TG; ++g) {
+      p[g] = codes + ((g0 + g) * nb + b) * 192;
+      for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)(p[g] + PF * 192 + l), _MM_HINT_T0);
+    }
+    const int8_t* x = a.q + m * a.K + 32 * b;
+    const __m256 dx = _mm256_set1_ps(a.d[m * nb + b]);
+    __m256i s32[TG];
+    for (int g = 0; g < TG; ++g) s32[g] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {                    // low nibbles (weights 0..15), high (16..31)
+      if (h == 0) six_half<0, TG>(p, x, s32);
+      else six_half<1, TG>(p, x, s32);
+      if (H == 1 && h == 0) continue;                // one scale: both halves, then the fma
+      const int32_t sum_x = H == 2 ? sx[2 * b + h] : sx[2 * b] + sx[2 * b + 1];
+      const __m256i off = _mm256_set1_epi32(32 * sum_x);
+      for (int g = 0; g < TG; ++g) {
+        const __m256 dw = scales8<DF>(w.d, g0 + g, b * H + (H == 2 ? h : 0), nd);
+        const __m256i isum = _mm256_sub_epi32(s32[g], off);
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx), acc[g]);
+        s32[g] = _mm256_setzero_si256();
+      }
+    }
+  }
+  for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + m * N + 8 * (g0 + g), acc[g]);
+}
+
+// Σ q_x per 16 activations of rows 0..M−1 (exact integers), for `six_tile`.
+struct SumBuffer {
+  std::vector<int32_t> v;
+  const int32_t* sums(const Act& a) {
+    v.resize(size_t(a.M * a.K / 16));
+    for (int64_t i = 0; i < a.M * a.K / 16; ++i) {
+      int32_t t = 0;
+      for (int j = 0; j < 16; ++j) t += a.q[16 * i + j];
+      v[i] = t;
+    }
+    return v.data();
+  }
+};
+static thread_local SumBuffer sum_buffer;
+
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row), reading
 // the scales as stored. Prefill: PM × PG tiles over chunks of MC activation rows, so a weight
@@ -426,6 +536,13 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 template <int B, int DF, bool SMALL>
 static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
+  if (a.M < 4 && w.six) {
+    const int32_t* sx = sum_buffer.sums(a);
+    drive_decode(a.M, g0, g1,
+                 [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, sx + m * a.K / 16); },
+                 [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
+    return;
+  }
   if (a.M < 4) {
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
@@ -433,13 +550,19 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
     return;
   }
   const int64_t nb = w.K / 32, nd = w.K / B;
-  float* buf = scale_buffer.get(size_t(PG * nd * 8));
+  float* buf = scale_buffer.get(size_t(PG * nd * 8 + (w.six ? PG * nb * 64 : 0)));
+  int8_t* expanded = reinterpret_cast<int8_t*>(buf + PG * nd * 8);   // 6-bit codes as int8
   Q8Weight view = w;
-  view.d = buf, view.d_form = scale_f32;
+  view.d = buf, view.d_form = scale_f32, view.six = false;
   int64_t gv = 0;
   auto prep = [&](int64_t g, int64_t groups) {
     gv = g;
     view.codes = w.codes + g * nb * 256;
+    if (w.six) {
+      view.codes = expanded;
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * 192;
+      for (int64_t i = 0; i < groups * nb; ++i) six_to_eight8(p + 192 * i, expanded + 256 * i);
+    }
     for (int64_t i = 0; i < groups; ++i)
       for (int64_t j = 0; j < nd; ++j)
         _mm256_storeu_ps(buf + (i * nd + j) * 8, scales8<DF>(w.d, g + i, j, nd));

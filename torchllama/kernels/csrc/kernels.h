@@ -39,13 +39,14 @@ enum ScaleForm : int32_t {
 };
 // Weights in the packed layout (blocks_impl.h): G groups of 8 rows. Q4: codes (G, K/32, 128)
 // u8, d and m one scale per block of 32. Q8: codes (G, K/32, 256) i8, d one scale per block
-// of `block` (32 or 16); small: every |code| ≤ 32 (Q6_K, Q5_0), which lets int16 sums run longer.
+// of `block` (32 or 16); small: every |code| ≤ 32 (Q6_K, Q5_0), which lets int16 sums run longer;
+// six: every code in [−32, 31] (Q6_K, Q5_0), stored in 6 bits, (G, K/32, 192) bytes.
 struct Q4Weight {
   const uint8_t* codes; const void* d; const void* m; int64_t G, K;
   int32_t d_form, m_form; float m_mult;   // m_mult: c of scale_times_d
 };
 struct Q8Weight {
-  const int8_t* codes; const void* d; int64_t G, K, block; int32_t d_form; bool small;
+  const int8_t* codes; const void* d; int64_t G, K, block; int32_t d_form; bool small, six;
 };
 
 // What a KV cache stores (torchllama.nn.kv_cache): float32, float16, bfloat16, or q8_0 records
