@@ -197,6 +197,12 @@ static at::Tensor pack_six(const at::Tensor& codes_) {
   TORCH_CHECK(codes_.dim() == 2 && codes_.scalar_type() == at::kChar && codes_.size(1) % 32 == 0,
               "pack_six: codes must be (N, K) int8 with K a multiple of 32, got ", codes_.sizes());
   const at::Tensor codes = codes_.contiguous();
+  if (codes.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(codes);
+    TORCH_CHECK(lo.item<int8_t>() >= -32 && hi.item<int8_t>() <= 31, "pack_six: codes must "
+                "lie in [-32, 31], got [", int(lo.item<int8_t>()), ", ", int(hi.item<int8_t>()),
+                "]");
+  }
   const int64_t N = codes.size(0), K = codes.size(1), G = (N + 7) / 8, nb = K / 32;
   at::Tensor out = at::zeros({G, nb, 192}, codes.options());
   const int8_t* src = codes.data_ptr<int8_t>();
@@ -211,8 +217,6 @@ static at::Tensor pack_six(const at::Tensor& codes_) {
             for (int j = 0; j < 4; ++j) {
               const int lo = (row ? row[32 * b + 4 * c + j] : 0) + 32;
               const int hi = (row ? row[32 * b + 16 + 4 * c + j] : 0) + 32;
-              TORCH_CHECK(lo >= 0 && lo < 64 && hi >= 0 && hi < 64,
-                          "pack_six: a code outside [-32, 31] in row ", 8 * g + r);
               const int l = 4 * r + j;
               o[32 * c + l] = uint8_t((lo & 15) | ((hi & 15) << 4));
               o[128 + l] |= uint8_t((lo >> 4) << (2 * c));
