@@ -14,9 +14,11 @@ warning is printed and the callers (`torchllama.transforms.quantize`) use torch'
 
 Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float32):
     torch.ops.torchllama.q4_linear(x, codes (N/8, K/32, 128) uint8, d (N/8, K/32, 8), m (same))
-    torch.ops.torchllama.q8_linear(x, codes (N/8, K/32, 256) int8, d (N/8, K/32 or K/16, 8),
-                                   small)
+    torch.ops.torchllama.q8_linear(x, codes (N/8, K/32, 256) int8 or (N/8, K/32, 192) (6-bit
+                                   codes in [−32, 31]), d (N/8, K/32 or K/16, 8), small)
     (weights in the packed layout: csrc/blocks_impl.h; transforms.quantize packs them)
+    torch.ops.torchllama.pack_six(codes (N, K) int8 in [−32, 31]) → (N/8, K/32, 192): the
+        6-bit packed codes in one pass (transforms.quantize.pack_six is the readable form)
     torch.ops.torchllama.quantize_act(x) → (q (M, K) int8, d (M, K/32) f32, s (M, K/32) f32)
 and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rms_norm(x (..., D), w (D,), eps, unit_offset) → (..., D)
