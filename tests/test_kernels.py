@@ -150,6 +150,9 @@ def test_six_bit_codes_pack_and_read_back():
         assert torch.equal(unpack_codes(packed, N), codes)
         rows = torch.tensor([N - 1, 0, 5, 5])
         assert torch.equal(unpack_codes(packed, rows), codes[rows])
+    six = Q8Linear(Q8Blocks(codes, torch.ones(64, 3)))
+    with pytest.raises(RuntimeError, match="6-bit codes are small"):    # the flag must agree
+        torch.ops.torchllama.q8_linear(torch.randn(1, 96), six.codes, six.d, False)
     with pytest.raises(RuntimeError, match=r"lie in \[-32, 31\], got \[0, 32\]"):
         bad = torch.zeros(16, 32, dtype=torch.int8)
         bad[9, 3] = 32

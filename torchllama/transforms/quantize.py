@@ -702,20 +702,13 @@ class Q8Linear(BlockLinear):
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        lo, hi = _code_range(weight.codes)
-        if lo >= -32 and hi <= 31:                      # `six_bit_codes`
+        span = _code_range(weight.codes)
+        if _six_bit(span):
             codes = pack_rows_six(weight.codes, K // 32)                    # (G, K/32, 192)
         else:
             codes = pack_rows(weight.codes, K // 32, 4)                     # (G, K/32, 256)
         self._init(N, K, [codes, pack_scales(weight.d, weight.d_factors),
-                          torch.tensor(lo >= -32 and hi <= 32)], bias)     # `small_codes`
-
-    @staticmethod
-    def six_bit_codes(codes: torch.Tensor) -> bool:
-        """Whether int8 codes (N, K) all lie in [−32, 31] (Q6_K's, Q5_0's), so the kernels keep
-        them in 6 bits (`pack_six`: 0.75× the bytes, the same products)."""
-        lo, hi = _code_range(codes)
-        return lo >= -32 and hi <= 31
+                          torch.tensor(_small(span))], bias)
 
     @property
     def block(self) -> int:
@@ -727,8 +720,7 @@ class Q8Linear(BlockLinear):
     def small_codes(codes: torch.Tensor) -> torch.Tensor:
         """The `small` flag of int8 codes (N, K): a bool scalar tensor, true when every code
         is within ±32 (and there is at least one)."""
-        lo, hi = _code_range(codes)
-        return torch.tensor(lo >= -32 and hi <= 32)
+        return torch.tensor(_small(_code_range(codes)))
 
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
@@ -752,6 +744,17 @@ def _code_range(codes: torch.Tensor) -> tuple[int, int]:
         return -128, 127
     lo, hi = torch.aminmax(codes)
     return int(lo), int(hi)
+
+
+def _six_bit(span: tuple[int, int]) -> bool:
+    """Codes of this (min, max) all lie in [−32, 31] (Q6_K's, Q5_0's): the kernels keep them in
+    6 bits (`pack_six`: 0.75× the bytes, the same products)."""
+    return span[0] >= -32 and span[1] <= 31
+
+
+def _small(span: tuple[int, int]) -> bool:
+    """Codes of this (min, max) are within ±32: `Q8Linear`'s `small` flag."""
+    return span[0] >= -32 and span[1] <= 32
 
 
 class BlockEmbedding(nn.Module):
@@ -995,15 +998,16 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     forms = _scale_forms(weight)          # a part of float16, super-block or c·d scales is so
     if torch.float32 in forms and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
         return None                           # too; of float32 ones it may be float16 alone
-    if not q4 and len({Q8Linear.six_bit_codes(w.codes) for w in weight.split_rows(sizes)}) > 1:
+    spans = [] if q4 else [_code_range(weight.codes[a:b]) for a, b in bounds]   # per part
+    if len({_six_bit(span) for span in spans}) > 1:
         return None                           # codes in 6 bits and in 8
     fused = quantized_linear(weight)                                  # Q4Linear / Q8Linear
     parts = []
-    for a, b in bounds:
+    for i, (a, b) in enumerate(bounds):
         packed = [t[a // 8:b // 8] if t.dim() else t                    # (G_i, ·, ·), or c
                   for t in fused.packed()[:3 if q4 else 2]]
         if not q4:                                    # as `Q8Linear` decides it, per part
-            packed.append(Q8Linear.small_codes(weight.codes[a:b]))
+            packed.append(torch.tensor(_small(spans[i])))
         parts.append(type(fused).from_packed(b - a, fused.in_features, packed))
     return [fused] + parts
 

@@ -187,11 +187,9 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
           int8_t expanded[256];
-          const int8_t* blk = w.codes + (g * nb + b) * 256;
-          if (w.six) {
+          if (w.six)
             six_to_eight(reinterpret_cast<const uint8_t*>(w.codes) + (g * nb + b) * 192, expanded);
-            blk = expanded;
-          }
+          const int8_t* blk = w.six ? expanded : w.codes + (g * nb + b) * 256;
           const int8_t* x = a.q + m * a.K + 32 * b;
           for (int h = 0; h < 32 / B; ++h) {          // the block's one or two scales
             int32_t isum = 0;
