@@ -249,6 +249,9 @@ from torchllama.nn.kv_cache import q8_0_quantize                        # the ca
 q, k, v = (torch.randn(2, 4, s, 64, generator=g) for s in (3, 150, 150))  # 3 tiles of keys
 layers += [ops.attention(q, store(k), store(v), None, 0.125, 0.0)
            for store in (torch.Tensor.half, torch.Tensor.bfloat16, q8_0_quantize)]
+q, k, v = (torch.randn(1, h, s, 64, generator=g) for h, s in ((12, 20), (2, 90), (2, 90)))
+layers += [ops.attention(q, k.bfloat16(), v.bfloat16(), None, 0.125, 0.0),  # 6 heads a group:
+           ops.attention(q[:, :, -1:], k, v, None, 0.125, 0.0)]             # 4 scored at once
 q, k, v = (torch.randn(1, 2, s, 40, generator=g) for s in (2, 70, 70))    # widths off the lanes
 layers += [ops.attention(q, k.half(), v.half(), None, 0.3, 20.0)]
 xa = torch.randn(7, 160, generator=g) * 5                               # activations with

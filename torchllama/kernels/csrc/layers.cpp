@@ -240,7 +240,10 @@ static void attend_split(const AttnCall& c, float* op) {
   }
 }
 
-// Many groups (prefill, batched decode): one task per (row, KV head), its tiles in order.
+// Many groups (prefill, batched decode): one task per (row, KV head), its tiles in order. The
+// rows are dealt first, last, second, second to last, …: a causal prompt's later rows see more
+// keys, and the threads' contiguous ranges of tasks then get even shares (the order changes no
+// row's answer).
 static void attend_groups(const AttnCall& c, float* op) {
   const int64_t ss = c.state_size();
   const int64_t work = std::max<int64_t>(1, c.n_rep * c.S * (c.hd + c.dv));
@@ -254,7 +257,9 @@ static void attend_groups(const AttnCall& c, float* op) {
     scratch.resize(size_t(4 * ATTN_TILE + ss));
     int64_t row = -1, n = 0;                    // (b, t) whose visible keys are in idx
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r = u / c.KV, g = u % c.KV, b = r / c.T, t = r % c.T;
+      const int64_t rank = u / c.KV, g = u % c.KV;
+      const int64_t r = rank % 2 == 0 ? rank / 2 : c.B * c.T - 1 - rank / 2;
+      const int64_t b = r / c.T, t = r % c.T;
       if (row != r) {
         row = r;
         n = visible_keys(c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr, c.mask, b, t,

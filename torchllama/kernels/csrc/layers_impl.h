@@ -38,6 +38,10 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {   // a·b + c rounded once
              (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
 }
 static inline v8 fold16(v16 acc) { return acc.lo + acc.hi; }   // lane l + lane l + 8
+static inline v16 mul16(v16 a, v16 b) { return v16{a.lo * b.lo, a.hi * b.hi}; }
+static inline v16 max16(v16 a, v16 b) {          // a > b ? a : b per lane (a NaN gives b)
+  return v16{a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
+}
 #else
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -45,6 +49,8 @@ static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); 
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 static inline v16 splat16(float x) { return v16{} + x; }
 static inline v16 sub16(v16 a, v16 b) { return a - b; }
+static inline v16 mul16(v16 a, v16 b) { return a * b; }
+static inline v16 max16(v16 a, v16 b) { return a > b ? a : b; }   // per lane (a NaN gives b)
 
 // a·b + c rounded once (fused multiply-add: exact on every target, in hardware where it exists;
 // the scalar build calls fmaf, slower but the same bits).
@@ -89,8 +95,21 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 // added at each level, four sums side by side in one register on the 16-lane targets.
 static inline void tree_sum4(v16 acc0, v16 acc1, v16 acc2, v16 acc3, float out[4]) {
 #if ISA_LEVEL == 1
-  out[0] = tree_sum(acc0); out[1] = tree_sum(acc1);
-  out[2] = tree_sum(acc2); out[3] = tree_sum(acc3);
+  // the same pairs on 8-lane halves: fold16 (l + l+8), then lanes l + l+4 of two sums side by
+  // side ([b0 | b1], [b2 | b3]), then (0 + 2, 1 + 3) of all four, then the last pair (IEEE
+  // addition commutes exactly, so c1 + c0 is c0 + c1's bits)
+  const __m256 a0 = (__m256)fold16(acc0), a1 = (__m256)fold16(acc1);
+  const __m256 a2 = (__m256)fold16(acc2), a3 = (__m256)fold16(acc3);
+  const __m256 b01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
+                                   _mm256_permute2f128_ps(a0, a1, 0x31));        // 8 → 4 each
+  const __m256 b23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
+                                   _mm256_permute2f128_ps(a2, a3, 0x31));
+  const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(b01, b23, 0x44),
+                                 _mm256_shuffle_ps(b01, b23, 0xee));  // [c0 c1 of 0, of 2 | 1, 3]
+  const __m256 r = _mm256_add_ps(c, _mm256_shuffle_ps(c, c, 0xb1));     // lanes 0, 4, 2, 6
+  const __m128 r4 = _mm256_castps256_ps128(
+      _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 2, 6, 0, 0, 0, 0)));
+  _mm_storeu_ps(out, r4);
 #else
   const v16 a01 = __builtin_shufflevector(acc0, acc1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
                                           20, 21, 22, 23) +
@@ -317,16 +336,16 @@ static inline void key_scores(const AttnArgs& a, int64_t q0, const uint8_t* key,
       const v16 kv = kv_load16<KT>(key, i);
       for (int r = 0; r < R; ++r) acc[r] = fma16(load16(a.q + (q0 + r) * a.q_s + i), kv, acc[r]);
     }
-    for (int r = 0; r < R; ++r) {
-      if (i < a.hd) {                              // the tail: lane l takes element i + l
-        float t[LANES];
-        store16(t, acc[r]);
-        for (int64_t e = i, l = 0; e < a.hd; ++e, ++l)
-          t[l] = std::fma(a.q[(q0 + r) * a.q_s + e], kv_load1<KT>(key, e), t[l]);
-        acc[r] = load16(t);
-      }
-      out[r] = tree_sum(acc[r]);
+    for (int r = 0; r < R && i < a.hd; ++r) {     // the tail: lane l takes element i + l
+      float t[LANES];
+      store16(t, acc[r]);
+      for (int64_t e = i, l = 0; e < a.hd; ++e, ++l)
+        t[l] = std::fma(a.q[(q0 + r) * a.q_s + e], kv_load1<KT>(key, e), t[l]);
+      acc[r] = load16(t);
     }
+    if constexpr (R == 4) tree_sum4(acc[0], acc[1], acc[2], acc[3], out);
+    else
+      for (int r = 0; r < R; ++r) out[r] = tree_sum(acc[r]);
   }
 }
 
@@ -372,6 +391,31 @@ static inline void prefetch_rows(const uint8_t* base, int64_t stride, const int3
       _mm_prefetch(reinterpret_cast<const char*>(base + idx[j] * stride + c), _MM_HINT_T0);
 }
 
+// s_j ← s_j·scale (soft-capped: c·tanh(s_j·scale / c)) for j < n; returns max_j s_j (a NaN
+// score is never the maximum). The maximum is exact in any order, so 16 lanes take it.
+static inline float scaled_max(float* s, int64_t n, float scale, float softcap) {
+  float mx = -INFINITY;
+  int64_t j = 0;
+  if (softcap == 0.f) {
+    v16 m16 = splat16(-INFINITY);
+    for (; j + LANES <= n; j += LANES) {
+      const v16 x = mul16(load16(s + j), splat16(scale));
+      store16(s + j, x);
+      m16 = max16(x, m16);
+    }
+    float t[LANES];
+    store16(t, m16);
+    for (int l = 0; l < LANES; ++l) mx = t[l] > mx ? t[l] : mx;
+  }
+  for (; j < n; ++j) {
+    float x = s[j] * scale;
+    if (softcap != 0.f) x = softcap * std::tanh(x / softcap);
+    s[j] = x;
+    mx = x > mx ? x : mx;
+  }
+  return mx;
+}
+
 // One tile's partial (m, l, o) for query heads q0..q0+R−1 into part + r·(dv + 2).
 template <int KT, int R>
 static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t n, float* sc,
@@ -384,22 +428,17 @@ static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t
   const int64_t stride = a.dv + 2;
   for (int r = 0; r < R; ++r) {
     float* s = sc + r * ATTN_TILE;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      float x = s[j] * a.scale;
-      if (a.softcap != 0.f) x = a.softcap * std::tanh(x / a.softcap);
-      s[j] = x;
-      mx = x > mx ? x : mx;
-    }
+    const float mx = scaled_max(s, n, a.scale, a.softcap);
     int64_t j = 0;
     for (; j + LANES <= n; j += LANES)
       store16(s + j, exp_nonpositive(sub16(load16(s + j), splat16(mx))));
     for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
-    float l = 0.f;
-    for (j = 0; j < n; ++j) l += s[j];
     part[r * stride] = mx;
-    part[r * stride + 1] = l;
   }
+  float l[R] = {};                                 // l_r = Σ_j p_r,j in j order: R chains
+  for (int64_t j = 0; j < n; ++j)                  // side by side
+    for (int r = 0; r < R; ++r) l[r] += sc[r * ATTN_TILE + j];
+  for (int r = 0; r < R; ++r) part[r * stride + 1] = l[r];
   value_sums<KT, R>(a, idx, n, sc, part + 2, stride);
 }
 
