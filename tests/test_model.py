@@ -239,6 +239,15 @@ def test_fused_output_cross_entropy_equals_autograd(autocast):
     a = linear_cross_entropy(h, w, t, chunk_size=3)
     b = F.cross_entropy(h @ w.t(), t)
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    # ignored targets (a chat prompt's), rows past their count included: every chunk is scored
+    t[:6] = -100
+    a = linear_cross_entropy(h, w, t, chunk_size=3)
+    a.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    b = F.cross_entropy(h2 @ w2.t(), t)
+    b.backward()
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    assert torch.allclose(h.grad, h2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         linear_cross_entropy(h, w[:, :4], t)
 

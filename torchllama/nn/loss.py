@@ -31,8 +31,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 chunk_size: int, want_grads: bool, softcap: float | None) -> torch.Tensor:
         # Targets equal to IGNORE_INDEX (prompt tokens of chat data) add nothing to the loss
-        # nor to the gradients; the mean is over the others.
-        N = int((targets != IGNORE_INDEX).sum())
+        # nor to the gradients; the mean is over the others: n of them, kept on the device (a
+        # Python count would wait for the device and break a compiled graph).
+        n = (targets != IGNORE_INDEX).sum().clamp(min=1).float()               # () fp32
         want_grad_w = want_grads and weight.requires_grad
         # Matmuls in the autocast dtype when autocast is on (as nn.Linear would), else W's.
         dtype = (torch.get_autocast_dtype(h.device.type)
@@ -43,7 +44,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape if want_grad_w else (0,), dtype=torch.float32,
                                  device=h.device)                        # (V, D) or none
             loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-            for start in range(0, N, chunk_size):
+            for start in range(0, h.shape[0], chunk_size):                  # every row
                 hc = h[start:start + chunk_size].to(dtype)               # (n, D)
                 yc = targets[start:start + chunk_size]                   # (n,)
                 keep = yc != IGNORE_INDEX                                # (n,) bool
@@ -66,15 +67,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_h[start:start + chunk_size] = g @ w                 # (n, D)
                 if want_grad_w:
                     grad_w += (g.t() @ hc).float()                       # (V, D)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.n = max(N, 1)
+        ctx.save_for_backward(grad_h, grad_w, n)
         ctx.want_grad_w = want_grad_w
-        return loss_sum / ctx.n
+        return loss_sum / n
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        scale = grad_loss / ctx.n                                        # d loss / d loss_sum
+        grad_h, grad_w, n = ctx.saved_tensors
+        scale = grad_loss / n                                            # d loss / d loss_sum
         grad_weight = (grad_w * scale).to(grad_w.dtype) if ctx.want_grad_w else None
         return grad_h * scale.to(grad_h.dtype), grad_weight, None, None, None, None
 
