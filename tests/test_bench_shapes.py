@@ -166,7 +166,7 @@ def test_other_tiny_types_match_transformers(qtype):
 
 
 @pytest.mark.slow
-def test_bench_shapes_with_llama_cpp(tmp_path):
+def test_bench_shapes_with_llama_cpp(tmp_path, capsys):
     pytest.importorskip("llama_cpp")
     out = tmp_path / "r.json"
     assert main(["bench", "shapes", "--shape", "tiny", "--type", "q4_k_m", "--peer",
@@ -174,8 +174,12 @@ def test_bench_shapes_with_llama_cpp(tmp_path):
                  "--runs", "1", "--new-tokens", "4", "--threads", "1", "--json",
                  str(out)]) == 0
     engines = json.loads(out.read_text())["results"][0]["engines"]
-    peer = engines["llama.cpp"]
-    assert "error" not in peer, peer
+    peer, ours = engines["llama.cpp"], engines["torchllama"]
+    assert "error" not in peer and "error" not in ours, engines
+    # each engine's load in a process of its own; the rates of both from one process, split
     assert set(peer["settings"]) == {"llama.cpp fa=on", "llama.cpp fa=off"}
-    for figures in peer["settings"].values():
+    assert set(ours["settings"]) == {"torchllama"}
+    for figures in [*peer["settings"].values(), *ours["settings"].values()]:
         assert min(figures["prefill"]["16"]) > 0 and min(figures["decode"]["b2@40"]) > 0
+    assert peer["load_s"] > 0 and ours["load_s"] > 0 and ours["rss_load_gb"] > 0.05
+    assert "runs interleaved" in capsys.readouterr().out

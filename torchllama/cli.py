@@ -377,8 +377,9 @@ def bench_shapes(shape: Optional[list[str]] = None, type: Optional[list[str]] = 
                  threads: int = 2, peer: str = "llama.cpp", runs: int = 3, new_tokens: int = 32,
                  json: Optional[str] = None) -> int:
     """Prefill, decode, load time and peak RSS at real sizes: random-weight GGUFs of Llama
-    shapes (written once into $TORCHLLAMA_CACHE/shapes, SmolLM2's tokenizer), each engine in a
-    process of its own, llama.cpp with flash attention on and off (the faster shown).
+    shapes (written once into $TORCHLLAMA_CACHE/shapes, SmolLM2's tokenizer), each engine
+    loading in a process of its own, then both in one process with their runs interleaved,
+    llama.cpp with flash attention on and off (the faster shown).
 
     Args:
         shape: 1b (Llama 3.2 1B), 3b (Llama 3.2 3B), 7b (Llama 2 7B), 8b (Llama 3.1 8B) or tiny;

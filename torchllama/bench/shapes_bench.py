@@ -1,8 +1,12 @@
 """`torchllama bench shapes`: throughput, load time and peak memory at real model sizes, on the
 random-weight GGUFs of `torchllama.bench.shapes`, ours side by side with llama.cpp.
 
-Each engine runs in a process of its own per model (`python -m torchllama.bench.shapes_bench`),
-so its load time and peak RSS are its own:
+Each engine loads the file in a process of its own (`python -m torchllama.bench.shapes_bench`),
+so its load time and peak RSS are its own; the throughput figures are then taken in one more
+process that holds both engines, their runs interleaved (ours, llama.cpp with flash attention
+on, off, ours, …): the shared machine's memory bandwidth drifts by ±20–40% within minutes, and
+only runs side by side in time give ratios that hold (without a peer, ours are taken in the
+process that loaded it):
 
 - load: seconds from the call that loads the file (ours: `torchllama.load(path)`, the default
   path; llama.cpp: `llama_model_load_from_file`, memory-mapped) to the end of the first forward
@@ -17,9 +21,7 @@ The loops are `torchllama.bench.decode`'s (ours: `ours_runs`, `OursDecodeRun`) a
 `torchllama.bench.peer`'s (llama.cpp: `PrefillRun`, `DecodeRun`), on the same token ids with the
 same threads. llama.cpp runs with flash attention on and off, interleaved; the table shows the
 faster of each figure (`bench.decode._fastest_setting`) and the verbose table both. Each figure
-is the best of `runs` runs, each after a pause (`timing.PAUSE_S`), after one warm-up run: a
-process of its own cannot interleave with the other engine, so the best is the figure least
-hurt by the shared machine's noise.
+is the best of `runs` runs, each after a pause (`timing.PAUSE_S`), after one warm-up run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,6 +55,7 @@ class ShapesConfig:
         threads: threads of both engines.
         runs: timed runs per figure (after one warm-up; the best is shown).
         new_tokens: greedy steps per decode run.
+        load_only: a child process's load figures alone (the rates come from another).
     """
 
     prefill: tuple[int, ...] = (128, 512, 2048)
@@ -61,6 +64,7 @@ class ShapesConfig:
     threads: int = 2
     runs: int = 3
     new_tokens: int = 32
+    load_only: bool = False
 
     def decode_figures(self) -> list[tuple[int, int]]:
         """(batch, context) of every decode figure, batch 1 first."""
@@ -142,9 +146,9 @@ def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> d
     return out
 
 
-def child_torchllama(path: str, cfg: ShapesConfig) -> dict:
-    """Our figures on `path`: load (`torchllama.load(path)`, defaults) to the first forward,
-    peak RSS, then `measure_figures` with bench.decode's loops."""
+def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, float, float]:
+    """(model, its EngineRuns, load seconds, peak RSS GB then): `torchllama.load(path)` (the
+    defaults) to the end of the first forward, then bench.decode's loops."""
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -158,30 +162,18 @@ def child_torchllama(path: str, cfg: ShapesConfig) -> dict:
         model.setup_caches(1, 8)
         prefill(model, torch.tensor([[100]]), 0)                      # (1, 1) → (1, V)
     load_s, rss = time.perf_counter() - t0, peak_rss_gb()
-    print(f"torchllama: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     model.use_caches(None)
-
-    def run_prefill(_, ids):
-        return ours_runs(model, torch.tensor([ids]), cfg.new_tokens)[0]
-
-    def run_decode(_, prompts):
-        return OursDecodeRun(model, torch.tensor(prompts), cfg.new_tokens)
-
-    def release(_):
-        model.use_caches(None)
-
-    figures = measure_figures(EngineRuns({"torchllama": None}, run_prefill, run_decode,
-                                         release), cfg, model.args.vocab_size)
-    from torchllama.kernels import isa
-
-    return {"engine": "torchllama", "version": f"torch {torch.__version__}, kernels {isa()}",
-            "load_s": load_s, "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(),
-            "settings": figures}
+    engine = EngineRuns(
+        {"torchllama": None},
+        lambda _, ids: ours_runs(model, torch.tensor([ids]), cfg.new_tokens)[0],
+        lambda _, prompts: OursDecodeRun(model, torch.tensor(prompts), cfg.new_tokens),
+        lambda _: model.use_caches(None))
+    return model, engine, load_s, rss
 
 
-def child_llama_cpp(path: str, cfg: ShapesConfig) -> dict:
-    """llama.cpp's figures on `path` (llama-cpp-python, `bench.peer`): load to the first
-    forward, peak RSS, then `measure_figures` with flash attention on and off."""
+def load_llama_cpp(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, float, float]:
+    """(model, its EngineRuns: flash attention on and off, load seconds, peak RSS GB then):
+    llama-cpp-python (`bench.peer`) to the end of the first forward. `model.close()` frees it."""
     from torchllama.bench import peer
 
     t0 = time.perf_counter()
@@ -189,28 +181,75 @@ def child_llama_cpp(path: str, cfg: ShapesConfig) -> dict:
     first = peer.PrefillRun(model, [100], True)
     first()
     load_s, rss = time.perf_counter() - t0, peak_rss_gb()
-    print(f"llama.cpp: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    model.free(first.ctx)
+    engine = EngineRuns(
+        {"llama.cpp fa=on": True, "llama.cpp fa=off": False},
+        lambda fa, ids: peer.PrefillRun(model, ids, fa),
+        lambda fa, prompts: peer.DecodeRun(model, prompts, cfg.new_tokens, fa),
+        lambda run: model.free(run.ctx))
+    return model, engine, load_s, rss
+
+
+def _versions(engine: str) -> str:
+    import torch
+
+    from torchllama.bench import peer
+    from torchllama.kernels import isa
+
+    return (f"torch {torch.__version__}, kernels {isa()}" if engine == "torchllama"
+            else peer.peer_version())
+
+
+def child_engine(engine: str, path: str, cfg: ShapesConfig) -> dict:
+    """One engine's load figures on `path` and, unless `cfg.load_only`, its throughput figures
+    (`measure_figures`) in the same process."""
+    model, runs, load_s, rss = (load_torchllama if engine == "torchllama" else
+                                load_llama_cpp)(path, cfg)
+    print(f"{engine}: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     try:
-        model.free(first.ctx)
-        engine = EngineRuns(
-            {"llama.cpp fa=on": True, "llama.cpp fa=off": False},
-            lambda fa, ids: peer.PrefillRun(model, ids, fa),
-            lambda fa, prompts: peer.DecodeRun(model, prompts, cfg.new_tokens, fa),
-            lambda run: model.free(run.ctx))
-        figures = measure_figures(engine, cfg, model.n_vocab)
+        vocab = model.args.vocab_size if engine == "torchllama" else model.n_vocab
+        figures = {} if cfg.load_only else measure_figures(runs, cfg, vocab)
     finally:
-        model.close()
-    return {"engine": "llama.cpp", "version": peer.peer_version(), "load_s": load_s,
+        if engine != "torchllama":
+            model.close()
+    return {"engine": engine, "version": _versions(engine), "load_s": load_s,
             "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(), "settings": figures}
+
+
+def child_both(path: str, cfg: ShapesConfig) -> dict:
+    """Both engines' throughput figures on `path` in this one process, every setting's runs
+    interleaved (ours, llama.cpp fa=on, fa=off, ours, …): {"settings": {name: figures}}."""
+    ours, ours_runs, _, _ = load_torchllama(path, cfg)
+    peer, peer_runs, _, _ = load_llama_cpp(path, cfg)
+    owner: dict[int, EngineRuns] = {}                 # id(run) → the engine that made it
+
+    def make(kind: str):
+        def run_of(setting, arg):
+            engine, option = setting
+            run = getattr(engine, kind)(option, arg)
+            owner[id(run)] = engine
+            return run
+        return run_of
+
+    settings = {name: (ours_runs, opt) for name, opt in ours_runs.settings.items()}
+    settings.update({name: (peer_runs, opt) for name, opt in peer_runs.settings.items()})
+    both = EngineRuns(settings, make("prefill"), make("decode"),
+                      lambda run: owner.pop(id(run)).release(run))
+    try:
+        figures = measure_figures(both, cfg, ours.args.vocab_size)
+    finally:
+        peer.close()
+    return {"engine": "both", "settings": figures}
 
 
 def child_main(argv: list[str]) -> int:
     """`python -m torchllama.bench.shapes_bench ENGINE GGUF CONFIG_JSON OUT_JSON`: measure one
-    engine on one file and write its result (JSON) to OUT_JSON."""
+    engine (torchllama, llama.cpp) or both side by side (both) on one file and write its result
+    (JSON) to OUT_JSON."""
     engine, path, config, out = argv
     cfg = ShapesConfig(**{k: tuple(v) if isinstance(v, list) else v
                           for k, v in json.loads(config).items()})
-    result = (child_torchllama if engine == "torchllama" else child_llama_cpp)(path, cfg)
+    result = child_both(path, cfg) if engine == "both" else child_engine(engine, path, cfg)
     Path(out).write_text(json.dumps(result))
     return 0
 
@@ -336,10 +375,12 @@ def _header(cfg: ShapesConfig, peer: str) -> list[str]:
                      "faster; both in the verbose table)")
     lines.append("random weights, SmolLM2's tokenizer: vocabulary 49152 (Llama 3: 128256, "
                  "Llama 2: 32000)")
-    lines.append(f"best of {cfg.runs} runs after a warm-up, each engine in its own process; "
-                 f"decode: {cfg.new_tokens} greedy steps ending at the context; load: "
-                 "load() to the end of the first forward, peak RSS then; cells: ours / "
-                 "llama.cpp / ours ÷ llama.cpp")
+    where = ("both engines in one process, their runs interleaved" if peer == "llama.cpp"
+             else "in one process")
+    lines.append(f"best of {cfg.runs} runs after a warm-up, {where}; decode: "
+                 f"{cfg.new_tokens} greedy steps ending at the context; load: load() to the "
+                 "end of the first forward in a process of its own, peak RSS then; cells: ours "
+                 "/ llama.cpp / ours ÷ llama.cpp")
     return lines
 
 
@@ -376,16 +417,36 @@ def run_shapes_bench(shapes: list[str], types: list[str], cfg: ShapesConfig,
     for shape, qtype in todo:
         path = shape_files.ensure_shape_file(shape, qtype, progress=progress)
         label = f"{shape.name.upper()} {qtype.upper()} ({shape.model})"
-        result = ModelResult(shape.name, qtype, label, str(path))
-        for engine in ("torchllama",) + (("llama.cpp",) if peer == "llama.cpp" else ()):
-            print_fn(f"{label}: {engine} …")
-            result.engines[engine] = run_engine(engine, path, cfg, print_fn)
-        results.append(result)
+        results.append(measure_file(label, shape.name, qtype, path, cfg, peer, print_fn))
     for line in ["", *markdown_table(results, cfg), "", *verbose_table(results, cfg)]:
         print_fn(line)
     if json_path is not None:
         _write_json(Path(json_path), results, cfg, _header(cfg, peer))
     return results
+
+
+def measure_file(label: str, shape: str, qtype: str, path: Path, cfg: ShapesConfig, peer: str,
+                 print_fn: Callable[[str], None]) -> ModelResult:
+    """Both engines' results on one file: with the peer, each engine's load figures in a
+    process of its own, then the throughput figures of both in one process (`child_both`), split
+    back by engine; without it, ours in one process."""
+    result = ModelResult(shape, qtype, label, str(path))
+    if peer != "llama.cpp":
+        print_fn(f"{label}: torchllama …")
+        result.engines["torchllama"] = run_engine("torchllama", path, cfg, print_fn)
+        return result
+    for engine in ENGINES:
+        print_fn(f"{label}: {engine}, load …")
+        result.engines[engine] = run_engine(engine, path, replace(cfg, load_only=True), print_fn)
+    print_fn(f"{label}: both engines, runs interleaved …")
+    both = run_engine("both", path, cfg, print_fn)
+    for engine, res in result.engines.items():
+        if "error" in both and "error" not in res:
+            res["error"] = f"side-by-side runs: {both['error']}"
+        elif "error" not in res:
+            res["settings"] = {name: figures for name, figures in both["settings"].items()
+                               if name.split(" ")[0] == engine}
+    return result
 
 
 def _check_args(cfg: ShapesConfig, peer: str, json_path: Optional[str], shapes: list) -> None:
