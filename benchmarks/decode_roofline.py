@@ -54,9 +54,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = ShapesConfig(threads=args.threads, new_tokens=32)
-    ours, ours_runs, _, _ = load_torchllama(args.path, cfg)
-    peer, peer_runs, _, _ = load_llama_cpp(args.path, cfg)
-    prompts = _prompt_ids(ours.args.vocab_size, 480, 1).tolist()
+    ours_runs, _, _ = load_torchllama(args.path, cfg)
+    peer_runs, _, _ = load_llama_cpp(args.path, cfg)
+    prompts = _prompt_ids(ours_runs.vocab_size, 480, 1).tolist()
     runs = {"torchllama": ours_runs.decode(None, prompts),
             "llama.cpp fa=off": peer_runs.decode(False, prompts)}
     x = torch.ones(256 * 2**20)                                   # 1 GiB float32
@@ -69,7 +69,7 @@ def main() -> None:
             time.sleep(0.3)
             tokens, seconds = run()
             rates[name].append(tokens / seconds)
-    peer.close()
+    peer_runs.close()
     per_token, bw = bytes_per_token(args.path), max(rates["sum"])
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; "
           f"{args.path}: {per_token / 1e6:.0f} MB read per token; torch.sum {bw:.1f} GB/s "

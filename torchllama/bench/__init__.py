@@ -3,8 +3,9 @@
 `torchllama bench decode | shapes | serve | load | speculative | train`, one module each:
 
     decode         prefill, decode and batched-decode throughput (ours, transformers, llama.cpp)
-    shapes_bench   the same at real sizes (1B-8B), plus load time and peak RSS, each engine in
-                   its own process, on the random-weight GGUFs `shapes` writes
+    shapes_bench   the same at real sizes (1B-8B), plus load time and peak RSS (each engine
+                   loading in its own process, both then in one, runs interleaved), on the
+                   random-weight GGUFs `shapes` writes
     serve          the server's throughput at 1, 4 and 8 concurrent requests; serve_in_thread
     load           the serving load test (many clients, prefix cache, structured-output cost)
     speculative    greedy decode plain, drafted by a draft model and by prompt lookup

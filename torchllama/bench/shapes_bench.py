@@ -101,7 +101,7 @@ def split_names(values: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# One engine, in its own process
+# The engines' runs, in the child processes
 # ---------------------------------------------------------------------------------------------
 
 def peak_rss_gb() -> float:
@@ -114,15 +114,18 @@ def peak_rss_gb() -> float:
 @dataclass
 class EngineRuns:
     """How one engine makes its runs: settings (name → option), `prefill(option, ids)` and
-    `decode(option, rows of ids)` give run closures, `release(run)` frees what one holds."""
+    `decode(option, rows of ids)` give run closures, `release(run)` frees what one holds;
+    vocab_size: its token ids' range; close(): frees the engine's model."""
 
     settings: dict[str, object]
     prefill: Callable
     decode: Callable
     release: Callable = lambda run: None
+    vocab_size: int = 0
+    close: Callable = lambda: None
 
 
-def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> dict:
+def measure_figures(engine: EngineRuns, cfg: ShapesConfig) -> dict:
     """{setting: {"prefill": {T: [tok/s…]}, "decode": {"b1@512": [tok/s…]}}} of every figure
     of `cfg`, the settings interleaved figure by figure."""
     from torchllama.bench.decode import _prompt_ids
@@ -132,10 +135,10 @@ def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> d
         ("decode", decode_key(b, c), c, b) for b, c in cfg.decode_figures()]
     for kind, key, length, batch in figures:
         if kind == "prefill":
-            ids = _prompt_ids(vocab_size, length)[0].tolist()
+            ids = _prompt_ids(engine.vocab_size, length)[0].tolist()
             runs = {name: engine.prefill(opt, ids) for name, opt in engine.settings.items()}
         else:
-            prompts = _prompt_ids(vocab_size, length - cfg.new_tokens, batch).tolist()
+            prompts = _prompt_ids(engine.vocab_size, length - cfg.new_tokens, batch).tolist()
             runs = {name: engine.decode(opt, prompts) for name, opt in engine.settings.items()}
         for name, rates in interleaved_rates(runs, cfg.runs).items():
             out[name][kind][key] = rates
@@ -146,9 +149,9 @@ def measure_figures(engine: EngineRuns, cfg: ShapesConfig, vocab_size: int) -> d
     return out
 
 
-def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, float, float]:
-    """(model, its EngineRuns, load seconds, peak RSS GB then): `torchllama.load(path)` (the
-    defaults) to the end of the first forward, then bench.decode's loops."""
+def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[EngineRuns, float, float]:
+    """(its EngineRuns, load seconds, peak RSS GB then): `torchllama.load(path)` (the defaults)
+    to the end of the first forward, then bench.decode's loops."""
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -167,13 +170,14 @@ def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, f
         {"torchllama": None},
         lambda _, ids: ours_runs(model, torch.tensor([ids]), cfg.new_tokens)[0],
         lambda _, prompts: OursDecodeRun(model, torch.tensor(prompts), cfg.new_tokens),
-        lambda _: model.use_caches(None))
-    return model, engine, load_s, rss
+        lambda _: model.use_caches(None), model.args.vocab_size)
+    return engine, load_s, rss
 
 
-def load_llama_cpp(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, float, float]:
-    """(model, its EngineRuns: flash attention on and off, load seconds, peak RSS GB then):
-    llama-cpp-python (`bench.peer`) to the end of the first forward. `model.close()` frees it."""
+def load_llama_cpp(path: str, cfg: ShapesConfig) -> tuple[EngineRuns, float, float]:
+    """(its EngineRuns: flash attention on and off, load seconds, peak RSS GB then):
+    llama-cpp-python (`bench.peer`) to the end of the first forward; its `close()` frees the
+    model."""
     from torchllama.bench import peer
 
     t0 = time.perf_counter()
@@ -186,8 +190,8 @@ def load_llama_cpp(path: str, cfg: ShapesConfig) -> tuple[object, EngineRuns, fl
         {"llama.cpp fa=on": True, "llama.cpp fa=off": False},
         lambda fa, ids: peer.PrefillRun(model, ids, fa),
         lambda fa, prompts: peer.DecodeRun(model, prompts, cfg.new_tokens, fa),
-        lambda run: model.free(run.ctx))
-    return model, engine, load_s, rss
+        lambda run: model.free(run.ctx), model.n_vocab, model.close)
+    return engine, load_s, rss
 
 
 def _versions(engine: str) -> str:
@@ -203,15 +207,13 @@ def _versions(engine: str) -> str:
 def child_engine(engine: str, path: str, cfg: ShapesConfig) -> dict:
     """One engine's load figures on `path` and, unless `cfg.load_only`, its throughput figures
     (`measure_figures`) in the same process."""
-    model, runs, load_s, rss = (load_torchllama if engine == "torchllama" else
-                                load_llama_cpp)(path, cfg)
+    runs, load_s, rss = (load_torchllama if engine == "torchllama" else
+                         load_llama_cpp)(path, cfg)
     print(f"{engine}: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     try:
-        vocab = model.args.vocab_size if engine == "torchllama" else model.n_vocab
-        figures = {} if cfg.load_only else measure_figures(runs, cfg, vocab)
+        figures = {} if cfg.load_only else measure_figures(runs, cfg)
     finally:
-        if engine != "torchllama":
-            model.close()
+        runs.close()
     return {"engine": engine, "version": _versions(engine), "load_s": load_s,
             "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(), "settings": figures}
 
@@ -219,8 +221,8 @@ def child_engine(engine: str, path: str, cfg: ShapesConfig) -> dict:
 def child_both(path: str, cfg: ShapesConfig) -> dict:
     """Both engines' throughput figures on `path` in this one process, every setting's runs
     interleaved (ours, llama.cpp fa=on, fa=off, ours, …): {"settings": {name: figures}}."""
-    ours, ours_runs, _, _ = load_torchllama(path, cfg)
-    peer, peer_runs, _, _ = load_llama_cpp(path, cfg)
+    ours_runs, _, _ = load_torchllama(path, cfg)
+    peer_runs, _, _ = load_llama_cpp(path, cfg)
     owner: dict[int, EngineRuns] = {}                 # id(run) → the engine that made it
 
     def make(kind: str):
@@ -234,11 +236,11 @@ def child_both(path: str, cfg: ShapesConfig) -> dict:
     settings = {name: (ours_runs, opt) for name, opt in ours_runs.settings.items()}
     settings.update({name: (peer_runs, opt) for name, opt in peer_runs.settings.items()})
     both = EngineRuns(settings, make("prefill"), make("decode"),
-                      lambda run: owner.pop(id(run)).release(run))
+                      lambda run: owner.pop(id(run)).release(run), ours_runs.vocab_size)
     try:
-        figures = measure_figures(both, cfg, ours.args.vocab_size)
+        figures = measure_figures(both, cfg)
     finally:
-        peer.close()
+        peer_runs.close()
     return {"engine": "both", "settings": figures}
 
 
