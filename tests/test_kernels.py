@@ -76,6 +76,29 @@ def test_blocks_read_exactly_what_gguf_dequantizes(typ):
 
 
 @pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
+def test_loader_conversion_on_the_kernels_is_numpys_bit_for_bit(typ, monkeypatch):
+    """`convert_blocks` on gguf_blocks.cpp writes every array (codes, d, m and the K-quants'
+    factors) as the numpy functions do, and counts the same non-finite scales (inf, NaN in d,
+    and in Q4_K's dmin)."""
+    from torchllama.checkpoint import gguf as loader
+
+    raw = random_blocks(typ, 24, 512, seed=3)
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    blocks = raw.reshape(24, -1, size)
+    at = {Q.Q6_K: size - 2, Q.Q4_K: 2}.get(typ, 0)                     # d (Q4_K: dmin)
+    for row, value in ((5, np.inf), (9, np.nan), (17, -np.inf)):
+        blocks[row, 1, at:at + 2] = np.array([value], np.float16).view(np.uint8)
+    b = raw.view(loader._BLOCKS[typ])                                   # (rows, blocks)
+    ours = loader._empty_blocks(typ, 24, 512)
+    n = loader.convert_blocks(b, typ, ours)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    numpys = loader._empty_blocks(typ, 24, 512)
+    assert n == loader.convert_blocks(b, typ, numpys) > 0
+    for x, y in zip(ours, numpys):
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
 def test_kernel_equals_float64_matmul_within_activation_rounding(typ):
     N, K = 40, 768
     raw = random_blocks(typ, N, K, seed=3)

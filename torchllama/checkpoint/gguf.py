@@ -186,7 +186,8 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if magic != b"GGUF":
         raise ModelFileError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
     try:
-        return _Reader(path, "r")
+        return _Reader(path, "c")     # copy-on-write: writable views (torch.from_numpy)
+        # of the file's pages, which nothing writes; the file itself is never changed
     except _TensorInfoError as e:
         raise ModelFileError(f"{path}: truncated or corrupt GGUF file: tensor {e.name!r}: {e}"
                              ) from e
@@ -800,15 +801,31 @@ def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
     except ValueError as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
     out = _empty_blocks(typ, rows, K) if out is None else out
-    with np.errstate(all="ignore"):                  # a damaged scale: reported below
-        for r in range(0, rows, _ROWS_PER_CHUNK):
-            _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
-    scales = out[1:3] if typ in _Q4_TYPES else out[1:2]                   # d (and m)
-    if not all(np.isfinite(x).all() for x in scales):
-        n = sum(int(np.count_nonzero(~np.isfinite(x))) for x in scales)
+    n = convert_blocks(b, typ, out)
+    if n:
         raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
                              "scale(s) that are not finite numbers: the file is damaged")
     return _blocks_of(typ, out)
+
+
+def convert_blocks(b: np.ndarray, typ, out: list[np.ndarray]) -> int:
+    """A matrix's blocks (b: (rows, blocks) of the type's block dtype, e.g. a view of the file
+    mapping) converted into `out` (`_empty_blocks` of its type and shape); returns the count of
+    block scales (d, and m for the Q4 types) that are not finite. On torchllama's kernels
+    (`torch.ops.torchllama.gguf_blocks`, kernels/csrc/gguf_blocks.cpp: one pass over the bytes)
+    where they are available, else by numpy (`_convert_rows`, `_ROWS_PER_CHUNK` rows at a time):
+    the same bits."""
+    from torchllama import kernels
+
+    if kernels.available() and b.flags.c_contiguous and b.flags.writeable:
+        raw = torch.from_numpy(b.view(np.uint8).reshape(b.shape[0], -1))     # (rows, bytes)
+        return int(torch.ops.torchllama.gguf_blocks(raw, int(typ),
+                                                    [torch.from_numpy(x) for x in out]))
+    with np.errstate(all="ignore"):                  # a damaged scale: counted below
+        for r in range(0, b.shape[0], _ROWS_PER_CHUNK):
+            _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
+    scales = out[1:3] if typ in _Q4_TYPES else out[1:2]                   # d (and m)
+    return sum(int(np.count_nonzero(~np.isfinite(x))) for x in scales)
 
 
 def _quantized(t: Any, quant, source: str, no_kernel: set):

@@ -19,6 +19,9 @@ Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float3
     (weights in the packed layout: csrc/blocks_impl.h; transforms.quantize packs them)
     torch.ops.torchllama.pack_six(codes (N, K) int8 in [−32, 31]) → (N/8, K/32, 192): the
         6-bit packed codes in one pass (transforms.quantize.pack_six is the readable form)
+    torch.ops.torchllama.gguf_blocks(raw (rows, bytes) uint8, GGML type, out arrays) → the count
+        of non-finite block scales: a GGUF matrix's blocks from the file's bytes into the
+        loader's arrays in place (checkpoint.gguf.convert_blocks; its numpy form the reference)
     torch.ops.torchllama.quantize_act(x) → (q (M, K) int8, d (M, K/32) f32, s (M, K/32) f32)
 and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.rms_norm(x (..., D), w (D,), eps, unit_offset) → (..., D)
@@ -53,9 +56,11 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 #: kernels.h: the table and the CPU features; dispatch.cpp: the CPU scored once, the table built;
 #: arch/*.cpp: one table per instruction set (the *_impl.h SIMD code compiled for it);
-#: blocks.cpp, layers.cpp, decoder.cpp: the ATen glue and the ops (ops.h).
+#: blocks.cpp, layers.cpp, decoder.cpp: the ATen glue and the ops (ops.h); gguf_blocks.cpp: the
+#: GGUF loader's conversion of a matrix's blocks.
 ARCH = ("arch/scalar.cpp", "arch/avx2.cpp", "arch/avx512.cpp", "arch/avx512_vnni.cpp")
-COMPILED = ("dispatch.cpp",) + ARCH + ("blocks.cpp", "layers.cpp", "decoder.cpp")
+COMPILED = ("dispatch.cpp",) + ARCH + ("blocks.cpp", "layers.cpp", "decoder.cpp",
+                                      "gguf_blocks.cpp")
 SOURCES = ("kernels.h", "ops.h", "blocks_impl.h", "layers_impl.h", "linear_impl.h") + COMPILED
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
