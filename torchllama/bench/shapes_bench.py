@@ -158,7 +158,9 @@ def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[EngineRuns, float, fl
     from torchllama.bench.decode import OursDecodeRun, ours_runs
     from torchllama.checkpoint import load
     from torchllama.generation.steps import prefill
+    from torchllama import kernels
 
+    kernels.available()             # built (or found built) first: a build is not load time
     t0 = time.perf_counter()
     model, _ = load(path, progress=False)
     with torch.inference_mode():

@@ -243,6 +243,31 @@ def _release_file_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
     file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
+def _libc_malloc_trim():
+    """glibc's `malloc_trim`, or None (another C library, or none found)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def _release_freed_heap() -> None:
+    """Hand the pages of freed heap memory back to the system (glibc `malloc_trim(0)`: every
+    arena, every run of whole free pages; malloc_trim(3)). A conversion's temporary arrays
+    (each tensor's blocks before packing) are freed into the allocator's free lists, and glibc
+    keeps memory below its mmap threshold, which rises to 32 MB after the first large block is
+    freed: without this, a 1B model's load peaked ~170 MB higher (1.35 vs 1.18 GB), above
+    llama.cpp's. A no-op elsewhere."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 # Tensor types we dequantize (with gguf.quants.dequantize) and test: every type gguf 0.19 can
 # dequantize (not Q8_1, Q8_K, Q1_0, the integer types or F64).
 SUPPORTED_TYPES = frozenset(
@@ -542,6 +567,7 @@ class _Job:
             if isinstance(output, BlockLinear):       # its table serves the embeddings too
                 loaded["output.weight"] = output
         _release_file_pages(self.reader, t)
+        _release_freed_heap()
         return loaded
 
     def fused_group(self, tensors: list) -> dict:
@@ -560,6 +586,8 @@ class _Job:
         linears = fused_linears(weight, sizes)
         if linears is None:
             linears = [None] + [quantized_linear(w) for w in weight.split_rows(sizes)]
+        del weight, stacked
+        _release_freed_heap()
         return {self.by_name[t.name].ours[0]: lin for t, lin in zip(tensors, linears[1:])}
 
 
