@@ -564,8 +564,9 @@ class _Job:
                   for n, w in zip(mapping.ours, rows)}
         if self.tied_output and mapping.ours == ("tok_embeddings.weight",):
             output = quantized_linear(loaded["tok_embeddings.weight"])
-            if isinstance(output, BlockLinear):       # its table serves the embeddings too
-                loaded["output.weight"] = output
+            if isinstance(output, BlockLinear):       # its table serves the embeddings too,
+                loaded["output.weight"] = output      # so the blocks are not kept (a 128k
+                loaded["tok_embeddings.weight"] = output  # vocabulary: ~330 MB at the peak)
         _release_file_pages(self.reader, t)
         _release_freed_heap()
         return loaded

@@ -888,8 +888,9 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight],
         model: a `Transformer` (on any device, including meta: its float parameters are
             untouched).
         weights: our parameter name → quantized weight, or the module already built from one
-            (`quantized_linear`, without a bias; not for a tied output projection, whose
-            embedding table may need the weight itself).
+            (`quantized_linear`, without a bias; for a tied output projection only a
+            `BlockLinear`, whose table serves the embeddings: then `tok_embeddings.weight`
+            may be that module too, and is not read).
         biases: our bias names → float tensors, for the quantized linears that have one.
     """
     tied = getattr(model.args, "tie_embeddings", False) and "output.weight" in weights
