@@ -17,12 +17,14 @@ are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name an
 
 Loading (`load_gguf_state_dict` with `modules`, as `torchllama.load` does) reads the file
 through its memory mapping, tensor by tensor, on a few threads: each matrix kept in its blocks
-is converted from the mapped bytes straight into the arrays of its blocks (`read_blocks`;
-a layer's q/k/v and w1/w3 into one stacked buffer), its module built from them at once
-(`quantized_linear`, `fused_linears`: the kernels' packed layout), and its file pages handed
-back (`_release_file_pages`). So the peak holds the finished modules plus the few tensors in
-flight, never the whole file's blocks beside them (a 7B Q4_0: 5.5 GB peak for 5.0 GB of
-modules; it was 11 GB).
+is converted from the mapped bytes straight into the arrays of its blocks (`read_blocks`,
+`convert_blocks`: one C++ pass where the kernels are built, numpy otherwise; a layer's q/k/v
+and w1/w3 into one stacked buffer), its module built from them at once (`quantized_linear`,
+`fused_linears`: the kernels' packed layout), its file pages handed back
+(`_release_file_pages`) and the freed temporaries too (`_release_freed_heap`). So the peak
+holds the finished modules plus the few tensors in flight, never the whole file's blocks
+beside them (a 7B Q4_0: 4.8 GB peak for 3.9 GB of file; it was 11 GB, and 5.5 before the
+temporaries were handed back).
 
 Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
 key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
