@@ -62,14 +62,17 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from torchllama import kernels
+    from torchllama.bench.shapes_bench import read_through
+
+    kernels.available()            # built (or found built) here: a build is not load time
+
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
           f"best of {args.runs} fresh processes each")
     print(f"{'file':18}{'engine':12}{'best s':>8}{'spread s':>16}{'peak RSS GB':>13}"
           f"{'load avg':>10}")
     for path in args.files:
-        with open(path, "rb") as f:                     # into the page cache
-            while f.read(1 << 24):
-                pass
+        read_through(path)                              # into the page cache
         best = {}
         for engine in ("torchllama", "llama.cpp"):
             runs = [measure(engine, path, args.threads) for _ in range(args.runs)]

@@ -38,6 +38,12 @@ namespace {
 // GGML type numbers (ggml.h enum ggml_type).
 enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
+// Bytes per block of a type (ggml-common.h), 0 for the types not converted here.
+int64_t block_bytes(int64_t type) {
+  return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q5_0 ? 22
+       : type == Q4_K ? 144 : type == Q6_K ? 210 : 0;
+}
+
 float half_at(const uint8_t* p) {                       // a little-endian float16 → float32
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -64,7 +70,7 @@ struct RowOut {
 
 int64_t plain_row(const uint8_t* b, int64_t nb, int64_t type, const RowOut& o) {
   int64_t bad = 0;
-  const int64_t size = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 22;
+  const int64_t size = block_bytes(type);
   for (int64_t i = 0; i < nb; ++i, b += size) {
     const float d = half_at(b);
     o.d[i] = d;
@@ -164,8 +170,7 @@ int64_t q6_k_row(const uint8_t* b, int64_t nb, const RowOut& o) {
 static int64_t gguf_blocks(const at::Tensor& raw, int64_t type, at::TensorList out) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
               "gguf_blocks: raw must be contiguous (rows, bytes) uint8, got ", raw.sizes());
-  const int64_t block = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34
-      : type == Q5_0 ? 22 : type == Q4_K ? 144 : type == Q6_K ? 210 : 0;
+  const int64_t block = block_bytes(type);
   TORCH_CHECK(block > 0, "gguf_blocks: GGML type ", type, " is not converted here");
   const bool super = type == Q4_K || type == Q6_K, q4 = type == Q4_0 || type == Q4_1 || type == Q4_K;
   const size_t want = type == Q4_K ? 7 : type == Q6_K ? 4 : q4 ? 3 : 2;
