@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama.errors import ArgumentError
+from torchllama.kernels import huge_pages
 from torchllama.transforms import fuse
 
 #: Group sizes `_weight_int4pack_mm_for_cpu` accepts.
@@ -471,17 +472,22 @@ def pack_rows(t: torch.Tensor, blocks: int, chunk: int) -> torch.Tensor:
     """(N, blocks·P) → (⌈N/8⌉, blocks, 8·P): each group of 8 rows' block b side by side, `chunk`
     elements of row 0, of row 1, …, of row 7, then the next chunk. Rows past N (to a multiple of
     8) are zeros (weights 0: their outputs are cut off). Codes: chunk 4 (P = 16 bytes of a Q4
-    block, 32 codes of a Q8 block); scales (N, blocks): P = chunk = 1."""
+    block, 32 codes of a Q8 block); scales (N, blocks): P = chunk = 1. Written straight onto
+    transparent huge pages where the system has them (`kernels.huge_pages.empty`)."""
     N, width = t.shape
     if N % 8:
         t = torch.cat([t, t.new_zeros(8 - N % 8, width)])                   # (8G, width)
-    P = width // blocks
+    P, G = width // blocks, t.shape[0] // 8
+    out = (huge_pages.empty((G, blocks, 8 * P), t.dtype) if t.device.type == "cpu" else
+           t.new_empty((G, blocks, 8 * P)))        # streamed once a token: on huge pages
     word = _WORDS.get(chunk * t.element_size())
     if word is not None and t.is_contiguous():     # a chunk as one element: the same bytes
-        v = t.view(word).reshape(-1, 8, blocks, P // chunk)                 # (G, 8, b, P/c)
-        return v.permute(0, 2, 3, 1).contiguous().view(t.dtype).view(-1, blocks, 8 * P)
-    v = t.reshape(-1, 8, blocks, P // chunk, chunk)                        # (G, 8, b, P/c, c)
-    return v.permute(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * P).contiguous()  # (G, b, 8·P)
+        v = t.view(word).reshape(G, 8, blocks, P // chunk)                  # (G, 8, b, P/c)
+        out.view(word).view(G, blocks, P // chunk, 8).copy_(v.permute(0, 2, 3, 1))
+        return out
+    v = t.reshape(G, 8, blocks, P // chunk, chunk)                         # (G, 8, b, P/c, c)
+    out.view(G, blocks, P // chunk, 8, chunk).copy_(v.permute(0, 2, 3, 1, 4))
+    return out                                                             # (G, b, 8·P)
 
 
 #: Integer types of 2, 4 and 8 bytes: `pack_rows` moves a chunk of that size as one element
@@ -520,9 +526,9 @@ def pack_rows_six(codes: torch.Tensor, blocks: int) -> torch.Tensor:
     kernels are built (one pass, no temporaries: a 7B head is 131 M codes), else that."""
     from torchllama import kernels
 
-    if kernels.available():
-        return torch.ops.torchllama.pack_six(codes)
-    return pack_six(pack_rows(codes, blocks, 4))
+    if kernels.available():                      # streamed once a token: on huge pages
+        return huge_pages.adopt(torch.ops.torchllama.pack_six(codes))
+    return huge_pages.adopt(pack_six(pack_rows(codes, blocks, 4)))
 
 
 def unpack_six(packed: torch.Tensor) -> torch.Tensor:
