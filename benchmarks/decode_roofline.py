@@ -5,10 +5,12 @@ token is the bandwidth a step reaches. This script measures, in one process and 
 round by round (the shared machine's bandwidth drifts by tens of percent within minutes), a
 1 GiB `torch.sum` (the bandwidth a plain streaming read gets here), our decode and llama.cpp's
 (flash attention off, its faster decode setting), both from the loaders of `torchllama bench
-shapes` after a 480-token prompt, 32 greedy steps a run. Bytes per token: the file's tensor
-bytes (a tied embedding is read whole as the output projection; an untied one only a row).
-Printed: each engine's best tok/s, its GB/s and that as a fraction of the sum's, and the
-fraction 1.3× llama.cpp would need (issue 28's decode target).
+shapes` after a 480-token prompt, 32 greedy steps a run, and our step's block products alone
+(every layer's and the output head's, one activation row, nothing else: the rate a step would
+reach with attention, norms and dispatch free). Bytes per token: the file's tensor bytes (a
+tied embedding is read whole as the output projection; an untied one only a row). Printed:
+each one's best tok/s, its GB/s and that as a fraction of the sum's, and the fraction 1.3×
+llama.cpp would need (issue 28's decode target).
 
     .venv/bin/python benchmarks/decode_roofline.py ~/.cache/torchllama/shapes/1b-q4_0.gguf [--rounds 4]
 """
@@ -40,6 +42,28 @@ def sum_bandwidth(x: torch.Tensor) -> float:
     return x.numel() * x.element_size() / best / 1e9
 
 
+def products_alone(model):
+    """A run closure like the engines': four passes over the model's block products (each
+    layer's q/k/v, o, w1/w3, w2 modules and the output head) on one random row → (4, seconds)."""
+    products = []
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        qkv = [a.wqkv] if getattr(a, "wqkv", None) is not None else [a.wq, a.wk, a.wv]
+        w13 = [f.w13] if getattr(f, "w13", None) is not None else [f.w1, f.w3]
+        products += [m for m in qkv + [a.wo] + w13 + [f.w2] if m is not None]
+    products.append(model.output)
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in products}
+
+    @torch.inference_mode()
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(4):
+            for m in products:
+                m(xs[m.in_features])
+        return 4, time.perf_counter() - t0
+    return run
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -58,7 +82,8 @@ def main() -> None:
     peer_runs, _, _ = load_llama_cpp(args.path, cfg)
     prompts = _prompt_ids(ours_runs.vocab_size, 480, 1).tolist()
     runs = {"torchllama": ours_runs.decode(None, prompts),
-            "llama.cpp fa=off": peer_runs.decode(False, prompts)}
+            "llama.cpp fa=off": peer_runs.decode(False, prompts),
+            "our products alone": products_alone(ours_runs.model)}
     x = torch.ones(256 * 2**20)                                   # 1 GiB float32
     for run in runs.values():
         run()                                                     # prefill + warm-up

@@ -115,7 +115,8 @@ def peak_rss_gb() -> float:
 class EngineRuns:
     """How one engine makes its runs: settings (name → option), `prefill(option, ids)` and
     `decode(option, rows of ids)` give run closures, `release(run)` frees what one holds;
-    vocab_size: its token ids' range; close(): frees the engine's model."""
+    vocab_size: its token ids' range; close(): frees the engine's model; model: ours (for
+    benchmarks that look inside it), else None."""
 
     settings: dict[str, object]
     prefill: Callable
@@ -123,6 +124,7 @@ class EngineRuns:
     release: Callable = lambda run: None
     vocab_size: int = 0
     close: Callable = lambda: None
+    model: object = None
 
 
 def measure_figures(engine: EngineRuns, cfg: ShapesConfig) -> dict:
@@ -172,7 +174,7 @@ def load_torchllama(path: str, cfg: ShapesConfig) -> tuple[EngineRuns, float, fl
         {"torchllama": None},
         lambda _, ids: ours_runs(model, torch.tensor([ids]), cfg.new_tokens)[0],
         lambda _, prompts: OursDecodeRun(model, torch.tensor(prompts), cfg.new_tokens),
-        lambda _: model.use_caches(None), model.args.vocab_size)
+        lambda _: model.use_caches(None), model.args.vocab_size, model=model)
     return engine, load_s, rss
 
 
