@@ -5,13 +5,15 @@ launches the system's Chromium).
     python -m torchllama.anatomy.browser anatomy/index.html --screenshot docs/anatomy.png
 
 loads the page from disk, waits for it, and reports how many images decoded, which sections
-are on the page and every console error; exit status 1 if an image failed or the console
-logged an error.
+are on the page, which explorers started and every console error; exit status 1 if an image
+failed, an explorer did not start or the console logged an error. `--explorer-shots DIR`
+writes a PNG of each explorer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -36,25 +38,26 @@ def find_chromium() -> Optional[str]:
 @dataclass
 class PageCheck:
     """What the browser saw: images on the page and how many decoded, the section ids, console
-    errors and uncaught page errors."""
+    errors and uncaught page errors, the explorers (ids) and which of them started."""
 
     images: int
     decoded: int
     sections: list[str]
     errors: list[str] = field(default_factory=list)
+    explorers: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.images > 0 and self.decoded == self.images and not self.errors
+        return (self.images > 0 and self.decoded == self.images and not self.errors
+                and self.started == self.explorers)
 
 
-def check_page(index: str | os.PathLike, screenshot: Optional[str | os.PathLike] = None,
-               width: int = 1280, height: int = 1600) -> PageCheck:
-    """Open `index` (a file) in headless Chromium, offline, and inspect it.
-
-    Args:
-        screenshot: write a PNG of the first width × height pixels of the page here
-            (atomically).
+@contextlib.contextmanager
+def open_page(index: str | os.PathLike, width: int = 1280, height: int = 1600):
+    """`index` (a file) open in headless Chromium, offline (any request fails and is logged):
+    yields (Playwright page, the list console errors, page errors and failed requests are
+    appended to).
 
     Raises:
         ArgumentError: the file is missing, Playwright is not installed or no Chromium is found
@@ -83,19 +86,49 @@ def check_page(index: str | os.PathLike, screenshot: Optional[str | os.PathLike]
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
             page.goto(index.as_uri(), wait_until="load")
-            images = page.evaluate("document.images.length")
-            decoded = page.evaluate("Array.from(document.images).filter("
-                                    "i => i.complete && i.naturalWidth > 0).length")
-            sections = page.evaluate("Array.from(document.querySelectorAll('section'))"
-                                     ".map(s => s.id)")
-            if screenshot is not None:
-                shot = Path(screenshot)
-                tmp = shot.with_name(f".{shot.name}.tmp{os.getpid()}.png")
-                page.screenshot(path=str(tmp))
-                os.replace(tmp, shot)
+            yield page, errors
         finally:
             browser.close()
-    return PageCheck(images, decoded, sections, errors)
+
+
+def _screenshot(target, path: str | os.PathLike) -> None:
+    """A PNG of a page or an element, written atomically."""
+    shot = Path(path)
+    tmp = shot.with_name(f".{shot.name}.tmp{os.getpid()}.png")
+    target.screenshot(path=str(tmp))
+    os.replace(tmp, shot)
+
+
+def check_page(index: str | os.PathLike, screenshot: Optional[str | os.PathLike] = None,
+               width: int = 1280, height: int = 1600,
+               explorer_shots: Optional[str | os.PathLike] = None) -> PageCheck:
+    """Open `index` (a file) in headless Chromium, offline, and inspect it.
+
+    Args:
+        screenshot: write a PNG of the first width × height pixels of the page here
+            (atomically).
+        explorer_shots: a folder: write a PNG of each explorer there, `<its id>.png`.
+
+    Raises:
+        ArgumentError: as `open_page`.
+    """
+    with open_page(index, width, height) as (page, errors):
+        images = page.evaluate("document.images.length")
+        decoded = page.evaluate("Array.from(document.images).filter("
+                                "i => i.complete && i.naturalWidth > 0).length")
+        sections = page.evaluate("Array.from(document.querySelectorAll('section'))"
+                                 ".map(s => s.id)")
+        explorers = page.evaluate("Array.from(document.querySelectorAll('div.explorer'))"
+                                  ".map(e => e.id)")
+        started = page.evaluate("Array.from(document.querySelectorAll('div.explorer'))"
+                                ".filter(e => e.dataset.ready === '1').map(e => e.id)")
+        if screenshot is not None:
+            _screenshot(page, screenshot)
+        if explorer_shots is not None:
+            Path(explorer_shots).mkdir(parents=True, exist_ok=True)
+            for name in explorers:
+                _screenshot(page.locator(f"#{name}"), Path(explorer_shots) / f"{name}.png")
+    return PageCheck(images, decoded, sections, list(errors), explorers, started)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -103,14 +136,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("index", help="the report's index.html")
     parser.add_argument("--screenshot", help="write a PNG of the top of the page here")
+    parser.add_argument("--explorer-shots", metavar="DIR",
+                        help="write a PNG of each explorer into DIR (<explorer id>.png)")
     args = parser.parse_args(argv)
     try:
-        check = check_page(args.index, args.screenshot)
+        check = check_page(args.index, args.screenshot, explorer_shots=args.explorer_shots)
     except ArgumentError as e:
         print(f"anatomy-check: error: {e}", file=sys.stderr)
         return 1
     print(f"{args.index}: {check.decoded}/{check.images} images decoded, sections "
-          f"{', '.join(check.sections)}; {len(check.errors)} console errors")
+          f"{', '.join(check.sections)}; explorers started {len(check.started)}/"
+          f"{len(check.explorers)}; {len(check.errors)} console errors")
     for error in check.errors:
         print(f"  console error: {error}")
     return 0 if check.ok else 1

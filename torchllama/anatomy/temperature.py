@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, Table, token_labels
+from torchllama.anatomy.report import (AnatomyContext, Explorer, Figure, Prose, Section, Table,
+                                       float32_blob, token_labels)
 from torchllama.generation.sampling import apply_temperature, min_p_filter, top_p_filter
 
 #: the prompt whose next token is shown (an open continuation with many plausible tokens)
@@ -172,10 +173,26 @@ def sampling_prose(m: NextTokenDistribution) -> Prose:
     return Prose(LOOK_FOR, headline, data, [table])
 
 
+def sampling_explorer(m: NextTokenDistribution) -> Explorer:
+    """The interactive view: temperature, top-p and min-p sliders over the prompt's (V,)
+    float32 logits (embedded whole: the kept set depends on every token's mass), the TOP_N
+    most likely tokens drawn, the kept set counted by the sampler's rules in the browser."""
+    return Explorer(
+        "kept-set", "sampling",
+        "Move the sliders: the bars are softmax(logits / T) of the 20 most likely tokens, blue "
+        "where the sampler would keep them. The counts are computed in your browser from all "
+        "the model's logits, by the rules of torchllama.generation.sampling.",
+        {"prompt": m.prompt, "logits": float32_blob(m.logits), "top_labels": m.top_labels,
+         "defaults": {"temperature": 1.0, "top_p": TOP_P, "min_p": MIN_P}})
+
+
 def sampling_section(ctx: AnatomyContext) -> Section:
     """The next-token distribution of a prompt at temperatures 0.2 → 2: the top 20 tokens with
-    their probabilities, the top-p nucleus and the min-p cut marked; entropy vs temperature."""
+    their probabilities, the top-p nucleus and the min-p cut marked; entropy vs temperature;
+    the same interactively (`sampling_explorer`)."""
     m = measure_sampling(ctx)
     figures = [plot_temperatures(m), plot_entropy(m)]
-    return sampling_prose(m).section("sampling", "Sampling: temperature, top-p, min-p", figures,
-                                     {"logits": m.logits})
+    section = sampling_prose(m).section("sampling", "Sampling: temperature, top-p, min-p",
+                                        figures, {"logits": m.logits})
+    section.explorers.append(sampling_explorer(m))
+    return section
