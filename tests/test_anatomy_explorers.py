@@ -5,6 +5,9 @@ where Playwright or Chromium is missing."""
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import pytest
 import torch
 
@@ -51,3 +54,50 @@ def test_the_sampling_explorer_keeps_what_the_sampler_keeps(sampling_page):
         for T, p, m in settings]
     assert shown == expected
     assert len(set(expected)) == 3 and max(expected) > 20             # the settings differ
+
+
+def rope_score(q, k, theta, m: int, n: int) -> float:
+    """q_m·k_n with RoPE (RoFormer eq. 14; pairs (2i, 2i+1), the dims past them unturned), in
+    float64 from the page's float32 numbers."""
+    P = len(theta)
+    qc = (q[0:2 * P:2] + 1j * q[1:2 * P:2]) * np.exp(1j * m * theta)
+    kc = (k[0:2 * P:2] + 1j * k[1:2 * P:2]) * np.exp(1j * n * theta)
+    return float((qc.real * kc.real + qc.imag * kc.imag).sum() + (q[2 * P:] * k[2 * P:]).sum())
+
+
+def blob(b64: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64["f32"]), dtype="<f4").astype(np.float64)
+
+
+def test_the_rope_explorer_reads_out_what_python_computes(smollm2, tmp_path):
+    report = anatomy.run(only="rope", loaded=smollm2)
+    index = anatomy.write_report(report, tmp_path / "report")
+    data = report["rope"].explorers[0].data
+    q, k, theta = blob(data["q"]), blob(data["k"]), blob(data["theta"])
+    assert len(theta) == smollm2[0].args.head_dim // 2 and data["context"] == 8192
+    np.testing.assert_allclose(q, report["rope"].tensors["q"][smollm2[0].args.n_heads].numpy())
+    root = "#explorer-rope-rotation"
+    with open_page(index) as (page, errors):
+        canvas = f"{root} canvas"
+        before = page.eval_on_selector(canvas, "c => c.toDataURL()")
+        readouts = []
+        for m, i, n, s in [(1234, 5, 37, 1000), (20000, 31, 8000, 4000)]:
+            set_slider(page, root, "position m", m)
+            set_slider(page, root, "pair i", i)
+            set_slider(page, root, "key position n", n)
+            set_slider(page, root, "shift s", s)
+            readouts.append(page.eval_on_selector(f"{root} .rope-readout",
+                                                  "e => Object.assign({}, e.dataset)"))
+        after = page.eval_on_selector(canvas, "c => c.toDataURL()")
+        assert errors == []
+    assert before != after                                              # the view turned
+    for got, (m, i, n, s) in zip(readouts, [(1234, 5, 37, 1000), (16384, 31, 8000, 4000)]):
+        # the position slider stops at twice the trained context (16,384 for SmolLM2)
+        assert (int(got["m"]), int(got["pair"]), int(got["n"]), int(got["shift"])) == (m, i, n, s)
+        assert float(got["angle"]) == pytest.approx(m * theta[i], rel=1e-12)
+        assert float(got["wavelength"]) == pytest.approx(2 * np.pi / theta[i], rel=1e-12)
+        score = rope_score(q, k, theta, m, n)
+        assert float(got["score"]) == pytest.approx(score, rel=1e-9)
+        # the relative-position claim, by Python too: the same score s positions later
+        assert rope_score(q, k, theta, m + s, n + s) == pytest.approx(score, rel=1e-6, abs=1e-6)
+        assert float(got["shifted"]) == pytest.approx(score, rel=1e-6, abs=1e-6)

@@ -112,7 +112,124 @@
     draw();
   }
 
-  const KINDS = {sampling: samplingExplorer};
+
+  // ---- RoPE: a real query's frequency pairs rotating with position -------------------------------
+  // RoFormer (Su et al. 2021) eq. 14: pair i of a query at position m is turned by m·θ_i; the
+  // pairs are dims (2i, 2i+1) (Meta's layout, which the loader gives every checkpoint). The
+  // score q_m·k_n sums every pair's rotated dot product (and the dims past the rotated ones,
+  // unturned): it depends on m − n only (eq. 16), shown by q_{m+s}·k_{n+s}.
+  function ropeScore(q, k, theta, m, n) {
+    let s = 0;
+    const P = theta.length;
+    for (let i = 0; i < P; i++) {
+      const a = m * theta[i], b = n * theta[i];
+      const qx = q[2 * i] * Math.cos(a) - q[2 * i + 1] * Math.sin(a);
+      const qy = q[2 * i] * Math.sin(a) + q[2 * i + 1] * Math.cos(a);
+      const kx = k[2 * i] * Math.cos(b) - k[2 * i + 1] * Math.sin(b);
+      const ky = k[2 * i] * Math.sin(b) + k[2 * i + 1] * Math.cos(b);
+      s += qx * kx + qy * ky;
+    }
+    for (let d = 2 * P; d < q.length; d++) s += q[d] * k[d];
+    return s;
+  }
+
+  function ropeExplorer(root, data) {
+    const q = floats(data.q), k = floats(data.k), theta = floats(data.theta);
+    const P = theta.length, ctx = data.context;
+    const stack = data.stack;                          // the pairs drawn, spread over the spectrum
+    const radius = stack.map(i => Math.hypot(q[2 * i], q[2 * i + 1]));
+    const rmax = Math.max(...radius, 1e-12);
+    el("div", {text: `Layer-0 query of “${data.token}” (head ${data.head}), ${P} frequency ` +
+               `pairs of θ_i = ${data.base_words}; drag the view to turn it.`}, root);
+    const controls = el("div", {}, root);
+    const view = canvas(root, 760, 420);
+    const out = el("div", {class: "readout rope-readout"}, root);
+    const state = {m: 0, i: data.pair, n: 0, s: data.shift, yaw: 0.6, pitch: 1.0, playing: false};
+
+    function project(x, y, z) {                        // yaw about z, then pitch about x
+      const cy = Math.cos(state.yaw), sy = Math.sin(state.yaw);
+      const x1 = x * cy - y * sy, y1 = x * sy + y * cy;
+      const cp = Math.cos(state.pitch), sp = Math.sin(state.pitch);
+      const y2 = y1 * cp - z * sp;
+      const W = view.c.width, H = view.c.height, scale = H / 3.2;
+      return [W / 2 + scale * x1, H / 2 + scale * y2];
+    }
+    function draw() {
+      const g = view.g, L = stack.length;
+      g.clearRect(0, 0, view.c.width, view.c.height);
+      g.font = "11px system-ui, sans-serif";
+      stack.forEach((pair, level) => {
+        const z = (level - (L - 1) / 2) * (2.2 / Math.max(L - 1, 1));
+        const r = radius[level] / rmax;
+        const selected = pair === state.i;
+        g.strokeStyle = selected ? "#d04a4a" : "#ccd";
+        g.beginPath();
+        for (let t = 0; t <= 64; t++) {
+          const a = 2 * Math.PI * t / 64;
+          const [px, py] = project(r * Math.cos(a), r * Math.sin(a), z);
+          t ? g.lineTo(px, py) : g.moveTo(px, py);
+        }
+        g.stroke();
+        const phase = Math.atan2(q[2 * pair + 1], q[2 * pair]);
+        g.strokeStyle = selected ? "rgba(208,74,74,0.35)" : "rgba(74,123,208,0.25)";
+        g.beginPath();                                 // the last 24 positions' trail
+        for (let t = Math.max(0, state.m - 24); t <= state.m; t++) {
+          const a = phase + t * theta[pair];
+          const [px, py] = project(r * Math.cos(a), r * Math.sin(a), z);
+          t === Math.max(0, state.m - 24) ? g.moveTo(px, py) : g.lineTo(px, py);
+        }
+        g.stroke();
+        const a = phase + state.m * theta[pair];
+        const [cx, cy] = project(0, 0, z), [px, py] = project(r * Math.cos(a), r * Math.sin(a), z);
+        g.strokeStyle = selected ? "#d04a4a" : "#4a7bd0";
+        g.lineWidth = 2;
+        g.beginPath(); g.moveTo(cx, cy); g.lineTo(px, py); g.stroke();
+        g.lineWidth = 1;
+        g.fillStyle = "#444";
+        g.fillText(`pair ${pair}: λ = ${fmt(2 * Math.PI / theta[pair], 3)}`, px + 4, py);
+      });
+      const th = theta[state.i], angle = state.m * th;
+      const score = ropeScore(q, k, theta, state.m, state.n);
+      const shifted = ropeScore(q, k, theta, state.m + state.s, state.n + state.s);
+      Object.assign(out.dataset, {m: state.m, pair: state.i, n: state.n, shift: state.s,
+                                  angle: String(angle), wavelength: String(2 * Math.PI / th),
+                                  score: String(score), shifted: String(shifted)});
+      out.textContent = `m = ${state.m}${state.m > ctx ? " (past the trained context " + ctx + ")" : ""}; ` +
+        `pair ${state.i}: m·θ = ${fmt(angle, 6)} rad (${fmt(angle % (2 * Math.PI), 4)} mod 2π), ` +
+        `wavelength 2π/θ = ${fmt(2 * Math.PI / th, 5)} positions. ` +
+        `q_m·k_n = ${fmt(score, 6)} for n = ${state.n}; q_(m+${state.s})·k_(n+${state.s}) = ` +
+        `${fmt(shifted, 6)}: the same, the score depends on m − n only.`;
+    }
+    const mSlider = slider(controls, "position m", 0, 2 * ctx, 1, 0, v => { state.m = v; draw(); });
+    slider(controls, "pair i", 0, P - 1, 1, state.i, v => { state.i = v; draw(); });
+    slider(controls, "key position n", 0, ctx, 1, 0, v => { state.n = v; draw(); });
+    slider(controls, "shift s", 0, ctx, 1, state.s, v => { state.s = v; draw(); });
+    const play = el("button", {type: "button", text: "▶ play"}, controls);
+    function step() {
+      if (!state.playing) return;
+      mSlider.input.value = String((state.m + 1) % (2 * ctx + 1));
+      mSlider.update();
+      requestAnimationFrame(step);
+    }
+    play.addEventListener("click", () => {
+      state.playing = !state.playing;
+      play.textContent = state.playing ? "❚❚ pause" : "▶ play";
+      if (state.playing) requestAnimationFrame(step);
+    });
+    let drag = null;
+    view.c.addEventListener("pointerdown", e => { drag = [e.clientX, e.clientY]; });
+    window.addEventListener("pointerup", () => { drag = null; });
+    view.c.addEventListener("pointermove", e => {
+      if (!drag) return;
+      state.yaw += (e.clientX - drag[0]) / 150;
+      state.pitch = Math.min(Math.PI, Math.max(0, state.pitch + (e.clientY - drag[1]) / 150));
+      drag = [e.clientX, e.clientY];
+      draw();
+    });
+    draw();
+  }
+
+  const KINDS = {sampling: samplingExplorer, rope: ropeExplorer};
 
   function start() {
     for (const root of document.querySelectorAll("div.explorer")) {

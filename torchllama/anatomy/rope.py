@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, Table
+from torchllama.anatomy.report import (AnatomyContext, Explorer, Figure, Prose, Section, Table,
+                                       float32_blob)
 from torchllama.errors import ArgumentError
 from torchllama.nn.position import RotaryEmbedding, apply_rotary_emb
 
@@ -505,6 +506,37 @@ def rope_prose(m: RopeMeasurements) -> Prose:
     return Prose(rope_look_for(m), rope_headline(m), data, [table])
 
 
+#: pairs the RoPE explorer stacks in its 3-D view, spread over the spectrum
+EXPLORER_STACK = 8
+
+
+def rope_explorer(m: RopeMeasurements, ctx: AnatomyContext) -> Explorer:
+    """The interactive view (explorers.js `ropeExplorer`): one layer-0 query (the second
+    token's, head 0; a random vector where the measurements used those) and the first token's
+    key, the model's θ_i = 2π / wavelength_i per pair (its own base and scaling), the trained
+    context; the page turns EXPLORER_STACK pairs in 3-D with position and reads out m·θ_i,
+    the wavelength and q_m·k_n beside q_(m+s)·k_(n+s)."""
+    args, b0 = ctx.model.args, m.labels[0]
+    H = args.n_heads
+    real = m.source.startswith("real")
+    row = H if real and m.q.shape[0] > H else 0                          # token 1, head 0
+    token = ctx.labels[row // H] if real else "a random vector"
+    theta = 2 * math.pi / m.wavelengths[b0].double()                      # (dim/2,) rad/position
+    P = theta.shape[0]
+    stack = sorted({round(i * (P - 1) / (EXPLORER_STACK - 1)) for i in range(EXPLORER_STACK)})
+    base, scaling = m.bases[b0]
+    words = f"{base:,g}" + (f" with {scaling['type']} scaling" if scaling else "")
+    return Explorer(
+        "rotation", "rope",
+        "Drag the position m (past the trained context too) or press play: each circle is one "
+        "frequency pair of a real query, turning by m·θ_i; the red one is the selected pair. "
+        "The readout computes q_m·k_n in your browser and beside it the same pair of tokens "
+        "moved by s positions.",
+        {"q": float32_blob(m.q[row]), "k": float32_blob(m.k[0]), "theta": float32_blob(theta),
+         "context": m.context, "stack": stack, "pair": m.path_pair, "shift": min(1000, m.context),
+         "token": token, "head": 0, "base_words": words})
+
+
 def rope_section(ctx: AnatomyContext) -> Section:
     """RoPE with the model's own θ and with 10,000: the rotation angles of the first positions,
     the wavelength of each pair, the path of one vector as positions advance, the decay of
@@ -517,10 +549,13 @@ def rope_section(ctx: AnatomyContext) -> Section:
     """
     m = measure_rope(ctx)
     figures = [plot_angles(m), plot_path(m), plot_decay(m)]
-    return rope_prose(m).section(
+    section = rope_prose(m).section(
         "rope", "Rotary position embeddings (RoPE)", figures,
         {"angles": m.angles, "wavelengths": m.wavelengths, "decay": m.decay, "path": m.path,
          "q": m.q, "k": m.k})
+    if m.has_rope:
+        section.explorers.append(rope_explorer(m, ctx))
+    return section
 
 
 # ---- extrapolation past the trained context ---------------------------------------------------
