@@ -6,6 +6,7 @@ where Playwright or Chromium is missing."""
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -101,3 +102,51 @@ def test_the_rope_explorer_reads_out_what_python_computes(smollm2, tmp_path):
         # the relative-position claim, by Python too: the same score s positions later
         assert rope_score(q, k, theta, m + s, n + s) == pytest.approx(score, rel=1e-6, abs=1e-6)
         assert float(got["shifted"]) == pytest.approx(score, rel=1e-6, abs=1e-6)
+
+
+def test_the_attention_explorer_shows_the_selected_heads_probabilities(smollm2, tmp_path):
+    report = anatomy.run(only="attention,heads", loaded=smollm2)
+    index = anatomy.write_report(report, tmp_path / "report")
+    saved = json.loads((index.parent / "anatomy.json").read_text())["attention"]
+    layer, probs_layer = saved["layer"], saved["probs_layer"]          # (H, T, T) of one layer
+    root = "#explorer-heads-heads"
+    rows = {}
+    with open_page(index) as (page, errors):
+        heat = f"{root} canvas.attention-heatmap"
+        pictures = []
+        for head in (0, 3):
+            page.select_option(f"{root} select[data-name='layer']", str(layer))
+            page.select_option(f"{root} select[data-name='head']", str(head))
+            page.hover(f"{root} .attention-tokens span[data-t='20']")
+            pictures.append(page.eval_on_selector(heat, "c => c.toDataURL()"))
+            rows[head] = page.eval_on_selector_all(
+                f"{root} .attention-row span[data-p]", "s => s.map(e => Number(e.dataset.p))")
+            shown = page.eval_on_selector(f"{root} .attention-readout",
+                                          "e => Object.assign({}, e.dataset)")
+            assert (int(shown["layer"]), int(shown["head"]), int(shown["row"])) == (layer, head, 20)
+        assert errors == []
+    assert pictures[0] != pictures[1]                                  # the heatmap changed
+    for head, row in rows.items():
+        np.testing.assert_allclose(row, probs_layer[head][20][:21], rtol=1e-5, atol=1e-7)
+    assert rows[0] != rows[3]
+
+
+def test_the_logit_lens_explorer_lists_every_blocks_top_tokens(smollm2, tmp_path):
+    report = anatomy.run(only="logit-lens", loaded=smollm2)
+    index = anatomy.write_report(report, tmp_path / "report")
+    saved = json.loads((index.parent / "anatomy.json").read_text())["logit-lens"]
+    root = "#explorer-logit-lens-positions"
+    with open_page(index) as (page, errors):
+        page.click(f"{root} .lens-tokens span[data-t='9']")
+        cells = page.eval_on_selector_all(
+            f"{root} .lens-table tr[data-block]",
+            "rows => rows.map(r => Array.from(r.querySelectorAll('td[data-p]')).map("
+            "c => [Number(c.dataset.id), Number(c.dataset.p)]))")
+        shown = page.eval_on_selector(f"{root} .lens-readout", "e => Number(e.dataset.t)")
+        assert errors == []
+    L = smollm2[0].args.n_layers
+    assert shown == 9 and len(cells) == L and all(len(r) == 5 for r in cells)
+    for block, row in enumerate(cells):
+        assert row[0][0] == saved["top_ids"][block][9]                  # the lens's best token
+        assert row[0][1] == pytest.approx(saved["top_probs"][block][9], rel=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(row, row[1:]))           # best first

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from torchllama.anatomy.capture import capture_attention
-from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, Table, token_labels
+from torchllama.anatomy.report import (AnatomyContext, Explorer, Figure, Prose, Section, Table,
+                                       float32_blob, token_labels)
 from torchllama.anatomy.scores import (CATEGORIES, classify_heads, duplicate_token_score,
                                        entropy, induction_score, local_score,
                                        previous_token_score, repeated_random_tokens, self_score,
@@ -394,11 +395,34 @@ def heads_prose(m: HeadRoles) -> Prose:
     return Prose(HEADS_LOOK_FOR, headline, data, [table])
 
 
+def heads_explorer(m: HeadRoles, ctx: AnatomyContext) -> Explorer:
+    """The interactive view (explorers.js `attentionExplorer`): every layer's and head's
+    attention probabilities (L, H, T, T) over the text's first MAP_TOKENS tokens (causal, so
+    they are the full text's first rows and columns), the head-role scores of SHOWN_SCORES
+    and the categories; a layer × head grid to click, the selected head's heatmap, a query
+    token's row on hover."""
+    tokens = ctx.tokens[:, :MAP_TOKENS]
+    probs = attention_probs(ctx.model, tokens)[:, 0]                    # (L, H, T, T)
+    L = probs.shape[0]
+    return Explorer(
+        "heads", "attention",
+        "Click a cell of the layer × head grid (coloured by the chosen score) or pick a layer "
+        "and head: the heatmap is that head's attention over the text's first tokens (rows: "
+        "queries, columns: keys); hover a token to list its row.",
+        {"probs": float32_blob(probs), "labels": ctx.labels[:MAP_TOKENS],
+         "layer": ctx.options.get("attention_layer", L // 2),
+         "scores": {title: [[round(float(v), 4) for v in row] for row in m.scores[key]]
+                    for key, title in SHOWN_SCORES},
+         "categories": m.categories})
+
+
 def heads_section(ctx: AnatomyContext) -> Section:
     """Head roles: previous-token, induction, duplicate-token, attention-sink, local-window
     and entropy scores for every head (layer × head heatmaps, a table of the strongest heads)
     and the simple categories."""
     m = measure_heads(ctx)
     figures = [plot_score_maps(m), plot_scores_by_layer(m), plot_categories(m)]
-    return heads_prose(m).section("heads", "What each head does", figures,
-                                  {**m.scores, "induction_tokens": m.induction_tokens})
+    section = heads_prose(m).section("heads", "What each head does", figures,
+                                     {**m.scores, "induction_tokens": m.induction_tokens})
+    section.explorers.append(heads_explorer(m, ctx))
+    return section

@@ -229,7 +229,143 @@
     draw();
   }
 
-  const KINDS = {sampling: samplingExplorer, rope: ropeExplorer};
+
+  // ---- attention: every layer's and head's probabilities over the page's first tokens ------------
+  // probs (L, H, T, T): row t of head h in layer l is query t's softmax over keys 0..t (causal).
+  function colorScale(v) {                             // 0 → white, 1 → dark blue
+    const x = Math.max(0, Math.min(1, v));
+    return `rgb(${Math.round(255 - 221 * x)},${Math.round(255 - 181 * x)},${Math.round(255 - 75 * x)})`;
+  }
+
+  function attentionExplorer(root, data) {
+    const probs = floats(data.probs);
+    const [L, H, T] = data.probs.shape;
+    const labels = data.labels, roles = Object.keys(data.scores);
+    const state = {layer: data.layer, head: 0, row: T - 1, role: roles[0]};
+    const controls = el("div", {}, root);
+    const layerSel = el("select", {"data-name": "layer"}, el("label", {text: "layer "}, controls));
+    for (let l = 0; l < L; l++) el("option", {value: l, text: l}, layerSel);
+    const headSel = el("select", {"data-name": "head"}, el("label", {text: "head "}, controls));
+    for (let h = 0; h < H; h++) el("option", {value: h, text: h}, headSel);
+    const roleSel = el("select", {"data-name": "grid score"},
+                       el("label", {text: "grid coloured by "}, controls));
+    for (const r of roles) el("option", {value: r, text: r}, roleSel);
+    const row = el("div", {style: "display:flex; gap:1em; align-items:flex-start"}, root);
+    const cell = Math.max(8, Math.min(22, Math.floor(300 / Math.max(L, H))));
+    const grid = canvas(row, H * cell + 40, L * cell + 20);
+    grid.c.classList.add("attention-grid");
+    const side = Math.max(4, Math.floor(420 / T));
+    const heat = canvas(row, T * side + 2, T * side + 2);
+    heat.c.classList.add("attention-heatmap");
+    const out = el("div", {class: "readout attention-readout"}, root);
+    const strip = el("div", {class: "attention-tokens"}, root);
+    const tokens = labels.map((label, t) => {
+      const span = el("span", {text: label, "data-t": t,
+                               style: "cursor:pointer; padding:0 2px; margin:1px; display:inline-block"}, strip);
+      span.addEventListener("mouseenter", () => { state.row = t; draw(); });
+      return span;
+    });
+    const weights = el("div", {class: "readout attention-row"}, root);
+    const at = (l, h, t, s) => probs[((l * H + h) * T + t) * T + s];
+
+    function draw() {
+      layerSel.value = String(state.layer);
+      headSel.value = String(state.head);
+      const score = data.scores[state.role];
+      let g = grid.g;
+      g.clearRect(0, 0, grid.c.width, grid.c.height);
+      g.font = "9px system-ui, sans-serif";
+      const values = score.flat(), lo = Math.min(...values), hi = Math.max(...values);
+      for (let l = 0; l < L; l++) {
+        g.fillStyle = "#666";
+        g.fillText(String(l), 2, 20 + l * cell + cell * 0.7);
+        for (let h = 0; h < H; h++) {
+          g.fillStyle = colorScale((score[l][h] - lo) / (hi - lo || 1));
+          g.fillRect(30 + h * cell, 20 + l * cell, cell - 1, cell - 1);
+        }
+      }
+      for (let h = 0; h < H; h++) { g.fillStyle = "#666"; g.fillText(String(h), 30 + h * cell + 2, 12); }
+      g.strokeStyle = "#d04a4a";
+      g.lineWidth = 2;
+      g.strokeRect(30 + state.head * cell, 20 + state.layer * cell, cell - 1, cell - 1);
+      g.lineWidth = 1;
+      g = heat.g;
+      g.clearRect(0, 0, heat.c.width, heat.c.height);
+      for (let t = 0; t < T; t++)
+        for (let s = 0; s <= t; s++) {
+          g.fillStyle = colorScale(at(state.layer, state.head, t, s));
+          g.fillRect(1 + s * side, 1 + t * side, side, side);
+        }
+      g.strokeStyle = "#d04a4a";
+      g.strokeRect(0.5, 0.5 + state.row * side, T * side + 1, side + 1);
+      const role = roles.map(r => `${r} ${fmt(data.scores[r][state.layer][state.head], 3)}`);
+      Object.assign(out.dataset, {layer: state.layer, head: state.head, row: state.row});
+      out.textContent = `layer ${state.layer}, head ${state.head} (${data.categories[state.layer][state.head]}): ` +
+        role.join(", ") + ". Hover a token below for its row.";
+      tokens.forEach((span, t) => { span.style.background = t === state.row ? "#fde2e2" : ""; });
+      weights.replaceChildren();
+      el("span", {text: `“${labels[state.row]}” (query ${state.row}) attends to: `}, weights);
+      for (let s = 0; s <= state.row; s++) {
+        const p = at(state.layer, state.head, state.row, s);
+        el("span", {text: `${labels[s]} ${fmt(p, 3)}`, "data-s": s, "data-p": String(p),
+                    style: `background:${colorScale(p)}; margin:1px; padding:0 2px; display:inline-block`}, weights);
+      }
+    }
+    layerSel.addEventListener("change", () => { state.layer = Number(layerSel.value); draw(); });
+    headSel.addEventListener("change", () => { state.head = Number(headSel.value); draw(); });
+    roleSel.addEventListener("change", () => { state.role = roleSel.value; draw(); });
+    grid.c.addEventListener("click", e => {
+      const r = grid.c.getBoundingClientRect();
+      const h = Math.floor((e.clientX - r.left - 30) / cell), l = Math.floor((e.clientY - r.top - 20) / cell);
+      if (h >= 0 && h < H && l >= 0 && l < L) { state.layer = l; state.head = h; draw(); }
+    });
+    draw();
+  }
+
+  // ---- logit lens: the top next tokens after every block, at a position you click -----------------
+  // ids / probs (L, T, k): softmax(output(norm(h_l))) after block l at position t, best first.
+  function lensExplorer(root, data) {
+    const probs = floats(data.probs);
+    const [L, T, K] = data.probs.shape;
+    const ids = data.ids, words = data.words, labels = data.labels;
+    const state = {t: Math.min(T - 1, data.position), block: L - 1};
+    const strip = el("div", {class: "lens-tokens"}, root);
+    const spans = labels.map((label, t) => {
+      const span = el("span", {text: label, "data-t": t,
+                               style: "cursor:pointer; padding:0 2px; margin:1px; display:inline-block"}, strip);
+      span.addEventListener("click", () => { state.t = t; draw(); });
+      return span;
+    });
+    const controls = el("div", {}, root);
+    slider(controls, "block", 0, L - 1, 1, L - 1, v => { state.block = v; draw(); });
+    const out = el("div", {class: "readout lens-readout"}, root);
+    const table = el("table", {class: "lens-table"}, root);
+    function draw() {
+      spans.forEach((span, t) => { span.style.background = t === state.t ? "#fde2e2" : ""; });
+      Object.assign(out.dataset, {t: state.t, block: state.block});
+      const top = [0, 1, 2].map(j => `${words[ids[state.block][state.t][j]]} ` +
+        fmt(probs[(state.block * T + state.t) * K + j], 3));
+      out.textContent = `After “${labels[state.t]}” (position ${state.t}), block ${state.block}` +
+        ` predicts: ${top.join(", ")}` + (state.block === L - 1 ? " (the model's output)" : "");
+      table.replaceChildren();
+      const head = el("tr", {}, table);
+      el("th", {text: "block"}, head);
+      for (let j = 0; j < K; j++) el("th", {text: `#${j + 1}`}, head);
+      for (let l = 0; l < L; l++) {
+        const tr = el("tr", {"data-block": l, style: l === state.block ? "outline: 2px solid #d04a4a" : ""}, table);
+        el("td", {text: l}, tr);
+        for (let j = 0; j < K; j++) {
+          const p = probs[(l * T + state.t) * K + j], id = ids[l][state.t][j];
+          el("td", {text: `${words[id]} ${fmt(p, 2)}`, "data-id": id, "data-p": String(p),
+                    style: `background:${colorScale(p)}; text-align:left`}, tr);
+        }
+      }
+    }
+    draw();
+  }
+
+  const KINDS = {sampling: samplingExplorer, rope: ropeExplorer, attention: attentionExplorer,
+                 lens: lensExplorer};
 
   function start() {
     for (const root of document.querySelectorAll("div.explorer")) {

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from torchllama.anatomy.capture import residual_stream
-from torchllama.anatomy.report import AnatomyContext, Figure, Prose, Section, token_labels
+from torchllama.anatomy.report import (AnatomyContext, Explorer, Figure, Prose, Section,
+                                       float32_blob, token_labels)
 
 #: positions shown in the grid (the text's first tokens)
 LENS_TOKENS = 16
@@ -23,22 +24,27 @@ def _pyplot():
 
 
 @torch.no_grad()
-def logit_lens(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token predictions read from the residual stream after each block.
+def logit_lens(model, tokens: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token predictions read from the residual stream after each block (nostalgebraist
+    2020, "interpreting GPT: the logit lens").
 
     Args:
         tokens: (1, T) int64.
+        k: how many of the most likely tokens to return.
 
     Returns:
-        (top_ids, top_probs), each (L, T): at layer l (after block l) and position t, the most
-        likely next token of softmax(output(norm(h_l))) and its probability. The last row is the
-        model's own prediction.
+        (top_ids, top_probs), each (L, T) for k = 1, else (L, T, k) best first: at layer l
+        (after block l) and position t, the most likely next tokens of
+        softmax(output(norm(h_l))) and their probabilities. The last row is the model's own
+        prediction.
     """
     h = residual_stream(model, tokens)[1:, 0]                        # (L, T, D) fp32
     if hasattr(model, "norm"):
         h = model.norm(h)                                            # (L, T, D)
     probs = torch.softmax(model.logits(h), dim=-1)                   # (L, T, V)
-    top = probs.max(-1)
+    top = probs.topk(k, dim=-1)                                      # (L, T, k) each
+    if k == 1:
+        return top.indices[..., 0], top.values[..., 0]               # (L, T) each
     return top.indices, top.values
 
 
@@ -53,6 +59,9 @@ class LogitLens:
         first_agreeing: the first layer with agreement ≥ 0.5 (L − 1 if none).
         words: the first n = min(LENS_TOKENS, T) predicted tokens of each layer, as labels.
         input_labels: the labels of the first n input tokens.
+        top_k_ids, top_k_probs: (L, T, TOP_K) the TOP_K most likely, best first (the
+            explorer's table).
+        vocab: label of every token id in top_k_ids.
     """
 
     top_ids: torch.Tensor
@@ -61,19 +70,29 @@ class LogitLens:
     first_agreeing: int
     words: list[list[str]]
     input_labels: list[str]
+    top_k_ids: torch.Tensor
+    top_k_probs: torch.Tensor
+    vocab: dict[int, str]
+
+
+#: tokens per block and position in the explorer
+TOP_K = 5
 
 
 def measure_logit_lens(ctx: AnatomyContext) -> LogitLens:
     """`logit_lens` of ctx's text and how early it agrees with the final prediction."""
     ctx.progress("logit lens")
-    top_ids, top_probs = logit_lens(ctx.model, ctx.tokens)          # (L, T) each
+    top_k_ids, top_k_probs = logit_lens(ctx.model, ctx.tokens, TOP_K)  # (L, T, k) each
+    top_ids, top_probs = top_k_ids[..., 0], top_k_probs[..., 0]        # (L, T) each
     L, T = top_ids.shape
+    used = sorted(set(top_k_ids.flatten().tolist()))
     agree = (top_ids == top_ids[-1]).float().mean(1)                 # (L,)
     n = min(LENS_TOKENS, T)
     return LogitLens(top_ids=top_ids, top_probs=top_probs, agreement=agree,
                      first_agreeing=next((l for l in range(L) if agree[l] >= 0.5), L - 1),
                      words=[token_labels(ctx.tokenizer, row[:n].tolist()) for row in top_ids],
-                     input_labels=ctx.labels[:n])
+                     input_labels=ctx.labels[:n], top_k_ids=top_k_ids, top_k_probs=top_k_probs,
+                     vocab=dict(zip(used, token_labels(ctx.tokenizer, used))))
 
 
 def plot_lens_grid(m: LogitLens) -> Figure:
@@ -134,10 +153,27 @@ def logit_lens_prose(m: LogitLens) -> Prose:
     return Prose(LOOK_FOR, headline, data)
 
 
+def lens_explorer(m: LogitLens, ctx: AnatomyContext) -> Explorer:
+    """The interactive view (explorers.js `lensExplorer`): click a position of the text to
+    see the TOP_K next tokens and probabilities after every block; a block slider."""
+    L, T, _ = m.top_k_ids.shape
+    return Explorer(
+        "positions", "lens",
+        "Click a token of the text: the table lists, after every block, the five most likely "
+        "next tokens read through the final norm and output head, with their probabilities; "
+        "the slider picks a block for the readout.",
+        {"ids": m.top_k_ids.tolist(), "probs": float32_blob(m.top_k_probs),
+         "words": {str(i): w for i, w in m.vocab.items()}, "labels": ctx.labels[:T],
+         "position": min(T - 1, LENS_TOKENS - 1)})
+
+
 def logit_lens_section(ctx: AnatomyContext) -> Section:
     """A layers × positions grid of the top next-token at each depth, coloured by its
-    probability, and per layer the share of positions where it already equals the final one."""
+    probability, and per layer the share of positions where it already equals the final one;
+    the top 5 per block at any position interactively (`lens_explorer`)."""
     m = measure_logit_lens(ctx)
-    return logit_lens_prose(m).section(
+    section = logit_lens_prose(m).section(
         "logit-lens", "Logit lens: the prediction layer by layer",
         [plot_lens_grid(m), plot_agreement(m)], {"top_ids": m.top_ids, "top_probs": m.top_probs})
+    section.explorers.append(lens_explorer(m, ctx))
+    return section
