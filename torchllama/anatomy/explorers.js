@@ -1,5 +1,5 @@
 // The anatomy page's explorers: interactive views over numbers the report embedded (each
-// <div class="explorer" data-kind="…"> holds its data as JSON in a <script> child). Plain
+// div.explorer[data-kind] holds its data as JSON in a child script element). Plain
 // JavaScript and <canvas>, written for this page: no library, no network.
 //
 // Each explorer keeps what it shows in data-* attributes of its elements (the tests read them
