@@ -71,8 +71,12 @@ def test_qk_depends_only_on_relative_position_and_decays():
 
 def test_rope_section_on_a_tiny_model():
     section = rope_section(tiny_ctx())
-    assert [f.name for f in section.figures] == ["angles", "path", "decay"]
+    assert [f.name for f in section.figures] == ["angles", "path", "decay", "unseen"]
     assert max(section.data["invariance_max_abs_error"].values()) <= 1e-4
+    L = section.data["context"]                  # at L every slow pair's angle is new
+    assert section.data["unseen_pairs_at"][str(L)] == sum(
+        w > L for w in section.data["wavelengths"][section.data["bases"][0]])
+    assert [e.kind for e in section.explorers] == ["rope"]
     import json
     json.dumps(section.data)
 
@@ -195,3 +199,21 @@ def test_no_long_text_anywhere_names_the_option_and_make_test(monkeypatch):
         extrapolation_section(tiny_ctx())
     with pytest.raises(ArgumentError, match="extrapolation_factor"):
         extrapolation_section(tiny_ctx(extrapolation_factor=1))
+
+
+def test_unseen_pairs_counts_the_angles_training_never_produced():
+    from torchllama.anatomy.rope import rope_wavelengths, unseen_pairs
+
+    w = rope_wavelengths(16, 100.0)                                   # (8,) wavelengths
+    L = 40
+    slow = int((w > L).sum())
+    assert 0 < slow < 8
+    m = torch.arange(0, 6 * L)
+    got = unseen_pairs(w, L, m)
+    # each position's angles, against the arc [0, L·θ_i) training covered of each slow pair
+    theta = 2 * math.pi / w.double()
+    angle = torch.remainder(m.double()[:, None] * theta, 2 * math.pi)      # (N, 8)
+    expected = ((w > L) & (angle >= L * theta - 1e-9)).sum(1)
+    assert torch.equal(got, expected)
+    assert got[:L].eq(0).all() and got[L] == slow                       # none before L
+    assert got.max() == slow

@@ -393,6 +393,49 @@ def plot_path(m: RopeMeasurements) -> Figure:
                   f"changes.", fig)
 
 
+def unseen_pairs(wavelengths: torch.Tensor, context: int, positions: torch.Tensor) -> torch.Tensor:
+    """How many frequency pairs sit, at each position, at an angle no position of training
+    produced: pair i turns by 2π·m/λ_i at position m, and training (positions 0..L−1) saw every
+    angle of the pairs whose wavelength λ_i ≤ L but only [0, 2π·L/λ_i) of the others; position
+    m shows pair i a new angle when λ_i > L and (m mod λ_i) ≥ L. Pure arithmetic on θ, no model
+    run: the cheap view of why RoPE models fail past their context (the `extrapolation`
+    section measures the loss itself).
+
+    Args:
+        wavelengths: (P,) float λ_i in positions; context: L; positions: (N,) int64.
+
+    Returns:
+        (N,) int64 counts.
+    """
+    w = wavelengths.double()[None, :]                                     # (1, P)
+    m = positions.double()[:, None]                                       # (N, 1)
+    return ((w > context) & (torch.remainder(m, w) >= context)).sum(1)    # (N,)
+
+
+def plot_unseen(m: RopeMeasurements) -> Figure:
+    """The unseen-angle pairs against position, 0 … 4L, for each base."""
+    plt = _pyplot()
+    L = m.context
+    positions = torch.linspace(0, 4 * L, 401).round().long()             # (401,)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for b in m.labels:
+        ax.plot(positions.numpy(), unseen_pairs(m.wavelengths[b], L, positions).numpy(),
+                label=b)
+    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
+    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+    ax.set_xlabel("position m")
+    ax.set_ylabel(f"pairs of {m.dim // 2} at new angles")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return Figure("unseen", "Past the trained context: how many frequency pairs a query at "
+                  "position m shows at a rotation angle that no training position produced "
+                  "(the slow pairs, whose wavelength exceeds L, saw only part of their "
+                  "circle). Zero up to L by construction; past it the attention scores meet "
+                  "inputs the model never learned. `torchllama anatomy --only extrapolation` "
+                  "measures what that does to the loss.", fig)
+
+
 def plot_decay(m: RopeMeasurements) -> Figure:
     """q·k of the all-ones vectors and RoFormer's bound against distance, per base."""
     plt = _pyplot()
@@ -440,6 +483,14 @@ def rope_headline(m: RopeMeasurements) -> list[str]:
             f"positions (limit 2π·θ = {2 * math.pi * m.bases[b][0]:,.0f})"
             + (f"; {n_long} of {dim // 2} pairs never complete a turn within the context "
                f"L = {L:,}." if m.has_rope else "."))
+    if m.has_rope:
+        b0 = labels[0]
+        at = torch.tensor([2 * L, 4 * L])
+        n2, n4 = unseen_pairs(m.wavelengths[b0], L, at).tolist()
+        headline.append(
+            f"Past the trained context ({b0}): at 2L = {2 * L:,} a query shows {n2} of "
+            f"{dim // 2} pairs at angles no training position produced, at 4L {n4}; the "
+            f"measured loss there: `torchllama anatomy --only extrapolation` (minutes).")
     llama = m.llama_wavelengths
     headline.append(f"For reference, θ = 10,000 with head dim 128 (Llama 2): "
                     f"{llama[0].item():.2f} to {llama[-1].item():,.0f} positions.")
@@ -501,6 +552,10 @@ def rope_prose(m: RopeMeasurements) -> Prose:
             "decay_distance": m.decay[b0]["distance"].tolist(),
             "decay_ones": {b: _rounded(m.decay[b]["ones"], 5) for b in labels},
             "decay_bound": {b: _rounded(m.decay[b]["bound"], 5) for b in labels},
+            "unseen_pairs_at": {str(k * m.context): int(v) for k, v in zip(
+                (1, 2, 4), unseen_pairs(m.wavelengths[b0], m.context,
+                                        torch.tensor([m.context, 2 * m.context,
+                                                      4 * m.context])))} if m.has_rope else {},
             "invariance_source": m.source, "invariance_trials": INVARIANCE_TRIALS,
             "invariance_max_abs_error": {str(p): e for p, e in m.invariance.items()}}
     return Prose(rope_look_for(m), rope_headline(m), data, [table])
@@ -549,6 +604,8 @@ def rope_section(ctx: AnatomyContext) -> Section:
     """
     m = measure_rope(ctx)
     figures = [plot_angles(m), plot_path(m), plot_decay(m)]
+    if m.has_rope:
+        figures.append(plot_unseen(m))
     section = rope_prose(m).section(
         "rope", "Rotary position embeddings (RoPE)", figures,
         {"angles": m.angles, "wavelengths": m.wavelengths, "decay": m.decay, "path": m.path,
