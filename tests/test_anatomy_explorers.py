@@ -124,7 +124,16 @@ def test_the_attention_explorer_shows_the_selected_heads_probabilities(smollm2, 
             shown = page.eval_on_selector(f"{root} .attention-readout",
                                           "e => Object.assign({}, e.dataset)")
             assert (int(shown["layer"]), int(shown["head"]), int(shown["row"])) == (layer, head, 20)
+        # a click on the layer × head grid selects that cell's head (cells of `cell` pixels
+        # from (30, 20), explorers.js)
+        box = page.locator(f"{root} canvas.attention-grid").bounding_box()
+        cell = page.evaluate("n => Math.max(8, Math.min(22, Math.floor(300 / n)))",
+                             max(smollm2[0].args.n_layers, smollm2[0].args.n_heads))
+        page.mouse.click(box["x"] + 30 + 1.5 * cell, box["y"] + 20 + 2.5 * cell)
+        clicked = page.eval_on_selector(f"{root} .attention-readout",
+                                        "e => [Number(e.dataset.layer), Number(e.dataset.head)]")
         assert errors == []
+    assert clicked == [2, 1]
     assert pictures[0] != pictures[1]                                  # the heatmap changed
     for head, row in rows.items():
         np.testing.assert_allclose(row, probs_layer[head][20][:21], rtol=1e-5, atol=1e-7)

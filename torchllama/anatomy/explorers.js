@@ -315,8 +315,9 @@
     headSel.addEventListener("change", () => { state.head = Number(headSel.value); draw(); });
     roleSel.addEventListener("change", () => { state.role = roleSel.value; draw(); });
     grid.c.addEventListener("click", e => {
-      const r = grid.c.getBoundingClientRect();
-      const h = Math.floor((e.clientX - r.left - 30) / cell), l = Math.floor((e.clientY - r.top - 20) / cell);
+      const r = grid.c.getBoundingClientRect(), k = grid.c.width / r.width;   // CSS scaling
+      const h = Math.floor(((e.clientX - r.left) * k - 30) / cell);
+      const l = Math.floor(((e.clientY - r.top) * k - 20) / cell);
       if (h >= 0 && h < H && l >= 0 && l < L) { state.layer = l; state.head = h; draw(); }
     });
     draw();
