@@ -621,6 +621,46 @@ def test_json_schema_output_always_validates(client):
     assert done >= 4
 
 
+def test_json_grammars_bound_the_whitespace_between_tokens(smollm2):
+    from llguidance import LLMatcher
+
+    from torchllama.generation.grammar import Grammars, grammar_of
+
+    _, tok = smollm2
+    lltok = Grammars(tok).lltokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(lltok, grammar_of("json_schema", schema), log_level=0)
+        ids = tok.encode(text, bos=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert accepts('{"city":"Oslo"}') and accepts('{ "city": "Oslo" }')
+    assert accepts('{\n  "city": "Oslo"\n}') and accepts('{\n\t"city": "Oslo"}')
+    assert not accepts('{\n\n"city": "Oslo"}')                          # a blank line
+    assert not accepts('{\n' + " " * 21 + '"city": "Oslo"}')             # a long indent
+    assert not accepts('{"city": "Oslo"  }')
+
+
+CITY = {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "country": {"type": "string", "maxLength": 24},
+                       "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "country", "population"], "additionalProperties": False}
+
+
+def test_json_schema_at_high_temperature_never_runs_away(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A European city as JSON."}],
+        max_tokens=200, temperature=1.0, seed=3, n=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}})
+    for choice in r.choices:                  # unbounded whitespace ran to max_tokens here
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+        assert "\n\n" not in choice.message.content
+
+
 def test_json_object_regex_and_grammars(client):
     r = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name, age as JSON, short."}],

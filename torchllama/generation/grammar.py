@@ -30,8 +30,24 @@ class GrammarError(ArgumentError):
     message is the engine's)."""
 
 
+#: The whitespace a JSON grammar allows between two JSON tokens: none, one space, or a newline
+#: and an indent of at most 20 spaces or tabs (llama.cpp's `ws` rule, json-schema-to-grammar).
+#: llguidance's default allows any run of whitespace there, and sampling at temperature 0.7
+#: filled `max_tokens` with blank lines (`{\n"city": "Oslo"\n\n   \n\n…`). A schema's own
+#: "x-guidance" options override it.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+
+
+def _json_grammar(schema: dict) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+
+
 def grammar_of(kind: str, spec: Any) -> str:
-    """The llguidance grammar of a constraint.
+    """The llguidance grammar of a constraint. JSON (json_schema, json_object) allows only
+    `JSON_WHITESPACE` between its tokens.
 
     Args:
         kind: "json_schema" (spec: a JSON schema as a dict or a JSON string), "json_object"
@@ -47,13 +63,13 @@ def grammar_of(kind: str, spec: Any) -> str:
     from llguidance._lib import regex_to_lark
 
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return _json_grammar({"type": "object"})
     if kind == "json_schema":
         try:
             schema = json.loads(spec) if isinstance(spec, str) else spec
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
-            return LLMatcher.grammar_from_json_schema(schema)
+            return _json_grammar(schema)
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {e}") from None
     if kind == "regex":     # \d and \w as ASCII ([0-9], [0-9A-Za-z_]), as in JSON schemas
