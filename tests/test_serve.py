@@ -9,6 +9,7 @@ decodes as one batch. Token counts in `usage` are checked against our tokenizer.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import http.client
@@ -21,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 
@@ -619,6 +622,48 @@ def test_json_schema_output_always_validates(client):
                 else:
                     assert reason == "length"
     assert done >= 4
+
+
+def test_embeddings_are_the_models_pooled_hidden_states(client, server, smollm2):
+    model, tok = smollm2
+    texts = ["Hello world", "The cat sat on the mat and looked at the dog."]
+    r = client.embeddings.create(model=MODEL, input=texts)
+    got = torch.tensor([d.embedding for d in r.data])                  # (2, 576)
+    ids = [tok.encode(t, bos=False) for t in texts]
+    with torch.inference_mode():
+        model.clear_caches()
+        mean = torch.stack([model(torch.tensor([i]), hidden=True)[0].float().mean(0)
+                            for i in ids])                             # each alone
+        last = torch.stack([model(torch.tensor([i]), hidden=True)[0, -1].float() for i in ids])
+    assert got.shape == (2, model.args.dim) and [d.index for d in r.data] == [0, 1]
+    assert torch.equal(got, mean)                                      # float32 JSON round-trips
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    b64 = client.embeddings.create(model=MODEL, input=ids[1], encoding_format="base64",
+                                   extra_body={"pooling": "last"})
+    vector = np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4")
+    assert torch.equal(torch.from_numpy(vector.copy()), last[1])
+    status, body = http_json(server.port, "POST", "/v1/embeddings",
+                             {"input": "hi", "dimensions": 8})
+    assert status == 400 and body["error"]["param"] == "dimensions"
+    status, body = http_json(server.port, "POST", "/v1/embeddings", {"input": [[1, 10 ** 9]]})
+    assert status == 400 and body["error"]["param"] == "input"
+    status, body = http_json(server.port, "POST", "/v1/embeddings", {"input": ""})
+    assert status == 400 and body["error"]["param"] == "input"
+
+
+def test_embeddings_between_decode_steps_change_no_answer(client, smollm2):
+    tokenizer = smollm2[1]
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected = [greedy(smollm2, encode_prompt(tokenizer, p), 48)[0] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(client.completions.create, model=MODEL, prompt=p, max_tokens=48,
+                            temperature=0) for p in prompts]
+        vectors = [pool.submit(client.embeddings.create, model=MODEL,
+                               input=["a river", "the sea " * 40]) for _ in range(3)]
+        texts = [r.result().choices[0].text for r in runs]
+        got = [torch.tensor([d.embedding for d in v.result().data]) for v in vectors]
+    assert texts == expected                       # the rows' caches were left alone
+    assert all(torch.equal(g, got[0]) for g in got)
 
 
 def test_json_grammars_bound_the_whitespace_between_tokens(smollm2):

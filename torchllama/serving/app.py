@@ -5,6 +5,7 @@
     GET  /v1/models              the one model served
     POST /v1/completions         text completion (OpenAI's legacy API), stream or not
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not
+    POST /v1/embeddings          pooled final hidden states (`torchllama.serving.embeddings`)
 
 Every request is tokenized here and handed to `torchllama.serving.engine.Engine`, which decodes all
 running requests together (with `--draft`, a request decoding alone runs speculative rounds),
@@ -32,7 +33,8 @@ from torchllama.errors import ArgumentError, TorchLlamaError
 from torchllama.generation.session import encode_chat, encode_prompt
 from torchllama.generation.grammar import Grammars, GrammarError
 from torchllama.serving.metrics import ServerMetrics
-from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, Reply, SamplingBody,
+from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, EmbeddingBody,
+                                         Reply, SamplingBody,
                                          chunk, constraint_of, delta, error_event, error_response,
                                          finish_payload, first_payloads, response)
 from torchllama.generation.sampling import SamplingParams
@@ -428,6 +430,20 @@ def _add_routes(app: FastAPI, service: "_Completions") -> None:
         return await service.respond(http, body, prompt_ids, False, body.max_tokens,
                                      body.logprobs)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingBody):
+        from torchllama.serving.embeddings import encoded, pooled
+
+        lists = embedding_inputs(tokenizer, body, engine.context, engine.model.args.vocab_size)
+        future = engine.call(lambda: pooled(engine.model, lists, body.pooling))
+        vectors = await asyncio.wrap_future(future)                      # (N, dim) float32
+        n = sum(len(ids) for ids in lists)
+        return {"object": "list", "model": model_name,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": encoded(v, body.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         try:
@@ -437,6 +453,36 @@ def _add_routes(app: FastAPI, service: "_Completions") -> None:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await service.respond(http, body, prompt_ids, True,
                                      body.max_completion_tokens or body.max_tokens, logprobs)
+
+
+def embedding_inputs(tokenizer, body: EmbeddingBody, context: int,
+                     vocab_size: int) -> list[list[int]]:
+    """The body's inputs as token-id lists (a string, strings, token ids, lists of them; no
+    BOS added, as OpenAI's tokens are the text's).
+
+    Raises:
+        APIError: 400 (param "input") for an empty input, one longer than the context or a
+            token id outside the vocabulary; (param "dimensions") for `dimensions`, which the
+            model's hidden size fixes.
+    """
+    if body.dimensions is not None:
+        raise APIError(400, "dimensions: this model's embeddings have its hidden size; "
+                       "leave dimensions out", "dimensions")
+    items = body.input
+    if isinstance(items, str) or (items and isinstance(items[0], int)):
+        items = [items]
+    lists = [tokenizer.encode(x, bos=False) if isinstance(x, str) else list(x) for x in items]
+    for i, ids in enumerate(lists):
+        if not ids:
+            raise APIError(400, f"input[{i}] is empty (no tokens)", "input")
+        if len(ids) > context:
+            raise APIError(400, f"input[{i}] has {len(ids)} tokens; the context holds "
+                           f"{context}", "input")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise APIError(400, f"input[{i}]: token ids must be in [0, {vocab_size})", "input")
+    if not lists:
+        raise APIError(400, "input is empty", "input")
+    return lists
 
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,

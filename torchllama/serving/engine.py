@@ -41,8 +41,10 @@ where they differ — the same bits as prefilling it whole, since chunked prefil
 from __future__ import annotations
 
 import logging
+import collections
+import concurrent.futures
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -109,6 +111,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._calls: collections.deque = collections.deque()   # (fn, Future) for the thread
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -153,6 +156,34 @@ class Engine:
         self.scheduler.add(request)
         self._wake.set()
         return request
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` in the engine thread between two steps, with the model's KV caches taken
+        off (a forward of its own sees no cache and leaves the rows' caches untouched), and
+        return the Future of its result (or exception). The server's /v1/embeddings runs its
+        forwards so: the model is never used by two threads at once."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set():
+            future.set_exception(TorchLlamaError("the engine has been shut down"))
+            return future
+        self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        """Run the queued `call`s (the caches off while they run)."""
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            caches = self.model.caches
+            self.model.use_caches(None)
+            try:
+                future.set_result(fn())
+            except Exception as e:                    # noqa: BLE001 - the caller's to see
+                future.set_exception(e)
+            finally:
+                self.model.use_caches(caches)
 
     @property
     def active(self) -> int:
@@ -214,13 +245,16 @@ class Engine:
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                if not self.step():
+                self._run_calls()
+                if not self.step() and not self._calls:
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
         for b in self.scheduler.running():
             self.output.finish(b, "cancelled")
         for request in self.scheduler.drain():        # and those still waiting for a row
             notify(request.on_finish, "cancelled")
+        while self._calls:
+            self._calls.popleft()[1].set_exception(TorchLlamaError("the engine shut down"))
 
     # ---- prefill -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
     CompletionBody, ChatBody   the request bodies (OpenAI's fields; top_k, min_p,
                                repetition_penalty, grammar and regex are extensions)
+    EmbeddingBody              /v1/embeddings (pooling is an extension)
     APIError, error_response   errors, as {"error": {"message", "type", "param", "code"}}
     constraint_of              a body's output constraint (response_format, grammar, regex)
     Reply                      one request being answered: id, kind, choices, usage
@@ -74,6 +75,17 @@ class ChatBody(SamplingBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+class EmbeddingBody(BaseModel):
+    """OpenAI's /v1/embeddings body; `pooling` ("mean" or "last") is an extension
+    (`torchllama.serving.embeddings`)."""
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    pooling: Literal["mean", "last"] = "mean"
 
 
 class APIError(Exception):
