@@ -1,0 +1,146 @@
+"""Structured output under sampling: `json_schema` requests at temperatures 0.7–1.0 over six
+schemas against `torchllama serve`, counting how each finishes and whether it validates.
+
+Starts the server (the embedded SmolLM2 unless --model) on a free local port, sends
+--per-schema requests per schema with the `openai` client (temperatures cycling 0.7, 0.8, 0.9,
+1.0; one seed each), and prints per schema: finished "stop", valid JSON against the schema
+(`jsonschema`), finished "length" (ran to max_tokens), and the largest share of whitespace in
+one answer. Every object gets "additionalProperties": false, as OpenAI's strict mode requires
+(--loose leaves it out: then an answer may add keys until max_tokens). Issue 30's target: every request finishes "stop" with valid JSON, no whitespace
+runaway (grammar.JSON_WHITESPACE bounds it).
+
+    .venv/bin/python benchmarks/structured_output.py [--model PATH] [--per-schema 10] [--max-tokens 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCHEMAS = {
+    "city": ({"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+              "required": ["city"]}, "Name a city in Norway as JSON."),
+    "person": ({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 40}},
+        "required": ["name", "age"], "additionalProperties": False},
+        "Describe a person as JSON."),
+    "enum": ({"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"enum": ["S", "M", "L"]}}, "required": ["color", "size"]},
+        "Pick a T-shirt as JSON."),
+    "nested": ({"type": "object", "properties": {
+        "book": {"type": "object", "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "author": {"type": "object", "properties": {"name": {"type": "string",
+                                                                 "maxLength": 30}},
+                       "required": ["name"]}}, "required": ["title", "author"]}},
+        "required": ["book"]}, "A book and its author as JSON."),
+    "array": ({"type": "object", "properties": {
+        "fruits": {"type": "array", "items": {"type": "string", "maxLength": 15},
+                   "minItems": 1, "maxItems": 4}}, "required": ["fruits"]},
+        "List some fruits as JSON."),
+    "numbers": ({"type": "object", "properties": {
+        "temperature": {"type": "number"}, "humidity": {"type": "integer", "minimum": 0,
+                                                        "maximum": 100},
+        "raining": {"type": "boolean"}}, "required": ["temperature", "humidity", "raining"]},
+        "Today's weather as JSON."),
+}
+
+
+def strict(schema):
+    """The schema with "additionalProperties": false on every object (OpenAI's strict mode
+    requires it; without it the grammar admits any further key, and a sampled answer may go on
+    inventing keys until max_tokens)."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if out.get("type") == "object":
+            out.setdefault("additionalProperties", False)
+        return out
+    return [strict(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model: str | None, port: int, log: Path) -> subprocess.Popen:
+    """`torchllama serve` on 127.0.0.1:port, ready when /health answers."""
+    args = [sys.executable, "-m", "torchllama", "serve", "--port", str(port)]
+    if model:
+        args += ["--model", model]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit("the server did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model")
+    ap.add_argument("--per-schema", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--show", action="store_true", help="print every answer cut at max_tokens")
+    ap.add_argument("--loose", action="store_true",
+                    help="leave additionalProperties as the schemas say (default: false, strict)")
+    args = ap.parse_args()
+    import jsonschema
+    from openai import OpenAI
+
+    port, log = free_port(), Path(f"/tmp/structured_output_server_{os.getpid()}.log")
+    proc = start(args.model, port, log)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        totals = [0, 0, 0]
+        print(f"{'schema':10}{'stop':>6}{'valid':>7}{'length':>8}{'max ws share':>14}")
+        for name, (schema, ask) in SCHEMAS.items():
+            schema = schema if args.loose else strict(schema)
+            stop = valid = length = 0
+            worst = 0.0
+            for i in range(args.per_schema):
+                r = client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": ask}],
+                    max_tokens=args.max_tokens, temperature=(0.7, 0.8, 0.9, 1.0)[i % 4],
+                    seed=i, response_format={"type": "json_schema",
+                                             "json_schema": {"name": name, "schema": schema}})
+                text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+                worst = max(worst, sum(c.isspace() for c in text) / max(len(text), 1))
+                stop += reason == "stop"
+                length += reason == "length"
+                if args.show and reason == "length":
+                    print(f"  {name} T={(0.7, 0.8, 0.9, 1.0)[i % 4]} seed {i}: {text[:160]!r}")
+                try:
+                    jsonschema.validate(json.loads(text), schema)
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+            totals = [totals[0] + stop, totals[1] + valid, totals[2] + length]
+            print(f"{name:10}{stop:>6}{valid:>7}{length:>8}{worst:>14.2f}", flush=True)
+        n = args.per_schema * len(SCHEMAS)
+        print(f"{'all':10}{totals[0]:>6}{totals[1]:>7}{totals[2]:>8}   of {n} requests")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
