@@ -2,10 +2,11 @@
 
 A decode step reads every weight once: the 1B shape's 630 MB at batch 1. On 4 KiB pages that
 stream crosses a page every 32 Q4 blocks, and the CPU's hardware prefetchers stop at page
-boundaries (and each page costs a TLB walk): on the 2-core Zen 3 these figures come from, the
-decode products alone streamed 15.0 GB/s of weights on torch's 4 KiB pages and 19.3 GB/s on
-2 MiB pages, in the same process against the same `torch.sum` (≈ 27 GB/s) —
-`benchmarks/decode_roofline.py`.
+boundaries (and each page costs a TLB walk). On the 2-core Zen 3 these figures come from,
+`benchmarks/huge_pages.py` (a 1B layer's decode products × 8, the same weights on both page
+sizes in one process, round by round) streamed 1.06× and 1.12× the 4 KiB rate at the median of
+two runs (rounds 0.92–1.22×: the machine is shared); `benchmarks/decode_roofline.py`'s
+products-alone row went from 23.7 to 30.6 tok/s (15.0 → 19.3 GB/s) in runs minutes apart.
 
 The kernel gives an anonymous mapping huge pages when the process asks (`madvise(2)`
 MADV_HUGEPAGE) and `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`
@@ -57,10 +58,10 @@ def supported() -> bool:
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of
-    `shape` and `dtype`, on memory advised for transparent huge pages and aligned to 2 MiB;
-    `torch.empty(shape, dtype=dtype)` where huge pages are not `supported()` or the tensor is
-    under `MIN_BYTES`. The mapping lives as long as a tensor viewing it."""
+    """An uninitialised contiguous CPU tensor of `shape` and `dtype`, on memory advised for
+    transparent huge pages and aligned to 2 MiB; `torch.empty(shape, dtype=dtype)` where huge
+    pages are not `supported()` or the tensor is under `MIN_BYTES`. The mapping lives as long
+    as a tensor viewing it."""
     numel = 1
     for n in shape:
         numel *= int(n)

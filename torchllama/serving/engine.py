@@ -40,9 +40,9 @@ where they differ — the same bits as prefilling it whole, since chunked prefil
 
 from __future__ import annotations
 
-import logging
 import collections
 import concurrent.futures
+import logging
 import threading
 from typing import Any, Callable, Optional
 
@@ -158,10 +158,10 @@ class Engine:
         return request
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn()` in the engine thread between two steps, with the model's KV caches taken
-        off (a forward of its own sees no cache and leaves the rows' caches untouched), and
-        return the Future of its result (or exception). The server's /v1/embeddings runs its
-        forwards so: the model is never used by two threads at once."""
+        """Run `fn()` in the engine thread (`start`) between two steps, with the model's KV
+        caches taken off (a forward of its own sees no cache and leaves the rows' caches
+        untouched), and return the Future of its result (or exception). The server's
+        /v1/embeddings runs its forwards so: the model is never used by two threads at once."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stop.is_set():
             future.set_exception(TorchLlamaError("the engine has been shut down"))
