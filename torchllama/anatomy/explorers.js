@@ -41,6 +41,17 @@
     return {c, g: c.getContext("2d")};
   }
 
+  // the text's tokens as a row of spans (data-t = position); `event` on one calls pick(t)
+  function tokenStrip(parent, cls, labels, event, pick) {
+    const strip = el("div", {class: cls}, parent);
+    return labels.map((label, t) => {
+      const span = el("span", {text: label, "data-t": t, style: "cursor:pointer; padding:0 2px; " +
+                               "margin:1px; display:inline-block"}, strip);
+      span.addEventListener(event, () => pick(t));
+      return span;
+    });
+  }
+
   function fmt(x, digits) { return Number(x).toPrecision(digits || 4); }
 
   // ---- sampling: temperature, top-p, min-p over the real next-token logits -----------------------
@@ -258,13 +269,8 @@
     const heat = canvas(row, T * side + 2, T * side + 2);
     heat.c.classList.add("attention-heatmap");
     const out = el("div", {class: "readout attention-readout"}, root);
-    const strip = el("div", {class: "attention-tokens"}, root);
-    const tokens = labels.map((label, t) => {
-      const span = el("span", {text: label, "data-t": t,
-                               style: "cursor:pointer; padding:0 2px; margin:1px; display:inline-block"}, strip);
-      span.addEventListener("mouseenter", () => { state.row = t; draw(); });
-      return span;
-    });
+    const tokens = tokenStrip(root, "attention-tokens", labels, "mouseenter",
+                              t => { state.row = t; draw(); });
     const weights = el("div", {class: "readout attention-row"}, root);
     const at = (l, h, t, s) => probs[((l * H + h) * T + t) * T + s];
 
@@ -330,13 +336,7 @@
     const [L, T, K] = data.probs.shape;
     const ids = data.ids, words = data.words, labels = data.labels;
     const state = {t: Math.min(T - 1, data.position), block: L - 1};
-    const strip = el("div", {class: "lens-tokens"}, root);
-    const spans = labels.map((label, t) => {
-      const span = el("span", {text: label, "data-t": t,
-                               style: "cursor:pointer; padding:0 2px; margin:1px; display:inline-block"}, strip);
-      span.addEventListener("click", () => { state.t = t; draw(); });
-      return span;
-    });
+    const spans = tokenStrip(root, "lens-tokens", labels, "click", t => { state.t = t; draw(); });
     const controls = el("div", {}, root);
     slider(controls, "block", 0, L - 1, 1, L - 1, v => { state.block = v; draw(); });
     const out = el("div", {class: "readout lens-readout"}, root);
