@@ -778,7 +778,8 @@ def anatomy(model: Optional[str] = None, text: Optional[str] = None,
             option: Optional[list[str]] = None, force: bool = False) -> int:
     """Look inside a model: attention maps, head roles, RoPE, norms, sampling, the logit lens
     and (for a training run) the loss landscape, as one self-contained HTML page OUT/index.html
-    with each figure also as PNG and every number in OUT/anatomy.json.
+    (with interactive explorers of RoPE, attention, the logit lens and sampling) with each
+    figure also as PNG and every number in OUT/anatomy.json.
 
     Args:
         model: a checkpoint, packaged name or `torchllama train` run folder; default: the

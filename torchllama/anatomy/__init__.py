@@ -6,6 +6,7 @@ logit lens, the loss landscape — as one report (`torchllama anatomy`) or from 
     report["heads"].tensors["induction"]                 # (n_layers, n_heads) scores
     report["heads"].figures[0].figure                    # a matplotlib Figure
     anatomy.write_report(report, "anatomy-out")          # index.html, figures/*.png, anatomy.json
+    report["rope"].explorers[0].data                     # what the page's RoPE explorer draws
 
 The capture API works on any `Transformer`: `capture_attention(model)` records every layer's
 attention probabilities during a forward pass, `residual_stream(model, tokens)` the residual
@@ -21,9 +22,9 @@ from typing import Optional
 import torch
 
 from torchllama.anatomy.capture import AttentionCapture, capture_attention, residual_stream
-from torchllama.anatomy.report import (DEFAULT_TEXT, OPT_IN, SECTIONS, AnatomyContext, Figure,
-                                       Report, Section, Table, check_out_folder, parse_only, run_sections, token_labels,
-                                       write_report)
+from torchllama.anatomy.report import (DEFAULT_TEXT, OPT_IN, SECTIONS, AnatomyContext, Explorer,
+                                       Figure, Report, Section, Table, check_out_folder, parse_only,
+                                       run_sections, token_labels, write_report)
 from torchllama.errors import ArgumentError, ModelFileError
 
 #: the most tokens of text analysed (attention maps are drawn for the first MAP_TOKENS of them)
@@ -114,5 +115,6 @@ def run(model: Optional[str | os.PathLike] = None, text: Optional[str] = None, *
 
 
 __all__ = ["run", "build_context", "write_report", "capture_attention", "residual_stream",
-           "AttentionCapture", "AnatomyContext", "Report", "Section", "Figure", "Table", "SECTIONS",
+           "AttentionCapture", "AnatomyContext", "Report", "Section", "Figure", "Table", "Explorer",
+           "SECTIONS",
            "OPT_IN", "DEFAULT_TEXT", "parse_only", "check_out_folder", "run_sections", "token_labels", "MAX_TOKENS"]
