@@ -10,9 +10,10 @@ dataclass of the numbers, no matplotlib), plot (that dataclass → Figures) and 
 dataclass → a `Prose`: the paragraph, headline, tables and the anatomy.json entry).
 
 `write_report` writes DIR/index.html (one self-contained page: figures embedded as base64
-PNG, the explorers' data as JSON and their JavaScript inline; no network), DIR/figures/<section>-<figure>.png and DIR/anatomy.json, each
-atomically (temp file, then rename). It records what it wrote in DIR/.anatomy-manifest.json
-and refuses to overwrite any other file unless force=True.
+PNG, the explorers' data as JSON and their JavaScript inline; no network),
+DIR/figures/<section>-<figure>.png and DIR/anatomy.json, each atomically (temp file, then
+rename). It records what it wrote in DIR/.anatomy-manifest.json and refuses to overwrite any
+other file unless force=True.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class Figure:
 class Explorer:
     """An interactive view of a section (`explorers.js`, run in the reader's browser from the
     page on disk): `kind` names its JavaScript ("sampling", "rope", "attention", "lens"),
-    `data` is what it draws from (JSON-able; large arrays as `explorers.float32` /
-    `explorers.uint8` base64 blobs), embedded in the page only (not in anatomy.json)."""
+    `data` is what it draws from (JSON-able; large float arrays as `float32_blob`s), embedded
+    in the page only (not in anatomy.json)."""
 
     name: str
     kind: str

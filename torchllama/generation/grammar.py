@@ -39,6 +39,7 @@ JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
 def _json_grammar(schema: dict) -> str:
+    """llguidance's grammar of a JSON schema with `JSON_WHITESPACE` between tokens."""
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(
