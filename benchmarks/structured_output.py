@@ -1,7 +1,8 @@
 """Structured output under sampling: `json_schema` requests at temperatures 0.7–1.0 over six
 schemas against `torchllama serve`, counting how each finishes and whether it validates.
 
-Starts the server (the embedded SmolLM2 unless --model) on a free local port, sends
+Serves the model (the embedded SmolLM2 unless --model) in this process on a free loopback
+port (`bench.serve.serve_in_thread`, as `torchllama bench --serve` does), sends
 --per-schema requests per schema with the `openai` client (temperatures cycling 0.7, 0.8, 0.9,
 1.0; one seed each), and prints per schema: finished "stop", valid JSON against the schema
 (`jsonschema`), finished "length" (ran to max_tokens), and the largest share of whitespace in
@@ -16,15 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 SCHEMAS = {
     "city": ({"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -70,30 +63,6 @@ def strict(schema):
     return [strict(v) for v in schema] if isinstance(schema, list) else schema
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(model: str | None, port: int, log: Path) -> subprocess.Popen:
-    """`torchllama serve` on 127.0.0.1:port, ready when /health answers."""
-    args = [sys.executable, "-m", "torchllama", "serve", "--port", str(port)]
-    if model:
-        args += ["--model", model]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit("the server did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -106,10 +75,14 @@ def main() -> None:
     import jsonschema
     from openai import OpenAI
 
-    port, log = free_port(), Path(f"/tmp/structured_output_server_{os.getpid()}.log")
-    proc = start(args.model, port, log)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    from torchllama.bench.serve import serve_in_thread
+    from torchllama.checkpoint import resolve_model_path
+    from torchllama.serving.app import create_app, load_for_engine
+
+    path = str(resolve_model_path(args.model))
+    model, tokenizer = load_for_engine(path, "auto", progress=False)
+    with serve_in_thread(create_app(model, tokenizer, Path(path).name)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
         totals = [0, 0, 0]
         print(f"{'schema':10}{'stop':>6}{'valid':>7}{'length':>8}{'max ws share':>14}")
         for name, (schema, ask) in SCHEMAS.items():
@@ -137,9 +110,6 @@ def main() -> None:
             print(f"{name:10}{stop:>6}{valid:>7}{length:>8}{worst:>14.2f}", flush=True)
         n = args.per_schema * len(SCHEMAS)
         print(f"{'all':10}{totals[0]:>6}{totals[1]:>7}{totals[2]:>8}   of {n} requests")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

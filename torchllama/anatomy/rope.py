@@ -393,6 +393,12 @@ def plot_path(m: RopeMeasurements) -> Figure:
                   f"changes.", fig)
 
 
+def _mark_context(ax, L: int) -> None:
+    """A dashed vertical line at the trained context L, labelled (call after plotting)."""
+    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
+    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+
+
 def unseen_pairs(wavelengths: torch.Tensor, context: int, positions: torch.Tensor) -> torch.Tensor:
     """How many frequency pairs sit, at each position, at an angle no position of training
     produced: pair i turns by 2π·m/λ_i at position m, and training (positions 0..L−1) saw every
@@ -421,8 +427,7 @@ def plot_unseen(m: RopeMeasurements) -> Figure:
     for b in m.labels:
         ax.plot(positions.numpy(), unseen_pairs(m.wavelengths[b], L, positions).numpy(),
                 label=b)
-    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
-    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+    _mark_context(ax, L)
     ax.set_xlabel("position m")
     ax.set_ylabel(f"pairs of {m.dim // 2} at new angles")
     ax.legend(fontsize=8)
@@ -853,8 +858,7 @@ def plot_extrapolation(m: Extrapolation) -> list[Figure]:
         ax.plot(m.bucket_centers, m.bucket_loss[meth], marker="o", markersize=3,
                 label=f"{meth}: ppl {m.ppl_within[meth]:.1f} within L, "
                       f"{m.ppl_beyond[meth]:.1f} past L")
-    ax.axvline(L, color="gray", linestyle="--", linewidth=1)
-    ax.text(L, ax.get_ylim()[1], f" trained context L = {L:,}", fontsize=8, va="top")
+    _mark_context(ax, L)
     ax.set_xlabel("position in the text")
     ax.set_ylabel(f"mean loss over {bucket:,} positions (nats)")
     ax.set_yscale("log")
