@@ -4,7 +4,8 @@
     GET  /metrics                Prometheus metrics (`torchllama.serving.metrics`)
     GET  /v1/models              the one model served
     POST /v1/completions         text completion (OpenAI's legacy API), stream or not
-    POST /v1/chat/completions    chat completion with the model's chat template, stream or not
+    POST /v1/chat/completions    chat completion with the model's chat template, stream or not;
+                                 tool calling (`torchllama.serving.tools`)
     POST /v1/embeddings          pooled final hidden states (`torchllama.serving.embeddings`)
 
 Every request is tokenized here and handed to `torchllama.serving.engine.Engine`, which decodes all
@@ -36,7 +37,10 @@ from torchllama.serving.metrics import ServerMetrics
 from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, EmbeddingBody,
                                          Reply, SamplingBody,
                                          chunk, constraint_of, delta, error_event, error_response,
-                                         finish_payload, first_payloads, response)
+                                         finish_payload, first_payloads, message_dicts, response,
+                                         tool_deltas)
+from torchllama.serving.tools import (ToolCallParser, ToolError, Tools, chat_messages,
+                                      renders_tools, tool_grammar, tools_of)
 from torchllama.generation.sampling import SamplingParams
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.generation.text import TextStream
@@ -93,6 +97,7 @@ class _Choice:
         self.finish_reason: Optional[str] = None
         self.request: Optional[Request] = None
         self.error: Optional[APIError] = None
+        self.parser: Optional[ToolCallParser] = None     # a chat answer offered tools
 
     # called from the engine thread
     def on_token(self, event: TokenEvent) -> None:
@@ -144,6 +149,30 @@ class _Completions:
         self.model_name = model_name
         self.grammars = Grammars(tokenizer)
         self.context = engine.context
+        self.native_tools = renders_tools(tokenizer.chat_template)
+
+    def chat_prompt(self, body: ChatBody) -> tuple[Optional[Tools], list[int]]:
+        """(the tools the answer is parsed for, or None; the prompt's token ids) of a chat
+        request (`torchllama.serving.tools`).
+
+        Raises:
+            APIError: 400 naming the field: invalid tools or tool_choice, tools together with
+                another output constraint, messages the chat template refuses.
+        """
+        try:
+            tools = tools_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as e:
+            raise APIError(400, str(e), e.param) from None
+        if tools is not None and not tools.active:
+            tools = None
+        if tools is not None and constraint_of(body) is not None:
+            raise APIError(400, "tools: give either tools or one of response_format, grammar "
+                                "and regex", "tools")
+        messages, offered = chat_messages(message_dicts(body.messages), tools, self.native_tools)
+        try:
+            return tools, encode_chat(self.tokenizer, messages, tools=offered)
+        except TorchLlamaError as e:
+            raise APIError(400, str(e), "messages") from None
 
     @staticmethod
     def sampling_of(body: SamplingBody, index: int, top_logprobs: int) -> SamplingParams:
@@ -162,18 +191,32 @@ class _Completions:
             param = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param) from None
 
-    async def constraints_for(self, body: SamplingBody) -> list:
-        """One grammar constraint per choice (None each without one); compiled off the event
-        loop (the first one builds the vocabulary's token table)."""
-        spec = constraint_of(body)
+    async def constraints_for(self, body: SamplingBody, tools: Optional[Tools] = None) -> list:
+        """One grammar constraint per choice (None each without one): the body's, or the
+        tools' (`tool_grammar`); compiled off the event loop (the first one builds the
+        vocabulary's token table)."""
+        spec = constraint_of(body) if tools is None else ("grammar", tool_grammar(tools))
         if spec is None:
             return [None] * body.n
         try:
             first = await asyncio.to_thread(self.grammars.compile, *spec)
         except GrammarError as e:
+            if tools is not None:
+                raise await asyncio.to_thread(self.tool_schema_error, tools, e) from None
             param = "response_format" if spec[0].startswith("json") else spec[0]
             raise APIError(400, str(e), param) from None
         return [first] + [first.copy() for _ in range(body.n - 1)]
+
+    def tool_schema_error(self, tools: Tools, error: GrammarError) -> APIError:
+        """The 400 for tools whose grammar does not compile, naming the first tool whose
+        parameter schema does not compile alone."""
+        for i, (name, schema) in enumerate(tools.functions.items()):
+            try:
+                self.grammars.compile("json_schema", schema)
+            except GrammarError as e:
+                param = f"tools[{i}].function.parameters"
+                return APIError(400, f"{param} ({name}): {e}", param)
+        return APIError(400, f"tools: {error}", "tools")
 
     def check(self, body: SamplingBody, prompt_ids: list[int], chat: bool,
               max_tokens: Optional[int]) -> tuple[int, list[str]]:
@@ -196,10 +239,11 @@ class _Completions:
         return min(max_tokens or context, context - len(prompt_ids)), stops
 
     async def submit(self, body: SamplingBody, prompt_ids: list[int], chat: bool,
-                     max_tokens: Optional[int], logprobs: Optional[int]) -> list[_Choice]:
+                     max_tokens: Optional[int], logprobs: Optional[int],
+                     tools: Optional[Tools] = None) -> list[_Choice]:
         """Check the request and queue one engine request per choice."""
         max_tokens, stops = self.check(body, prompt_ids, chat, max_tokens)
-        constraints = await self.constraints_for(body)
+        constraints = await self.constraints_for(body, tools)
         loop = asyncio.get_running_loop()
         choices = []
         started = time.perf_counter()
@@ -211,6 +255,7 @@ class _Completions:
                                      self.tokenizer.stop_ids, choice.on_token, choice.on_finish,
                                      logprobs=logprobs, constraint=constraints[i],
                                      text=TextStream(self.tokenizer, prompt_ids, stops))
+            choice.parser = ToolCallParser() if tools is not None else None
             choices.append(choice)
         try:
             for choice in choices:
@@ -227,11 +272,13 @@ class _Completions:
         return choices
 
     async def respond(self, http: HTTPRequest, body: SamplingBody, prompt_ids: list[int],
-                      chat: bool, max_tokens: Optional[int], logprobs: Optional[int]):
-        """The response to a completion request: a JSON body, or a stream of events."""
+                      chat: bool, max_tokens: Optional[int], logprobs: Optional[int],
+                      tools: Optional[Tools] = None):
+        """The response to a completion request: a JSON body, or a stream of events; a chat
+        answer offered `tools` is parsed for tool calls."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name)
-        reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs)
+        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools)
+        reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs, tools)
         if not body.stream:
             return await self.whole(http, reply)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -276,7 +323,13 @@ class _Completions:
                     if choice.error is not None:       # OpenAI's in-stream error event
                         yield error_event(choice.error)
                         return
+                    for payload in _tool_finish(reply, choice):
+                        yield chunk(reply, [payload])
                     yield chunk(reply, [finish_payload(reply, choice)])
+                elif choice.parser is not None:      # content and tool_calls deltas
+                    events = choice.parser.feed(text)
+                    for payload in tool_deltas(reply, choice, events, [event] if event else []):
+                        yield chunk(reply, [payload])
                 elif text or event is not None:
                     yield chunk(reply, [delta(reply, choice, text, event)])
             if include_usage:
@@ -287,6 +340,17 @@ class _Completions:
             for choice in choices:
                 choice.request.cancel()
             await pieces.aclose()
+
+
+def _tool_finish(reply: Reply, choice: _Choice) -> list[dict]:
+    """A choice's last tool payloads (the text its parser held back); its finish reason
+    becomes "tool_calls" when it made a call."""
+    if choice.parser is None:
+        return []
+    payloads = tool_deltas(reply, choice, choice.parser.finish(), [])
+    if choice.finish_reason == "stop" and choice.parser.finish_reason:
+        choice.finish_reason = choice.parser.finish_reason
+    return payloads
 
 
 def _log_reply(reply: Reply) -> None:
@@ -446,13 +510,11 @@ def _add_routes(app: FastAPI, service: "_Completions") -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        try:
-            prompt_ids = encode_chat(tokenizer, [m.model_dump() for m in body.messages])
-        except TorchLlamaError as e:
-            raise APIError(400, str(e), "messages") from None
+        tools, prompt_ids = service.chat_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await service.respond(http, body, prompt_ids, True,
-                                     body.max_completion_tokens or body.max_tokens, logprobs)
+                                     body.max_completion_tokens or body.max_tokens, logprobs,
+                                     tools)
 
 
 def embedding_inputs(tokenizer, body: EmbeddingBody, context: int,

@@ -1,12 +1,14 @@
 """OpenAI's protocol: request bodies, errors, and the bodies and chunks of the answers.
 
-    CompletionBody, ChatBody   the request bodies (OpenAI's fields; top_k, min_p,
-                               repetition_penalty, grammar and regex are extensions)
+    CompletionBody, ChatBody   the request bodies (OpenAI's fields, tools included; top_k,
+                               min_p, repetition_penalty, grammar and regex are extensions)
+    message_dicts              a chat body's messages for the chat template
     EmbeddingBody              /v1/embeddings (pooling is an extension)
     APIError, error_response   errors, as {"error": {"message", "type", "param", "code"}}
     constraint_of              a body's output constraint (response_format, grammar, regex)
     Reply                      one request being answered: id, kind, choices, usage
     response, chunk, delta     the whole answer, a server-sent event, one choice's new text
+    tool_deltas                a stream's tool_calls deltas (`torchllama.serving.tools`)
     *_logprobs                 OpenAI's two log-probability formats
 
 A choice here is anything with index, finish_reason, token_events (the engine's `TokenEvent`s)
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from torchllama.serving.request import TokenEvent
+from torchllama.serving.tools import ToolCallParser, Tools, parse_all
 
 try:  # the server's own dependencies; the rest of torchllama works without them
     from fastapi.responses import JSONResponse
@@ -65,9 +68,25 @@ class CompletionBody(SamplingBody):
     echo: bool = False
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"                        # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(BaseModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """One message: its content a string, a list of text parts, or None (an assistant turn of
+    tool calls); tool_calls on an assistant turn, tool_call_id on a tool result."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallBody]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatBody(SamplingBody):
@@ -75,6 +94,41 @@ class ChatBody(SamplingBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as dicts for the chat template: content a string (text parts joined),
+    "developer" as "system", tool_calls and tool_call_id kept.
+
+    Raises:
+        APIError: 400 (param messages[i].content) for a part that is not text, or no content
+            on a turn that is not an assistant's tool calls.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or
+                   not isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts "
+                                    '({"type": "text", "text": ...}) are supported',
+                               f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"messages[{i}].content is required", f"messages[{i}].content")
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": content}
+        if m.tool_calls:
+            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            entry["name"] = m.name
+        out.append(entry)
+    return out
 
 
 class EmbeddingBody(BaseModel):
@@ -150,6 +204,7 @@ class Reply:
     prompt_tokens: int
     choices: list
     model: str = "torchllama"
+    tools: Optional[Tools] = None            # the model's output is parsed for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
@@ -168,7 +223,13 @@ def response(reply: Reply, texts: list[str]) -> dict:
     out = []
     for choice, text in zip(reply.choices, texts):
         entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
-        if reply.chat:
+        if reply.chat and reply.tools is not None:
+            parsed = parse_all(text)
+            entry["message"] = assistant_message(parsed)
+            if choice.finish_reason == "stop" and parsed.finish_reason:
+                entry["finish_reason"] = parsed.finish_reason
+            entry["logprobs"] = chat_logprobs(choice) if reply.logprobs is not None else None
+        elif reply.chat:
             entry["message"] = {"role": "assistant", "content": text}
             entry["logprobs"] = chat_logprobs(choice) if reply.logprobs is not None else None
         else:
@@ -208,6 +269,40 @@ def delta(reply: Reply, choice, text: str, event: Optional[TokenEvent]) -> dict:
         if reply.logprobs is not None and event is not None:
             payload["logprobs"] = completion_logprobs(choice, [event])
     return payload
+
+
+def assistant_message(parsed: ToolCallParser) -> dict:
+    """The assistant message of an answer parsed for tool calls (content None when it is
+    only calls, as OpenAI's)."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [c.as_dict() for c in parsed.calls]
+    return message
+
+
+def tool_deltas(reply: Reply, choice, events: list[tuple], token_events: list) -> list[dict]:
+    """A choice's stream payloads for its `ToolCallParser` events: content, a call's id and
+    name (arguments ""), then its arguments piece by piece (OpenAI's tool_calls deltas). The
+    log-probabilities of `token_events` ride on the first payload (with an empty delta if the
+    parser held their text back, so that none is lost)."""
+    calls = choice.parser.calls
+    payloads = []
+    for e in events:
+        if e[0] == "content":
+            d: dict[str, Any] = {"content": e[1]}
+        elif e[0] == "call":
+            call = calls[e[1]]
+            d = {"tool_calls": [{"index": e[1], "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]}
+        else:
+            d = {"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]}
+        payloads.append({"index": choice.index, "finish_reason": None, "delta": d})
+    if reply.logprobs is not None and token_events:
+        if not payloads:
+            payloads.append({"index": choice.index, "finish_reason": None, "delta": {}})
+        payloads[0]["logprobs"] = {"content": [chat_token(choice, t) for t in token_events]}
+    return payloads
 
 
 def finish_payload(reply: Reply, choice) -> dict:

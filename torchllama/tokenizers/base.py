@@ -237,7 +237,8 @@ class Tokenizer(ABC):
     # ---- chat templates --------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render a conversation with the checkpoint's Jinja chat template, as HF transformers does.
 
@@ -246,6 +247,8 @@ class Tokenizer(ABC):
                 keys are passed through to the template.
             add_generation_prompt: end with the header of an assistant turn (what the model
                 should continue).
+            tools: OpenAI's tool objects, given to the template as ``tools`` (transformers'
+                ``apply_chat_template(tools=...)``); templates that do not read it ignore it.
 
         Returns:
             The prompt text; encode it with ``special=True`` (and ``bos=add_bos`` unless the
@@ -269,6 +272,8 @@ class Tokenizer(ABC):
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": bool(add_generation_prompt),
         }
+        if tools is not None:
+            variables["tools"] = [dict(t) for t in tools]
         for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("unk_token", self.unk_id),
                         ("pad_token", self.pad_id)):
             variables[name] = self._pieces[i] if i is not None else ""
