@@ -102,24 +102,64 @@ def test_prefix_cache_hits_give_the_answer_without_them(name, dtype):
         engine.shutdown()
 
 
-def test_prefix_cache_evicts_least_recently_used_within_its_budget():
+def test_prefix_cache_evicts_least_recently_used_blocks_within_its_budget():
+    """Room for 7 blocks of 32 tokens; three 100-token prompts (+1 generated token fed) store
+    3 blocks each: the first prompt's last two blocks go (a chain's end before its root)."""
+    from torchllama.serving.prefix_cache import BLOCK_SIZE, BlockPrefixCache
+
     model = family_model("llama", "float32")
     per_token = sum(2 * c.k_cache[0, :, :1].numel() * 4 for c in _caches(model))
     engine = Engine(copy.deepcopy(model), max_batch_size=1,
-                    prefix_cache_bytes=int(per_token * 250)).start()   # room for two prompts
+                    prefix_cache_bytes=int(per_token * BLOCK_SIZE * 7.5)).start()
     try:
         prompts = [random_prompt(100, s) for s in (1, 2, 3)]
         for p in prompts:
             run(engine, [(0.0, Client(p, 2))])
         cache = engine.prefix_cache
-        assert len(cache) == 2 and cache.evictions == 1 and cache.nbytes <= cache.budget_bytes
-        again = Client(prompts[0] + [5], 3)            # evicted: a miss
+        assert isinstance(cache, BlockPrefixCache)
+        assert len(cache) == 7 and cache.evictions == 2 and cache.nbytes <= cache.budget_bytes
+        again = Client(prompts[0] + [5], 3)            # only its first block is left
         run(engine, [(0.0, again)])
-        assert cache.hits == 0
+        assert cache.hits == 1 and cache.tokens_reused == BLOCK_SIZE
         hit = Client(prompts[2] + [5], 3)
         run(engine, [(0.0, hit)])
-        assert cache.hits == 1 and cache.tokens_reused == 100
-        assert hit.tokens == alone(model, prompts[2] + [5], 3)
+        assert cache.hits == 2 and cache.tokens_reused == BLOCK_SIZE + 96
+        for client in (again, hit):
+            assert client.tokens == alone(model, client.request.prompt_ids, 3)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", "int4"), ("mla", "float32"),
+                                        ("qwen2", "float32")])
+def test_multi_turn_chat_prefills_only_its_new_tokens(name, dtype):
+    """A 6-turn chat resent in full with the answers it got: each turn prefills at most its
+    new tokens + one block (the answers come from the cache), answers equal alone; 4 chats
+    sharing a 160-token system prompt hold its 5 blocks once."""
+    from torchllama.serving.prefix_cache import BLOCK_SIZE
+
+    model = family_model(name, dtype)
+    engine = Engine(copy.deepcopy(model), max_batch_size=4, prefill_chunk=64,
+                    prefix_cache_bytes=64 << 20).start()
+    try:
+        system = random_prompt(160, 1)
+        chats = [list(system) for _ in range(4)]
+        for turn in range(6):
+            clients = []
+            for c, chat in enumerate(chats):
+                chat += random_prompt(12 + c, 100 * turn + c)     # the new user turn
+                clients.append(Client(list(chat), 10))
+            before = engine.prefill_tokens
+            run(engine, [(0.0, client) for client in clients])
+            new_tokens = sum(12 + c + (10 if turn else 160) for c in range(4))
+            assert engine.prefill_tokens - before <= new_tokens + 4 * BLOCK_SIZE, turn
+            for chat, client in zip(chats, clients):
+                assert client.tokens == alone(model, client.request.prompt_ids, 10)
+                chat += client.tokens                             # the answer, resent
+        cache = engine.prefix_cache
+        digests = [set(cache.digests(chat)) for chat in chats]
+        assert len(cache) == len(set.union(*digests))             # no block held twice
+        assert len(set.intersection(*digests)) == 160 // BLOCK_SIZE
     finally:
         engine.shutdown()
 

@@ -359,24 +359,40 @@ PERSON_SCHEMA = {"type": "object",
                  "required": ["name", "age"], "additionalProperties": False}
 
 
-def grammar_mask_cost(tokenizer, steps: int = 300, seed: int = 0
-                      ) -> tuple[float, float, float]:
-    """Seconds of one structured-output step — a JSON schema's allowed-token mask and its −inf
+def _tool_grammar(choice: str) -> tuple[str, str]:
+    """("grammar", the Lark grammar) of the first tool set's tools under `choice`."""
+    from torchllama.bench.tool_sets import TOOL_SETS
+    from torchllama.serving.tools import tool_grammar, tools_of
+
+    return "grammar", tool_grammar(tools_of(TOOL_SETS[0].tools, choice, None))
+
+
+#: Constraints whose per-token cost the load bench prints: a JSON schema (structured output),
+#: tool calls ("required": only calls) and "auto" tool calling (free text until a call).
+JSON_PERSON = ("json_schema", PERSON_SCHEMA)
+TOOLS_REQUIRED = _tool_grammar("required")
+TOOLS_AUTO = _tool_grammar("auto")
+
+
+def grammar_mask_cost(tokenizer, steps: int = 300, seed: int = 0,
+                      spec: tuple[str, object] = JSON_PERSON) -> tuple[float, float, float]:
+    """Seconds of one structured-output step — a constraint's allowed-token mask and its −inf
     logits (`Constraint.mask_logits`) — over `steps` tokens drawn among the allowed ones (a new
     document every 60 tokens or when one is complete): (median, p99, median of a document's
-    first step, which includes compiling the schema)."""
+    first step, which includes compiling the grammar). `spec`: (kind, spec) as
+    `Grammars.compile` takes it."""
     import torch
 
     from torchllama.generation.grammar import Grammars
 
     grammars, rng = Grammars(tokenizer), random.Random(seed)
-    grammars.compile("json_schema", PERSON_SCHEMA)           # the vocabulary's table, once
+    grammars.compile(*spec)                                 # the vocabulary's table, once
     logits = torch.zeros(1, tokenizer.vocab_size)
     times: list[float] = []
     firsts: list[float] = []
     while len(times) < steps:
         t0 = time.perf_counter()
-        constraint = grammars.compile("json_schema", PERSON_SCHEMA)
+        constraint = grammars.compile(*spec)
         constraint.mask_logits(logits)
         firsts.append(time.perf_counter() - t0)
         for _ in range(60):
@@ -431,10 +447,12 @@ def run_load_bench(model_path: Optional[str] = None, dtype: str = "auto", client
     from torchllama.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    median, p99, first = grammar_mask_cost(tokenizer)
-    print_fn(f"structured output: a JSON schema's token mask and −inf logits per token: "
-             f"{median * 1e6:.0f} µs median, {p99 * 1e6:.0f} µs p99; compiling it and the first "
-             f"mask {first * 1e3:.1f} ms (vocabulary of {tokenizer.vocab_size})")
+    for label, spec in (("a JSON schema's", JSON_PERSON), ("tool calls' (required)",
+                        TOOLS_REQUIRED), ("auto tool calling's (free text)", TOOLS_AUTO)):
+        median, p99, first = grammar_mask_cost(tokenizer, spec=spec)
+        print_fn(f"structured output: {label} token mask and −inf logits per token: "
+                 f"{median * 1e6:.0f} µs median, {p99 * 1e6:.0f} µs p99; compiling it and the "
+                 f"first mask {first * 1e3:.1f} ms (vocabulary of {tokenizer.vocab_size})")
     with_cache, without, n = prefix_cache_ttft(path, dtype)
     print_fn(f"prefix cache: a {n}-token chat prompt sharing its ~400-token system prompt with "
              f"the previous one, time to first token (median of 10, one at a time): "

@@ -286,6 +286,18 @@ class KVCache(nn.Module):
         self.k_cache[row, :, :k.shape[1]] = k
         self.v_cache[row, :, :v.shape[1]] = v
 
+    def read_slots(self, row: int, start: int, end: int) -> tuple:
+        """A copy of slots [start, end) of row `row` (a prefix cache block): keys (n_heads,
+        end − start, k_dim) and values, as stored."""
+        return (self.k_cache[row, :, start:end].clone(), self.v_cache[row, :, start:end].clone())
+
+    def write_slots(self, row: int, start: int, blocks: list) -> None:
+        """Put `read_slots` copies, one after another, into row `row` from slot `start`."""
+        k = torch.cat([b[0] for b in blocks], dim=1)            # (n_heads, slots, k_dim)
+        v = torch.cat([b[1] for b in blocks], dim=1)
+        self.k_cache[row, :, start:start + k.shape[1]] = k
+        self.v_cache[row, :, start:start + v.shape[1]] = v
+
     def snapshot(self) -> tuple:
         """A copy of the cache's state (buffers and bookkeeping) for `restore`."""
         return self.k_cache.clone(), self.v_cache.clone()
@@ -415,6 +427,12 @@ class SlidingWindowKVCache(KVCache):
         self.v_cache[row] = v
         self.high[row] = high
 
+    def read_slots(self, row: int, start: int, end: int) -> tuple:
+        """Not for a ring: its slots are not kept (`KVCaches.sliding`)."""
+        raise NotImplementedError("a sliding-window ring keeps no slot range: read_row")
+
+    write_slots = read_slots
+
     def in_place_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
         """(start_pos mod capacity, capacity) for one new token (then the whole ring is
         attended over in storage order, as `update` does), else None (see `KVCache`)."""
@@ -506,6 +524,21 @@ class KVCaches:
         """The rows start new sequences from slot 0 (`KVCache.reset_rows`)."""
         for cache in self.layers:
             cache.reset_rows(rows)
+
+    @property
+    def sliding(self) -> bool:
+        """Some layer keeps only a sliding window's ring (no slot ranges to read)."""
+        return any(isinstance(cache, SlidingWindowKVCache) for cache in self.layers)
+
+    def read_slots(self, row: int, start: int, end: int) -> list:
+        """A copy of slots [start, end) of row `row` in every layer (a prefix cache block)."""
+        return [cache.read_slots(row, start, end) for cache in self.layers]
+
+    def write_slots(self, row: int, start: int, blocks: list) -> None:
+        """Put `read_slots` copies (a list of them, one block after another) into row `row`
+        from slot `start`, in every layer."""
+        for i, cache in enumerate(self.layers):
+            cache.write_slots(row, start, [block[i] for block in blocks])
 
     def read_row(self, row: int, end: int) -> list:
         """A copy of row `row`'s slots [0, end) in every layer (a prefix cache entry; a

@@ -3,8 +3,8 @@
 A request owns one cache row from slot 0, as it would alone: its prompt fills slots 0..P-1 and
 its n-th generated token is written at slot P + n − 1. When a row is given to a new request it
 is reset, and the longest cached prefix of its prompt (`torchllama.serving.prefix_cache`) is
-copied in, so that prefilling starts where they differ; when a prompt's prefill completes, its
-row is offered to the prefix cache.
+copied in, so that prefilling starts where they differ; when a prompt's prefill completes, and
+when its request ends (prompt and generated tokens), its row is offered to the prefix cache.
 
 Slots never written hold whatever the memory held (NaN, possibly). A decode step attends over
 the first `end` slots of the batch, masked past each row's own position, and torch's attention
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torchllama.serving.prefix_cache import PrefixCache
+from torchllama.serving.prefix_cache import BlockPrefixCache, PrefixCache
 
 
 class CacheRows:
@@ -40,14 +40,18 @@ class CacheRows:
                  kv_cache_dtype: Optional[str] = None):
         self.model, self.rows, self.context = model, rows, context
         self.kv_cache_dtype = kv_cache_dtype
-        self.prefix_cache = PrefixCache(model, prefix_cache_bytes) if prefix_cache_bytes \
-            else None
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache: Optional[BlockPrefixCache | PrefixCache] = None   # (`allocate`)
         self._finite = [0] * rows                # per row: slots [0, n) hold finite numbers
 
     def allocate(self) -> None:
-        """Allocate the model's KV cache: `rows` rows of `context` slots."""
+        """Allocate the model's KV cache: `rows` rows of `context` slots; and the prefix cache:
+        by blocks, or by whole prompts where a layer keeps a sliding-window ring."""
         with torch.inference_mode(False):
             self.model.setup_caches(self.rows, self.context, self.kv_cache_dtype)
+        if self.prefix_cache_bytes and self.prefix_cache is None:
+            kind = PrefixCache if self.model.caches.sliding else BlockPrefixCache
+            self.prefix_cache = kind(self.model, self.prefix_cache_bytes)
 
     def claim(self, b: int, prompt_ids: Sequence[int]) -> int:
         """Give row b to a new prompt: reset it, and put the prompt's cached prefix in it.
@@ -63,6 +67,13 @@ class CacheRows:
         """Row b holds the whole prompt now: offer it to the prefix cache."""
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt_ids, b)
+
+    def finished(self, b: int, tokens: Sequence[int]) -> None:
+        """Row b's request ended, its slots 0..len(tokens)-1 holding `tokens` (the prompt and
+        the generated tokens fed to the model): offer them to a block prefix cache (a
+        whole-prompt cache keeps prompts only)."""
+        if isinstance(self.prefix_cache, BlockPrefixCache) and tokens:
+            self.prefix_cache.store(tokens, b)
 
     def written(self, b: int, end: int) -> None:
         """Slots [0, end) of row b hold finite numbers (the row's tokens were written there)."""

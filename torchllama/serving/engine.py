@@ -32,10 +32,11 @@ batching already shares each step's weight traffic between the requests, which i
 speculation buys a lone request. Either way a request gets its exact output distribution (the
 same tokens at temperature 0). Requests with a grammar decode plainly.
 
-Prefix cache (`torchllama.serving.prefix_cache`): when a prompt's prefill completes, a copy of its
-row's keys and values is kept (within a memory budget, least recently used first out); a later
-prompt that starts with the same tokens gets that copy put in its row and is prefilled from
-where they differ — the same bits as prefilling it whole, since chunked prefill is exact.
+Prefix cache (`torchllama.serving.prefix_cache`): when a prompt's prefill completes and when its
+request ends, its row's keys and values are kept by blocks of tokens (within a memory budget,
+least recently used first out); a later prompt that starts with the same tokens gets those
+blocks put in its row and is prefilled from where they end — the same bits as prefilling it
+whole, since a token's keys and values are the same bits from a prefill chunk or a decode step.
 """
 
 from __future__ import annotations
@@ -107,11 +108,16 @@ class Engine:
         self.cache = CacheRows(model, max_batch_size, self.context, prefix_cache_bytes,
                                kv_cache_dtype)
         self.runner = ModelRunner(model, pad_id, speculator)
-        self.output = OutputProcessor(self.scheduler, self.context)
+        self.output = OutputProcessor(self.scheduler, self.context, self._released)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._calls: collections.deque = collections.deque()   # (fn, Future) for the thread
+
+    def _released(self, b: int, row: _Row) -> None:
+        """Row b's request ended: what its cache row holds (slots 0..pos-1: the prompt and the
+        generated tokens fed so far) is offered to the prefix cache."""
+        self.cache.finished(b, (row.request.prompt_ids + row.generated)[:row.pos])
 
     # ---- public ------------------------------------------------------------------------------
 

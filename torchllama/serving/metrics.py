@@ -11,7 +11,8 @@
                                                            cached prefix
     torchllama_prefix_cache_tokens_reused_total            prompt tokens not prefilled thanks
                                                            to it
-    torchllama_prefix_cache_{bytes,entries}                its size now
+    torchllama_prefix_cache_{bytes,entries}                its size now (entries: blocks, or
+                                                           whole prompts for sliding windows)
     torchllama_prompt_tokens_prefilled_total               prompt tokens the model prefilled
 
 Each app has its own registry (several apps in one process, as in tests, do not collide). Times
@@ -54,7 +55,9 @@ class _EngineCollector:
                                   value=cache.tokens_reused)
         yield GaugeMetricFamily("torchllama_prefix_cache_bytes",
                                 "Bytes of keys and values in the prefix cache", value=cache.nbytes)
-        yield GaugeMetricFamily("torchllama_prefix_cache_entries", "Prompts in the prefix cache",
+        yield GaugeMetricFamily("torchllama_prefix_cache_entries",
+                                "Blocks in the prefix cache (whole prompts for a model with "
+                                "sliding-window layers)",
                                 value=len(cache))
 
 

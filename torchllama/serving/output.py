@@ -14,11 +14,12 @@ At the end, the text its TextStream still held back is put in `Request.tail` bef
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 
 import torch
 
 from torchllama.generation.sampling import token_logprobs
-from torchllama.serving.request import TokenEvent, notify
+from torchllama.serving.request import TokenEvent, _Row, notify
 from torchllama.serving.scheduler import Scheduler
 
 log = logging.getLogger("torchllama.serving.engine")
@@ -32,8 +33,10 @@ class OutputProcessor:
         context: cache slots per row: prompt + output never exceed it (as with `Session`).
     """
 
-    def __init__(self, scheduler: Scheduler, context: int):
+    def __init__(self, scheduler: Scheduler, context: int,
+                 on_release: Optional[Callable[[int, _Row], None]] = None):
         self.scheduler, self.context = scheduler, context
+        self.on_release = on_release         # (row b, what held it) when a request ends
 
     def emit(self, b: int, token: int, logits: torch.Tensor) -> bool:
         """Report row b's next token, chosen from `logits` (1, V) (its log-probs come from
@@ -88,7 +91,13 @@ class OutputProcessor:
 
     def finish(self, b: int, reason: str) -> None:
         """End row b's request with this finish reason; its row is free at once."""
-        request = self.scheduler.release(b).request
+        row = self.scheduler.release(b)
+        request = row.request
+        if self.on_release is not None and reason != "error":
+            try:
+                self.on_release(b, row)
+            except Exception:
+                log.exception("releasing the row failed")
         if request.text is not None and reason != "error":
             try:
                 request.tail = request.text.flush()

@@ -1,30 +1,48 @@
-"""The prefix cache: keys and values of prompts already prefilled, kept for later prompts that
-start the same way (a shared system prompt, a multi-turn chat resent in full, few-shot examples).
+"""The prefix cache: keys and values of token sequences already computed, kept for later prompts
+that start the same way (a shared system prompt, a multi-turn chat resent in full with the
+answers it got, an agent's growing transcript, few-shot examples).
 
-What llama.cpp's `cache_prompt` and vLLM's automatic prefix caching give their users, in its
-simplest form: when the engine finishes prefilling a prompt, it keeps a copy of the prompt's
-slots from its cache row (`KVCaches.read_row`: every layer's keys and values of slots
-0..P-1; a sliding-window layer's ring as it is). A new prompt looks for the entry sharing the
-longest prefix with it (m tokens, at most P − 1: the last prompt token is always computed, its
-logits give the first new token), gets the entry's slots 0..m-1 copied into its own row, and is
-prefilled from slot m. With torchllama's kernels a prompt prefilled in chunks gives the same
-bits as prefilled whole, so an answer with a hit is the answer without one.
+`BlockPrefixCache` (every model whose layers all keep every slot): vLLM's automatic prefix
+caching in its simplest form. A sequence is cut into blocks of `block_size` tokens; block i is
+keyed by a hash chain, digest_i = H(digest_{i−1} ‖ its tokens) from a root that names the
+adapter, so a key stands for the block's whole prefix. What a cache row holds is stored twice
+in a request's life: when its prompt is prefilled, and when it finishes (the prompt and the
+generated tokens the model has fed: an answer resent in the next turn is not prefilled again).
+A block already cached is not copied again: a system prompt shared by many chats is held once.
+A new prompt copies the longest chain of cached blocks from its start into its row (at most
+P − 1 tokens: the last prompt token is always computed, its logits give the first new token)
+and is prefilled from there. With torchllama's kernels a token's keys and values are the same
+bits whether computed in a decode step, a prefill chunk or a whole prompt, so an answer with a
+hit is the answer without one. Least recently used blocks are evicted first, a chain's last
+blocks before its first (a hit touches a chain from its end to its root).
 
-A sliding-window ring holds only the last window + margin slots of its entry: it can resume at
-m only if the entry's prompt ends at most margin + 1 tokens after m (`can_write_at`); further
-back, the hit is a miss for that model (Gemma, Mistral).
+`PrefixCache` (models with sliding-window layers: Gemma 2/3, Mistral): a ring holds only the
+last window + margin slots, so it cannot be cut into blocks. Whole prompts are kept as entries
+(the row's slots 0..P−1, a ring as it is) when their prefill completes; a new prompt takes the
+entry sharing the longest prefix with it, if the ring can resume there (the entry's prompt
+ends at most margin + 1 tokens after it: `can_write_at`); else it is a miss. An entry is kept
+only if it brings at least `MIN_NEW_TOKENS` tokens beyond its own hit and a quarter as many as
+the hit. Generated tokens are not kept.
 
-Entries live within a memory budget (bytes of their tensors), the least recently used evicted
-first. Counters (hits, misses, tokens reused) feed the server's /metrics.
+Both live within a memory budget (bytes of their tensors) and count hits, misses, tokens reused
+and evictions for the server's /metrics.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
+
+#: Tokens per block of `BlockPrefixCache` (vLLM's default is 16, SGLang's radix tree 1):
+#: larger blocks mean fewer copies per hit, smaller ones reuse more of a prompt. A turn
+#: prefills at most its new tokens + one block.
+BLOCK_SIZE = 32
 
 #: A prompt is kept as a new entry only if it brings at least this many tokens beyond its hit,
 #: and at least a quarter as many as the hit: a short question after a cached system prompt
@@ -130,3 +148,104 @@ class PrefixCache:
             self.evictions += 1
         self._entries[key] = _Entry(key, state, nbytes)
         self.nbytes += nbytes
+
+
+@dataclass
+class _Block:
+    digest: bytes
+    state: list                       # KVCaches.read_slots: per layer (keys, values) of B slots
+    nbytes: int
+
+
+class BlockPrefixCache:
+    """Blocks of keys and values keyed by their whole prefix (see the module docstring). Used
+    from the engine thread; the counters may be read from any thread.
+
+    Args:
+        model: the engine's `Transformer`, caches allocated (no sliding-window layer).
+        budget_bytes: memory the blocks may hold in all (> 0).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model, budget_bytes: int, block_size: int = BLOCK_SIZE):
+        self.model = model
+        self.budget_bytes = budget_bytes
+        self.block_size = block_size
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()    # least recently used first
+        self.nbytes = 0
+        self.hits = 0                # prompts that reused a prefix
+        self.misses = 0
+        self.tokens_reused = 0       # prompt tokens not prefilled thanks to the cache
+        self.evictions = 0           # blocks evicted
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self._blocks)
+
+    def digests(self, tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """The hash chain of the whole blocks of `tokens`: digest_i = BLAKE2b-128(digest_{i−1}
+        ‖ block i's ids as int64), digest_{−1} = BLAKE2b-128(salt) (the adapter's name)."""
+        B = self.block_size
+        parent = hashlib.blake2b(b"torchllama-prefix:" + salt, digest_size=16).digest()
+        ids = np.asarray(tokens[:len(tokens) // B * B], dtype=np.int64)
+        out = []
+        for i in range(len(ids) // B):
+            parent = hashlib.blake2b(parent + ids[i * B:(i + 1) * B].tobytes(),
+                                     digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def restore(self, prompt: Sequence[int], row: int, salt: bytes = b"") -> int:
+        """Copy the longest chain of cached blocks that starts `prompt` into cache row `row`
+        (freshly reset).
+
+        Returns:
+            m, the prompt tokens whose keys and values the row now holds (slots 0..m-1, at
+            most len(prompt) − 1); 0 on a miss.
+        """
+        chain = []
+        for digest in self.digests(prompt, salt):
+            block = self._blocks.get(digest)
+            if block is None:
+                break
+            chain.append(block)
+        m = min(len(chain) * self.block_size, len(prompt) - 1)
+        if m <= 0:
+            with self._lock:
+                self.misses += 1
+            return 0
+        chain = chain[:-(-m // self.block_size)]              # the blocks holding 0..m-1
+        self.model.caches.write_slots(row, 0, [b.state for b in chain])
+        self._touch(chain)
+        with self._lock:
+            self.hits += 1
+            self.tokens_reused += m
+        return m
+
+    def store(self, tokens: Sequence[int], row: int, salt: bytes = b"") -> None:
+        """Keep the whole blocks of `tokens`, whose keys and values cache row `row` holds at
+        slots 0..len(tokens)-1, that are not cached yet; evict the least recently used blocks
+        beyond the budget."""
+        B = self.block_size
+        chain = []
+        for i, digest in enumerate(self.digests(tokens, salt)):
+            block = self._blocks.get(digest)
+            if block is None:
+                state = self.model.caches.read_slots(row, i * B, (i + 1) * B)
+                block = _Block(digest, state, _nbytes(state))
+                if block.nbytes > self.budget_bytes:
+                    break
+                self._blocks[digest] = block
+                self.nbytes += block.nbytes
+            chain.append(block)
+        self._touch(chain)
+        while self.nbytes > self.budget_bytes:
+            _, old = self._blocks.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.evictions += 1
+
+    def _touch(self, chain: list[_Block]) -> None:
+        """Most recently used: the chain, its root last (so its end is evicted first)."""
+        for block in reversed(chain):
+            self._blocks.move_to_end(block.digest)
