@@ -97,16 +97,18 @@ def auto_rate(client, max_tokens: int) -> None:
             calls = r.message.tool_calls or []
             called += bool(calls)
             ok = True
-            for call in calls:
+            cut = r.finish_reason == "length" and bool(calls)    # the last call unfinished
+            for call in calls[:len(calls) - cut]:
                 try:
                     check_call(tool_set, call)
                 except Exception:                        # noqa: BLE001 - counted
                     ok = False
             valid += bool(calls) and ok
-            shown = (json.dumps([(c.function.name, json.loads(c.function.arguments))
-                                 for c in calls]) if calls else repr((r.message.content or "")[:70]))
+            shown = (json.dumps([(c.function.name, c.function.arguments) for c in calls])
+                     if calls else repr((r.message.content or "")[:70]))
             print(f"  {question[:48]:50}{r.finish_reason:11}{shown[:110]}")
-    print(f'"auto": {called} of {asked} answers called a tool ({valid} valid)')
+    print(f'"auto": {called} of {asked} answers called a tool ({valid} with every complete '
+          'call valid)')
 
 
 def main() -> None:
@@ -128,7 +130,8 @@ def main() -> None:
     print(f"{Path(path).name}; CPU capability {torch.backends.cpu.get_cpu_capability()}")
     with serve_in_thread(create_app(model, tokenizer, Path(path).name)) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
-        required_and_named(client, args.per_set, args.max_tokens)
+        if args.per_set:
+            required_and_named(client, args.per_set, args.max_tokens)
         auto_rate(client, args.max_tokens)
     for label, spec in (("required (calls)", TOOLS_REQUIRED), ("auto (free text)", TOOLS_AUTO)):
         median, p99, first = grammar_mask_cost(tokenizer, spec=spec)

@@ -8,17 +8,30 @@ from torchllama.bench.load import (HEADER, grammar_mask_cost, load_plan, prefix_
                                    run_load_bench)
 
 
-def test_load_plan_mixes_prompts_streams_and_drops():
+def test_load_plan_mixes_prompts_tools_follow_ups_streams_and_drops():
+    from torchllama.bench.load import Outcome
+
     plan = load_plan(40, 10, drop=0.1, max_tokens=32, seed=1)
     jobs = [j for client in plan for j in client]
     assert len(plan) == 40 and len(jobs) == 400
+    tools = [j for j in jobs if j.tools]
+    follow = [j for j in jobs if j.follow_up]
     system = sum(len(j.messages) == 2 for j in jobs) / 400
     stream = sum(j.stream for j in jobs) / 400
     dropped = sum(j.drop_after is not None for j in jobs) / 400
-    assert 0.65 < system < 0.85 and 0.65 < stream < 0.85 and 0.05 < dropped < 0.15
-    assert all(8 <= j.max_tokens <= 32 for j in jobs)
+    assert 0.1 < len(tools) / 400 < 0.2 and 0.15 < len(follow) / 400 < 0.25
+    assert {j.tool_choice for j in tools} == {"required", "auto"}
+    assert not any(client[0].follow_up for client in plan)
+    assert 0.4 < system < 0.6 and 0.65 < stream < 0.85 and 0.05 < dropped < 0.15
+    assert all(8 <= j.max_tokens <= 32 for j in jobs if not j.tools)
     assert all(j.stream for j in jobs if j.drop_after is not None)
     assert load_plan(40, 10, 0.1, 32, seed=1)[3][4].key() == plan[3][4].key()   # reproducible
+    # a follow-up continues the conversation the client had, with the answer it got
+    first = jobs[0]
+    turn = follow[0].after(Outcome(first, text="Hi."))
+    assert turn.messages == first.messages + [{"role": "assistant", "content": "Hi."}] + \
+        follow[0].messages
+    assert follow[0].after(Outcome(first, text="Hi.", dropped=True)) is follow[0]
 
 
 # The two runs of the bench (≈ 45 s, mostly its warm-up and checks) are in `make test-slow`; the
@@ -29,7 +42,7 @@ def test_load_bench_runs_and_answers_are_exact(smollm2_gguf, monkeypatch):
     import torchllama.bench.load as lb
 
     monkeypatch.setattr(lb, "prefix_cache_ttft", lambda path, dtype: (0.01, 0.1, 447))
-    monkeypatch.setattr(lb, "grammar_mask_cost", lambda tokenizer: (4e-5, 1e-4, 1e-3))
+    monkeypatch.setattr(lb, "grammar_mask_cost", lambda tokenizer, spec: (4e-5, 1e-4, 1e-3))
     lines = []
     results = run_load_bench(str(smollm2_gguf), clients=4, requests=2, drop=0.5, max_tokens=10,
                              batch=4, peer="none", print_fn=lines.append)

@@ -548,9 +548,10 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
           draft: Optional[str] = None, draft_tokens: int = 12,
-          adapter: Optional[str] = None, kv_cache_dtype: str = "auto") -> int:
+          adapter: Optional[list[str]] = None, kv_cache_dtype: str = "auto") -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics), batching concurrent requests.
+    /v1/chat/completions, /v1/embeddings, /v1/models, /health, /metrics, LoRA adapters loaded
+    and unloaded at run time), batching concurrent requests.
 
     Args:
         model: checkpoint to serve (default: the embedded SmolLM2-135M-Instruct).
@@ -572,8 +573,9 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             decoding, plain batched steps (batching already shares the weights' memory
             traffic). Same answers either way (temperature 0: the same tokens).
         draft_tokens: with --draft, the most tokens drafted per round.
-        adapter: a LoRA adapter folder (PEFT format) or `torchllama finetune` run, applied
-            to the model without merging.
+        adapter: NAME=DIR: a LoRA adapter (PEFT folder or `torchllama finetune` run)
+            served to requests whose model is NAME, the others getting the base model; a
+            bare DIR: applied to every request (at most one).
         kv_cache_dtype: what the KV cache stores: auto (float16 when the weights are
             quantized, the default path; else the weights' dtype: --dtype float32 keeps the
             exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
@@ -591,11 +593,36 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     if prefix_cache_mb < 0:
         raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
     _check_draft(draft, draft_tokens)
+    base, named = _adapters(adapter or [])
     from torchllama.serving.app import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb, draft, draft_tokens, adapter, kv_cache_dtype)
+               prefix_cache_mb, draft, draft_tokens, base, kv_cache_dtype, named)
     return 0
+
+
+def _adapters(values: list[str]) -> tuple[Optional[str], dict[str, str]]:
+    """(the adapter for every request, name → folder of those served by name) of `serve
+    --adapter` values (NAME=DIR or DIR).
+
+    Raises:
+        ArgumentError: two bare folders, a name given twice, an empty name or folder.
+    """
+    from torchllama.errors import ArgumentError
+
+    base, named = None, {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep:
+            if base is not None:
+                raise ArgumentError("--adapter: one adapter DIR for every request at most; "
+                                    "serve more by name: --adapter NAME=DIR")
+            base = value
+        elif not name or not folder or name in named:
+            raise ArgumentError(f"--adapter {value!r}: expected NAME=DIR with a new NAME")
+        else:
+            named[name] = folder
+    return base, named
 
 
 def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,

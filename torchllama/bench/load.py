@@ -1,8 +1,10 @@
 """`torchllama bench load`: many clients against an OpenAI-compatible server at once.
 
 N clients each send R chat requests one after another: a mix of short questions and long
-shared system prompts (a few ~400-token "system" texts, so a prefix cache is hit), streaming and
-not, a fraction of the streams dropped mid-way (the client closes the connection). Printed:
+shared system prompts (a few ~400-token "system" texts, so a prefix cache is hit), follow-up
+turns (the client's previous conversation resent with the answer it got and a new question),
+tool-calling requests (`bench.tool_sets`, "required" or "auto"), streaming and not, a fraction
+of the streams dropped mid-way (the client closes the connection). Printed:
 throughput (completion tokens/s over the wall time), p50/p99 time to first token, p50/p99
 inter-token latency, errors; for torchllama's own server also the prefix cache's hit rate, the
 process's RSS after warm-up and after the run, and (at temperature 0) whether every finished
@@ -12,6 +14,7 @@ server's extras), `llama_cpp.server` runs the same load on the same file with th
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import random
@@ -53,9 +56,28 @@ class Job:
     max_tokens: int
     stream: bool
     drop_after: Optional[int] = None            # close the stream after this many events
+    tools: Optional[list] = None                # with tool_choice: a tool-calling request
+    tool_choice: Optional[str] = None
+    follow_up: bool = False                     # messages continue the previous conversation
 
     def key(self) -> str:
-        return json.dumps([self.messages, self.max_tokens])
+        return json.dumps([self.messages, self.max_tokens, self.tools, self.tool_choice])
+
+    def body(self, model: str) -> dict:
+        body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": self.stream}
+        if self.tools:
+            body.update(tools=self.tools, tool_choice=self.tool_choice)
+        return body
+
+    def after(self, previous: "Outcome") -> "Job":
+        """This follow-up turn's job: the previous job's messages, the answer it got and this
+        job's question (itself if it is not a follow-up or the previous one failed)."""
+        if not self.follow_up or previous.error is not None or previous.dropped or \
+                previous.job.tools:
+            return self
+        messages = previous.job.messages + [{"role": "assistant", "content": previous.text}]
+        return dataclasses.replace(self, messages=messages + self.messages, follow_up=False)
 
 
 @dataclass
@@ -70,22 +92,39 @@ class Outcome:
 
 
 def load_plan(clients: int, requests: int, drop: float, max_tokens: int = 32,
-              system_repeat: int = 8, seed: int = 0) -> list[list[Job]]:
-    """Each client's jobs: 3 in 4 a shared system prompt (~400 tokens: one of SYSTEMS repeated
-    `system_repeat` times) + a question, else a short prompt alone; 3 in 4 streaming; a
-    fraction `drop` of the streams dropped after a few events; max_tokens 8..max_tokens."""
+              system_repeat: int = 8, seed: int = 0, tools: float = 0.15,
+              follow_ups: float = 0.25) -> list[list[Job]]:
+    """Each client's jobs: a fraction `tools` tool-calling requests (a tool set's question with
+    its tools, "required" or "auto"); of the rest, a fraction `follow_ups` (after a client's
+    first job) next turns of the client's previous conversation (`Job.after`), 3 in 4 of the
+    others a shared system prompt (~400 tokens: one of SYSTEMS repeated `system_repeat` times)
+    + a question, else a short prompt alone; 3 in 4 streaming; a fraction `drop` of the streams
+    dropped after a few events; max_tokens 8..max_tokens (tool calls: 64..96)."""
+    from torchllama.bench.tool_sets import TOOL_SETS
+
     rng = random.Random(seed)
     plan = []
     for _ in range(clients):
         jobs = []
-        for _ in range(requests):
+        for i in range(requests):
+            stream = rng.random() < 0.75
+            drop_after = rng.randint(2, 5) if stream and rng.random() < drop / 0.75 else None
+            if rng.random() < tools:
+                tool_set = rng.choice(TOOL_SETS)
+                jobs.append(Job([{"role": "user", "content": rng.choice(tool_set.questions)}],
+                                rng.randint(64, 96), stream, drop_after, tool_set.tools,
+                                rng.choice(["required", "auto"])))
+                continue
+            if i and rng.random() < follow_ups:
+                messages = [{"role": "user", "content": rng.choice(QUESTIONS)}]
+                jobs.append(Job(messages, rng.randint(8, max_tokens), stream, drop_after,
+                                follow_up=True))
+                continue
             if rng.random() < 0.75:
                 messages = [{"role": "system", "content": rng.choice(SYSTEMS) * system_repeat},
                             {"role": "user", "content": rng.choice(QUESTIONS)}]
             else:
                 messages = [{"role": "user", "content": rng.choice(SHORT)}]
-            stream = rng.random() < 0.75
-            drop_after = rng.randint(2, 5) if stream and rng.random() < drop / 0.75 else None
             jobs.append(Job(messages, rng.randint(8, max_tokens), stream, drop_after))
         plan.append(jobs)
     return plan
@@ -101,8 +140,7 @@ def send(url: str, job: Job, model: str, api_key: Optional[str] = None) -> Outco
     """One chat completion at temperature 0; streaming responses are read event by event."""
     out = Outcome(job)
     conn, prefix = _connection(url)
-    body = {"model": model, "messages": job.messages, "max_tokens": job.max_tokens,
-            "temperature": 0, "stream": job.stream}
+    body = job.body(model)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -115,7 +153,10 @@ def send(url: str, job: Job, model: str, api_key: Optional[str] = None) -> Outco
             return out
         if not job.stream:
             data = json.loads(response.read())
-            out.text = data["choices"][0]["message"]["content"] or ""
+            message = data["choices"][0]["message"]
+            out.text = (message.get("content") or "") + "".join(
+                c["function"]["name"] + c["function"]["arguments"]
+                for c in message.get("tool_calls") or ())
             out.tokens = data["usage"]["completion_tokens"]
             out.ttft = time.perf_counter() - t0
             return out
@@ -128,7 +169,7 @@ def send(url: str, job: Job, model: str, api_key: Optional[str] = None) -> Outco
             if "error" in event:
                 out.error = f"error event: {event['error']}"
                 return out
-            content = "".join((c.get("delta") or {}).get("content") or ""
+            content = "".join(_delta_text(c.get("delta") or {})
                               for c in event.get("choices", ()))
             if content:
                 now = time.perf_counter()
@@ -148,6 +189,13 @@ def send(url: str, job: Job, model: str, api_key: Optional[str] = None) -> Outco
     finally:
         conn.close()
     return out
+
+
+def _delta_text(delta: dict) -> str:
+    """A stream delta's text: its content, or its tool calls' names and arguments."""
+    calls = [c.get("function") or {} for c in delta.get("tool_calls") or ()]
+    return (delta.get("content") or "") + "".join(
+        (f.get("name") or "") + (f.get("arguments") or "") for f in calls)
 
 
 @dataclass
@@ -200,6 +248,8 @@ def run_load(url: str, plan: list[list[Job]], model: str, api_key: Optional[str]
 
     def client(i: int) -> None:
         for job in plan[i]:
+            if outcomes[i]:
+                job = job.after(outcomes[i][-1])
             outcomes[i].append(send(url, job, model, api_key))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(plan))]

@@ -49,3 +49,14 @@ class Linear(nn.Linear):
             y = y.view(*x.shape[:-1], w.shape[0])
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, w, self.bias)
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x·wᵀ (x (..., K), w (N, K) → (..., N)) with `Linear`'s batch-invariant float32 kernel
+    where it applies (else F.linear): each row's result does not depend on the other rows
+    (batched LoRA updates, `transforms.multi_lora`)."""
+    if use_kernel and w.dtype == torch.float32 and x.dtype == torch.float32 and \
+            kernels.layer_ops_apply(x, w):
+        y = torch.ops.torchllama.f32_linear(x.reshape(-1, w.shape[1]).contiguous(), w)
+        return y.view(*x.shape[:-1], w.shape[0])                                  # (..., N)
+    return F.linear(x, w)

@@ -7,6 +7,8 @@
     POST /v1/chat/completions    chat completion with the model's chat template, stream or not;
                                  tool calling (`torchllama.serving.tools`)
     POST /v1/embeddings          pooled final hidden states (`torchllama.serving.embeddings`)
+    POST /v1/load_lora_adapter   load a LoRA adapter, served by name (`model`) from then on
+    POST /v1/unload_lora_adapter unload one (after the requests using it end)
 
 Every request is tokenized here and handed to `torchllama.serving.engine.Engine`, which decodes all
 running requests together (with `--draft`, a request decoding alone runs speculative rounds),
@@ -23,6 +25,7 @@ has its generation cancelled.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -35,7 +38,7 @@ from torchllama.generation.session import encode_chat, encode_prompt
 from torchllama.generation.grammar import Grammars, GrammarError
 from torchllama.serving.metrics import ServerMetrics
 from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, EmbeddingBody,
-                                         Reply, SamplingBody,
+                                         LoadAdapterBody, Reply, SamplingBody, UnloadAdapterBody,
                                          chunk, constraint_of, delta, error_event, error_response,
                                          finish_payload, first_payloads, message_dicts, response,
                                          tool_deltas)
@@ -98,6 +101,7 @@ class _Choice:
         self.request: Optional[Request] = None
         self.error: Optional[APIError] = None
         self.parser: Optional[ToolCallParser] = None     # a chat answer offered tools
+        self.done: Optional[Callable[[], None]] = None  # called (event loop) when it ends
 
     # called from the engine thread
     def on_token(self, event: TokenEvent) -> None:
@@ -112,6 +116,8 @@ class _Choice:
         self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", event))
 
     def on_finish(self, reason: str) -> None:
+        if self.done is not None:                   # the adapter it used is free of it
+            self.loop.call_soon_threadsafe(self.done)
         if self.metrics is not None:
             self.metrics.requests.labels(self.endpoint, reason).inc()
             self.metrics.duration.observe(time.perf_counter() - self.started)
@@ -140,6 +146,96 @@ class _Choice:
         return self.tokenizer.decode([token_id])
 
 
+class _Adapters:
+    """The LoRA adapters a server serves by name (`transforms.multi_lora`): loaded and unloaded
+    while it runs, the model's modules changed only in the engine thread (`Engine.call`); a
+    request chooses one by its `model` field. Unloading waits until no request uses it."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.paths: dict[str, str] = {}
+        self.unloading: set[str] = set()
+        self.in_use: collections.Counter = collections.Counter()
+
+    def load_now(self, name: str, path: str) -> None:
+        """Load before the engine runs (server start).
+
+        Raises:
+            ModelFileError: not an adapter for this model (see `multi_lora.read_adapter`).
+        """
+        from torchllama.transforms.multi_lora import add_adapter, install, read_adapter
+
+        adapters = install(self.engine.model)
+        add_adapter(adapters, read_adapter(self.engine.model, name, path))
+        self.paths[name] = str(path)
+
+    async def load(self, name: str, path: str) -> None:
+        """Load while serving: wrap the products (engine thread), read the files (a worker
+        thread), attach (engine thread).
+
+        Raises:
+            APIError: 400 for a name in use or an adapter that does not load.
+        """
+        from torchllama.transforms.multi_lora import add_adapter, install, read_adapter
+
+        if not name or name == self.model_name or name in self.paths:
+            raise APIError(400, f"lora_name: {name!r} is already the name of a served model",
+                           "lora_name")
+        model = self.engine.model
+        adapters = await asyncio.wrap_future(self.engine.call(lambda: install(model)))
+        try:
+            weights = await asyncio.to_thread(read_adapter, model, name, path)
+        except TorchLlamaError as e:
+            raise APIError(400, f"lora_path: {e}", "lora_path") from None
+        if name in self.paths:
+            raise APIError(400, f"lora_name: {name!r} was loaded meanwhile", "lora_name")
+        self.paths[name] = str(path)
+        await asyncio.wrap_future(self.engine.call(lambda: add_adapter(adapters, weights)))
+
+    async def unload(self, name: str) -> None:
+        """Stop taking requests for `name`, wait for those using it, then detach it.
+
+        Raises:
+            APIError: 404 for a name that is not loaded.
+        """
+        from torchllama.transforms.multi_lora import remove_adapter
+
+        if name not in self.paths or name in self.unloading:
+            raise APIError(404, f"lora_name: no LoRA adapter {name!r} is loaded", "lora_name",
+                           "not_found_error")
+        self.unloading.add(name)
+        try:
+            while self.in_use[name] > 0:
+                await asyncio.sleep(0.02)
+            model = self.engine.model
+            await asyncio.wrap_future(self.engine.call(
+                lambda: remove_adapter(model, model.adapter_set, name)))
+            del self.paths[name]
+        finally:
+            self.unloading.discard(name)
+
+    def pick(self, model: Optional[str]) -> Optional[str]:
+        """The adapter a request's `model` names, or None (the base model).
+
+        Raises:
+            APIError: 404 for an adapter being unloaded.
+        """
+        if model in self.unloading:
+            raise APIError(404, f"model: the LoRA adapter {model!r} is being unloaded",
+                           "model", "not_found_error")
+        return model if model in self.paths else None
+
+    def use(self, name: Optional[str]) -> Optional[Callable[[], None]]:
+        """Count one more request using `name`; returns what ends its use (None: the base)."""
+        if name is None:
+            return None
+        self.in_use[name] += 1
+
+        def done() -> None:
+            self.in_use[name] -= 1
+        return done
+
+
 class _Completions:
     """What the completion endpoints do: check a request, submit one engine request per choice
     and answer with the whole result or a stream of server-sent events."""
@@ -147,6 +243,7 @@ class _Completions:
     def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, model_name: str):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.model_name = model_name
+        self.adapters = _Adapters(engine, model_name)
         self.grammars = Grammars(tokenizer)
         self.context = engine.context
         self.native_tools = renders_tools(tokenizer.chat_template)
@@ -244,6 +341,7 @@ class _Completions:
         """Check the request and queue one engine request per choice."""
         max_tokens, stops = self.check(body, prompt_ids, chat, max_tokens)
         constraints = await self.constraints_for(body, tools)
+        adapter = self.adapters.pick(body.model)      # (no await from here to its use)
         loop = asyncio.get_running_loop()
         choices = []
         started = time.perf_counter()
@@ -254,12 +352,20 @@ class _Completions:
                                      self.sampling_of(body, i, logprobs or 0),
                                      self.tokenizer.stop_ids, choice.on_token, choice.on_finish,
                                      logprobs=logprobs, constraint=constraints[i],
-                                     text=TextStream(self.tokenizer, prompt_ids, stops))
+                                     text=TextStream(self.tokenizer, prompt_ids, stops),
+                                     adapter=adapter)
             choice.parser = ToolCallParser() if tools is not None else None
             choices.append(choice)
         try:
             for choice in choices:
-                self.engine.submit(choice.request)
+                done = self.adapters.use(adapter)
+                try:
+                    self.engine.submit(choice.request)
+                except Exception:
+                    if done is not None:
+                        done()
+                    raise
+                choice.done = done
         except QueueFull as e:
             for choice in choices:
                 choice.request.cancel()
@@ -410,7 +516,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
                prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft=None,
                draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-               kv_cache_dtype: Optional[str] = None) -> FastAPI:
+               kv_cache_dtype: Optional[str] = None,
+               adapters: Optional[dict[str, str]] = None) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -426,6 +533,11 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             drafts: speculative rounds for a lone decoding request (`Engine`).
         kv_cache_dtype: what the engine's KV cache stores (`Engine`; None: the model's
             `kv_cache_dtype`, which `torchllama.load` sets).
+        adapters: LoRA adapters served by name (name → PEFT folder), loaded now; more can be
+            loaded and unloaded at run time (/v1/load_lora_adapter).
+
+    Raises:
+        ModelFileError: an adapter that is not for this model.
     """
     from contextlib import asynccontextmanager
 
@@ -434,6 +546,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                     draft=draft, draft_tokens=draft_tokens, kv_cache_dtype=kv_cache_dtype)
     metrics = ServerMetrics(engine)
     service = _Completions(engine, tokenizer, metrics, model_name)
+    for name, path in (adapters or {}).items():
+        service.adapters.load_now(name, path)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -483,8 +597,21 @@ def _add_routes(app: FastAPI, service: "_Completions") -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "torchllama"}]}
+        data = [{"id": model_name, "object": "model", "created": 0, "owned_by": "torchllama"}]
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "torchllama",
+                  "root": path, "parent": model_name}
+                 for name, path in service.adapters.paths.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterBody):
+        await service.adapters.load(body.lora_name, body.lora_path)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded"}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterBody):
+        await service.adapters.unload(body.lora_name)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
@@ -552,10 +679,10 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           max_queue: int = 64, prefill_chunk: int = 512,
           prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
           draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None,
-          kv_cache_dtype: str = "auto") -> None:
-    """Load a checkpoint (with a LoRA adapter applied unmerged, and a draft:
-    `torchllama.generation.speculative.make_drafter`) and serve it with uvicorn until interrupted
-    (arguments: `create_app`)."""
+          kv_cache_dtype: str = "auto", adapters: Optional[dict[str, str]] = None) -> None:
+    """Load a checkpoint (with a LoRA adapter applied unmerged for every request, named
+    adapters served per request, and a draft: `torchllama.generation.speculative.make_drafter`)
+    and serve it with uvicorn until interrupted (arguments: `create_app`)."""
     import uvicorn
 
     model, tokenizer = load_for_engine(model_path, dtype, adapter=adapter,
@@ -565,7 +692,8 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk,
-                     prefix_cache_mb, draft=drafter, draft_tokens=draft_tokens)
+                     prefix_cache_mb, draft=drafter, draft_tokens=draft_tokens,
+                     adapters=adapters)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

@@ -53,27 +53,28 @@ class CacheRows:
             kind = PrefixCache if self.model.caches.sliding else BlockPrefixCache
             self.prefix_cache = kind(self.model, self.prefix_cache_bytes)
 
-    def claim(self, b: int, prompt_ids: Sequence[int]) -> int:
-        """Give row b to a new prompt: reset it, and put the prompt's cached prefix in it.
-        Returns the prompt tokens already in the row (0 without a hit)."""
+    def claim(self, b: int, prompt_ids: Sequence[int], salt: bytes = b"") -> int:
+        """Give row b to a new prompt: reset it, and put the prompt's cached prefix in it (of
+        the same `salt`: the adapter's name). Returns the prompt tokens already in the row (0
+        without a hit)."""
         self.model.caches.reset_rows(slice(b, b + 1))
         reused = 0
         if self.prefix_cache is not None:
-            reused = self.prefix_cache.restore(prompt_ids, b)
+            reused = self.prefix_cache.restore(prompt_ids, b, salt)
         self.written(b, reused)
         return reused
 
-    def prefilled(self, b: int, prompt_ids: Sequence[int]) -> None:
+    def prefilled(self, b: int, prompt_ids: Sequence[int], salt: bytes = b"") -> None:
         """Row b holds the whole prompt now: offer it to the prefix cache."""
         if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt_ids, b)
+            self.prefix_cache.store(prompt_ids, b, salt)
 
-    def finished(self, b: int, tokens: Sequence[int]) -> None:
+    def finished(self, b: int, tokens: Sequence[int], salt: bytes = b"") -> None:
         """Row b's request ended, its slots 0..len(tokens)-1 holding `tokens` (the prompt and
         the generated tokens fed to the model): offer them to a block prefix cache (a
         whole-prompt cache keeps prompts only)."""
         if isinstance(self.prefix_cache, BlockPrefixCache) and tokens:
-            self.prefix_cache.store(tokens, b)
+            self.prefix_cache.store(tokens, b, salt)
 
     def written(self, b: int, end: int) -> None:
         """Slots [0, end) of row b hold finite numbers (the row's tokens were written there)."""

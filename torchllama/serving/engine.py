@@ -117,7 +117,21 @@ class Engine:
     def _released(self, b: int, row: _Row) -> None:
         """Row b's request ended: what its cache row holds (slots 0..pos-1: the prompt and the
         generated tokens fed so far) is offered to the prefix cache."""
-        self.cache.finished(b, (row.request.prompt_ids + row.generated)[:row.pos])
+        self.cache.finished(b, (row.request.prompt_ids + row.generated)[:row.pos],
+                            row.request.salt)
+
+    def _adapter_id(self, request: Request) -> int:
+        """The id of the request's LoRA adapter (−1: the base model).
+
+        Raises:
+            TorchLlamaError: the adapter is not loaded.
+        """
+        if request.adapter is None:
+            return -1
+        ids = getattr(getattr(self.model, "adapter_set", None), "ids", {})
+        if request.adapter not in ids:
+            raise TorchLlamaError(f"no LoRA adapter {request.adapter!r} is loaded")
+        return ids[request.adapter]
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -293,7 +307,8 @@ class Engine:
         b = self.scheduler.free_row()
         try:
             generator = request.sampling.make_generator(self.device)
-            reused = self.cache.claim(b, request.prompt_ids)
+            self._adapter_id(request)
+            reused = self.cache.claim(b, request.prompt_ids, request.salt)
         except Exception:
             log.exception("admission failed")
             notify(request.on_finish, "error")
@@ -309,11 +324,12 @@ class Engine:
             self.output.finish(b, "cancelled")
             return 0
         tokens = self.scheduler.chunk(b)
-        logits = self.runner.prefill(b, tokens, row.pos)                        # (1, V)
+        logits = self.runner.prefill(b, tokens, row.pos,
+                                     self._adapter_id(row.request))             # (1, V)
         row.pos += len(tokens)
         self.cache.written(b, row.pos)
         if not row.prefilling:
-            self.cache.prefilled(b, row.request.prompt_ids)
+            self.cache.prefilled(b, row.request.prompt_ids, row.request.salt)
             self._take(b, logits)
         return len(tokens)
 
@@ -337,13 +353,14 @@ class Engine:
         """One token for every decoding row: rows 0..B-1 (B = last decoding row + 1) at their
         own positions, the others idle (−1)."""
         B = decoding[-1] + 1
-        pos = [-1] * B
+        pos, adapters = [-1] * B, [-1] * B
         tokens = [self.runner.pad_id] * B
         for b in decoding:
             row = self.scheduler.rows[b]
             pos[b], tokens[b] = row.pos, row.pending
+            adapters[b] = self._adapter_id(row.request)
         self.cache.make_finite(decoding, max(pos) + 1)
-        logits = self.runner.decode(tokens, pos)                                 # (B, V)
+        logits = self.runner.decode(tokens, pos, adapters)                       # (B, V)
         for b in decoding:
             row = self.scheduler.rows[b]
             row.pos += 1
@@ -362,7 +379,7 @@ class Engine:
         left = min(request.max_tokens - len(row.generated),
                    self.context - len(request.prompt_ids) - len(row.generated))
         try:
-            step = self.runner.speculate(b, row, left)
+            step = self.runner.speculate(b, row, left, self._adapter_id(request))
         except Exception:
             log.exception("speculative step failed")
             self.output.finish(b, "error")

@@ -56,6 +56,7 @@ class _Entry:
     tokens: tuple[int, ...]
     state: list                       # KVCaches.read_row
     nbytes: int
+    salt: bytes = b""                 # the adapter's name
 
 
 def _nbytes(state) -> int:
@@ -87,7 +88,7 @@ class PrefixCache:
     def __init__(self, model, budget_bytes: int):
         self.model = model
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()   # LRU first
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()   # LRU first
         self.nbytes = 0
         self.hits = 0                # prompts that reused a prefix
         self.misses = 0
@@ -98,26 +99,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _best(self, prompt: list[int]) -> tuple[int, _Entry | None]:
+    def _best(self, prompt: list[int], salt: bytes = b"") -> tuple[int, _Entry | None]:
         best, entry = 0, None
         for candidate in self._entries.values():
+            if candidate.salt != salt:
+                continue
             m = common_prefix(candidate.tokens, prompt)
             if m > best:
                 best, entry = m, candidate
         return min(best, len(prompt) - 1), entry
 
-    def restore(self, prompt: list[int], row: int) -> int:
-        """Put the longest cached prefix of `prompt` into cache row `row` (freshly reset).
+    def restore(self, prompt: list[int], row: int, salt: bytes = b"") -> int:
+        """Put the longest cached prefix of `prompt` (among entries of the same `salt`: the
+        adapter's name) into cache row `row` (freshly reset).
 
         Returns:
             m, the prompt tokens whose keys and values the row now holds (slots 0..m-1); 0 on a
             miss (the row is left reset).
         """
-        m, entry = self._best(prompt)
+        m, entry = self._best(prompt, salt)
         if entry is not None and m > 0:
             self.model.caches.write_row(row, entry.state)
             if self.model.caches.can_write_at(m, row):
-                self._entries.move_to_end(entry.tokens)
+                self._entries.move_to_end((salt, entry.tokens))
                 with self._lock:
                     self.hits += 1
                     self.tokens_reused += m
@@ -127,15 +131,15 @@ class PrefixCache:
             self.misses += 1
         return 0
 
-    def store(self, prompt: list[int], row: int) -> None:
+    def store(self, prompt: list[int], row: int, salt: bytes = b"") -> None:
         """Keep the prompt just prefilled in cache row `row` (slots 0..P-1), unless an entry
         already gives most of it (see MIN_NEW_TOKENS); evict the least recently used entries
         beyond the budget."""
-        key = tuple(prompt)
+        key = (salt, tuple(prompt))
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        m, _ = self._best(prompt)
+        m, _ = self._best(prompt, salt)
         if len(prompt) - m < max(MIN_NEW_TOKENS, m // 4):
             return
         state = self.model.caches.read_row(row, len(prompt))
@@ -146,7 +150,7 @@ class PrefixCache:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self.evictions += 1
-        self._entries[key] = _Entry(key, state, nbytes)
+        self._entries[key] = _Entry(key[1], state, nbytes, salt)
         self.nbytes += nbytes
 
 

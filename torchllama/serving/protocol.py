@@ -142,6 +142,19 @@ class EmbeddingBody(BaseModel):
     pooling: Literal["mean", "last"] = "mean"
 
 
+class LoadAdapterBody(BaseModel):
+    """vLLM's /v1/load_lora_adapter body: the name requests will use as `model`, and the PEFT
+    folder (or `torchllama finetune` run)."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterBody(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body."""
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 

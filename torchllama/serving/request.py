@@ -63,6 +63,8 @@ class Request:
             whose token completes one of its stop strings. None: token ids only.
         tail: set by the engine before `on_finish`: the text the TextStream still held back
             at the end ('' after a stop string, or without a TextStream).
+        adapter: the name of a LoRA adapter loaded on the engine (`Engine.load_adapter`) to
+            generate with, or None for the base model.
     """
 
     prompt_ids: list[int]
@@ -75,7 +77,13 @@ class Request:
     constraint: Optional[Any] = None
     text: Optional[TextStream] = None
     tail: str = ""
+    adapter: Optional[str] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def salt(self) -> bytes:
+        """What keys this request's prefix cache blocks besides its tokens: its adapter."""
+        return self.adapter.encode() if self.adapter else b""
 
     def cancel(self) -> None:
         """Stop generating for this request (e.g. its client went away); frees its row."""

@@ -15,6 +15,7 @@ bits, for every kind of cache (full, sliding-window rings, MLA's latents).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -46,31 +47,44 @@ class ModelRunner:
         self.prefills = 0
         self.prefill_tokens = 0
 
-    def prefill(self, b: int, tokens: list[int], pos: int) -> torch.Tensor:
-        """Prefill `tokens` of cache row b at positions pos.. (its slots). Returns the last
-        token's logits (1, V)."""
+    def adapters(self, rows: list[int]):
+        """The context of a forward whose batch row b uses LoRA adapter id rows[b] (−1: the
+        base model; `transforms.multi_lora`); nothing without adapters."""
+        adapter_set = getattr(self.model, "adapter_set", None)
+        if adapter_set is None or not adapter_set.ids:
+            return contextlib.nullcontext()
+        return adapter_set.selecting(rows)
+
+    def prefill(self, b: int, tokens: list[int], pos: int, adapter: int = -1) -> torch.Tensor:
+        """Prefill `tokens` of cache row b at positions pos.. (its slots), with adapter id
+        `adapter` (−1: none). Returns the last token's logits (1, V)."""
         ids = torch.tensor([tokens], device=self.device)                        # (1, n)
-        logits = self.model(ids, pos, last_only=True, cache_rows=slice(b, b + 1))[:, -1]
+        with self.adapters([adapter]):
+            logits = self.model(ids, pos, last_only=True, cache_rows=slice(b, b + 1))[:, -1]
         self.prefills += 1
         self.prefill_tokens += len(tokens)
         return logits                                                           # (1, V)
 
-    def decode(self, tokens: list[int], pos: list[int]) -> torch.Tensor:
-        """One decode step of rows 0..B-1: row b feeds tokens[b] at position pos[b] (−1: idle).
-        Returns the logits (B, V)."""
-        logits = self.model(torch.tensor(tokens, device=self.device)[:, None],   # (B, 1)
-                            torch.tensor(pos, device=self.device),
-                            cache_rows=slice(0, len(tokens)))[:, -1]             # (B, V)
+    def decode(self, tokens: list[int], pos: list[int],
+               adapters: Optional[list[int]] = None) -> torch.Tensor:
+        """One decode step of rows 0..B-1: row b feeds tokens[b] at position pos[b] (−1: idle)
+        with adapter id adapters[b] (−1 or None: none). Returns the logits (B, V)."""
+        with self.adapters(adapters or [-1] * len(tokens)):
+            logits = self.model(torch.tensor(tokens, device=self.device)[:, None],  # (B, 1)
+                                torch.tensor(pos, device=self.device),
+                                cache_rows=slice(0, len(tokens)))[:, -1]         # (B, V)
         self.steps += 1
         return logits
 
-    def speculate(self, b: int, row: _Row, left: int):
+    def speculate(self, b: int, row: _Row, left: int, adapter: int = -1):
         """One speculative round for row b: `SpeculativeDecoder.step` on its cache row, at
-        most `left` tokens. Returns its `Round` (tokens, logits, drafted, accepted)."""
+        most `left` tokens, the model with adapter id `adapter` (the drafter without). Returns
+        its `Round` (tokens, logits, drafted, accepted)."""
         request = row.request
         context = request.prompt_ids + row.generated       # the last one is fed at row.pos
-        step = self.speculator.step(context, request.sampling, row.generator, row.generated,
-                                    left, cache_rows=slice(b, b + 1))
+        with self.adapters([adapter]):
+            step = self.speculator.step(context, request.sampling, row.generator,
+                                        row.generated, left, cache_rows=slice(b, b + 1))
         self.steps += 1
         return step
 

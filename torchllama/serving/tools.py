@@ -298,9 +298,12 @@ class ToolCallParser:
         return events
 
     def finish(self) -> list[tuple]:
-        """Events of the text held back at the end (an unfinished call stays incomplete)."""
+        """Events of the text held back at the end: an unfinished call stays incomplete (its
+        arguments as far as they got), one cut in its closing tag is complete."""
         events: list[tuple] = []
-        if self._state == "arguments" and self._buffer:
+        if self._state == "arguments" and _END.startswith(self._buffer):
+            self.calls[-1].complete = bool(self._buffer)      # only the closing tag was cut
+        elif self._state == "arguments":
             self._arguments(events, self._buffer)
         elif self._buffer and self._state != "arguments":
             if self._state in ("head", "between"):

@@ -193,6 +193,9 @@ class FusedTransformerBlock(TransformerBlock):
         # x: (B, T, D) → (B, T, D)
         fused = self.weights()
         slots = None
+        adapters = getattr(self, "adapters", None)         # `transforms.multi_lora`: a row
+        if adapters is not None and adapters.active:       # with an adapter runs readable
+            fused = None
         if fused is not None and kernels.layer_ops_apply(x, fused[0].norms[0]):
             slots = self.cache_slots(x, inputs)
         if slots is None:
