@@ -155,6 +155,8 @@ def test_a_mixed_batch_gives_every_request_its_answer_alone(server, adapter_dirs
     alone = [ask(client, *j) for j in jobs]
     assert together == alone
     by_model = {m: ask(client, m, PROMPTS[0]) for m in ("base", "one", "two")}
+    assert client.chat.completions.create(model="two", max_tokens=1, messages=[
+        {"role": "user", "content": "hi"}]).model == "two"
     assert len(set(by_model.values())) == 3                 # each adapter changes the answer
 
 

@@ -103,27 +103,29 @@ def test_prefix_cache_hits_give_the_answer_without_them(name, dtype):
 
 
 def test_prefix_cache_evicts_least_recently_used_blocks_within_its_budget():
-    """Room for 7 blocks of 32 tokens; three 100-token prompts (+1 generated token fed) store
-    3 blocks each: the first prompt's last two blocks go (a chain's end before its root)."""
+    """Three 100-token prompts (+1 generated token fed) store n = 101 // B blocks each, with
+    room for 2n + 1: the first prompt's chain loses its end, its first block stays."""
     from torchllama.serving.prefix_cache import BLOCK_SIZE, BlockPrefixCache
 
     model = family_model("llama", "float32")
     per_token = sum(2 * c.k_cache[0, :, :1].numel() * 4 for c in _caches(model))
+    n = 101 // BLOCK_SIZE
     engine = Engine(copy.deepcopy(model), max_batch_size=1,
-                    prefix_cache_bytes=int(per_token * BLOCK_SIZE * 7.5)).start()
+                    prefix_cache_bytes=int(per_token * BLOCK_SIZE * (2 * n + 1.5))).start()
     try:
         prompts = [random_prompt(100, s) for s in (1, 2, 3)]
         for p in prompts:
             run(engine, [(0.0, Client(p, 2))])
         cache = engine.prefix_cache
         assert isinstance(cache, BlockPrefixCache)
-        assert len(cache) == 7 and cache.evictions == 2 and cache.nbytes <= cache.budget_bytes
+        assert len(cache) == 2 * n + 1 and cache.evictions == n - 1
+        assert cache.nbytes <= cache.budget_bytes
         again = Client(prompts[0] + [5], 3)            # only its first block is left
         run(engine, [(0.0, again)])
         assert cache.hits == 1 and cache.tokens_reused == BLOCK_SIZE
         hit = Client(prompts[2] + [5], 3)
         run(engine, [(0.0, hit)])
-        assert cache.hits == 2 and cache.tokens_reused == BLOCK_SIZE + 96
+        assert cache.hits == 2 and cache.tokens_reused == BLOCK_SIZE + n * BLOCK_SIZE
         for client in (again, hit):
             assert client.tokens == alone(model, client.request.prompt_ids, 3)
     finally:
@@ -156,10 +158,12 @@ def test_multi_turn_chat_prefills_only_its_new_tokens(name, dtype):
             for chat, client in zip(chats, clients):
                 assert client.tokens == alone(model, client.request.prompt_ids, 10)
                 chat += client.tokens                             # the answer, resent
-        cache = engine.prefix_cache
+        cache = engine.prefix_cache                   # the chats' blocks, the shared ones once
         digests = [set(cache.digests(chat)) for chat in chats]
-        assert len(cache) == len(set.union(*digests))             # no block held twice
         assert len(set.intersection(*digests)) == 160 // BLOCK_SIZE
+        assert sum(len(d) for d in digests) - 3 * (160 // BLOCK_SIZE) - 4 <= len(cache) <= \
+            len(set.union(*digests))                  # (a chat's last token was never fed)
+        assert cache.nbytes == len(cache) * next(iter(cache._blocks.values())).nbytes
     finally:
         engine.shutdown()
 

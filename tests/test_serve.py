@@ -795,6 +795,12 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
     assert delta("torchllama_inter_token_latency_seconds_count") == 6 + 4
     assert after["torchllama_requests_running"] == 0 and after["torchllama_requests_waiting"] == 0
     assert "torchllama_prefix_cache_hits_total" in after
+    e = client.embeddings.create(model=MODEL, input=["a river", "the sea"])
+    later = metric_values(server)
+    assert later["torchllama_requests_total{endpoint=embeddings,finish_reason=stop}"] - \
+        after.get("torchllama_requests_total{endpoint=embeddings,finish_reason=stop}", 0) == 1
+    assert later["torchllama_prompt_tokens_total"] - after["torchllama_prompt_tokens_total"] \
+        == e.usage.prompt_tokens
 
 
 def client_tokenizer():

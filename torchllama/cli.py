@@ -442,8 +442,9 @@ def bench_load(model: Optional[str] = None, dtype: str = "auto", clients: int = 
                requests: int = 10, drop: float = 0.1, new_tokens: int = 128, batch: int = 8,
                peer: str = "llama.cpp") -> int:
     """A load test of our server, served in this process: --clients clients each sending
-    --requests chat requests (shared system prompts, streaming or not, --drop of them dropped
-    mid-stream, up to --new-tokens tokens each), and the same load against llama-cpp-python's
+    --requests chat requests (shared system prompts, follow-up turns of their conversation,
+    tool calls, streaming or not, --drop of them dropped mid-stream, up to --new-tokens tokens
+    each), and the same load against llama-cpp-python's
     server on the same file where it is installed; prints tokens/s, p50/p99 time to first token
     and inter-token latency.
 

@@ -272,7 +272,7 @@ def check_alone(url: str, outcomes: list[Outcome], model: str,
             continue
         key = o.job.key()
         if key not in alone:
-            job = Job(o.job.messages, o.job.max_tokens, stream=False)
+            job = dataclasses.replace(o.job, stream=False, drop_after=None)
             alone[key] = send(url, job, model, api_key).text
         checked += 1
         equal += alone[key] == o.text

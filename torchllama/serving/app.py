@@ -181,6 +181,8 @@ class _Adapters:
         if not name or name == self.model_name or name in self.paths:
             raise APIError(400, f"lora_name: {name!r} is already the name of a served model",
                            "lora_name")
+        if not Path(path).is_dir():
+            raise APIError(400, f"lora_path: {path}: no such folder", "lora_path")
         model = self.engine.model
         adapters = await asyncio.wrap_future(self.engine.call(lambda: install(model)))
         try:
@@ -385,6 +387,7 @@ class _Completions:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools)
         reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs, tools)
+        reply.model = reply.choices[0].request.adapter or self.model_name    # (as vLLM)
         if not body.stream:
             return await self.whole(http, reply)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -629,6 +632,8 @@ def _add_routes(app: FastAPI, service: "_Completions") -> None:
         future = engine.call(lambda: pooled(engine.model, lists, body.pooling))
         vectors = await asyncio.wrap_future(future)                      # (N, dim) float32
         n = sum(len(ids) for ids in lists)
+        metrics.requests.labels("embeddings", "stop").inc()
+        metrics.prompt_tokens.inc(n)
         return {"object": "list", "model": model_name,
                 "data": [{"object": "embedding", "index": i,
                           "embedding": encoded(v, body.encoding_format)}
