@@ -50,6 +50,9 @@ YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 16}
 # name → (ModelArgs fields, GGUF architecture, transformers reads it from GGUF)
 CASES = {
     "qwen2": (dict(SMALL, qkv_bias=True), "qwen2", True),
+    # (transformers' GGUF reader takes Qwen3's head_dim from its config default, 128, not from
+    # qwen3.attention.key_length: a head_dim of 128 is what it can check)
+    "qwen3": (dict(SMALL, qk_norm=True, head_dim=128), "qwen3", True),
     "gpt2": (GPT2, "gpt2", True),
     "gpt2-untied": (dict(GPT2, tie_embeddings=False), "gpt2", True),
     "mistral": (dict(SMALL, sliding_window=6), "llama", True),

@@ -81,6 +81,36 @@ def test_qwen2_biases_on_qkv():
     assert_same_logits(hf, ours)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_qwen3_qk_norm_and_head_dim(bias):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      vocab_size=300, max_position_embeddings=128,
+                                      rope_theta=5000.0, attention_bias=bias)
+    hf = perturbed(transformers.Qwen3ForCausalLM(config))       # q/k norm gains ≠ 1
+    ours = ours_from(hf)
+    assert ours.args.qk_norm and ours.args.head_dim == 24 and ours.args.qkv_bias == bias
+    assert_same_logits(hf, ours)
+
+
+def test_qwen3_greedy_continuation_equals_transformers():
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=300, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    hf = perturbed(transformers.Qwen3ForCausalLM(config))
+    ours = ours_from(hf)
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=32, do_sample=False)[0, 4:].tolist()
+        tokens = prompt
+        for _ in range(32):
+            tokens = torch.cat([tokens, ours(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert tokens[0, 4:].tolist() == expected
+
+
 @pytest.mark.parametrize("window", [6, 200])
 def test_mistral_sliding_window(window):
     torch.manual_seed(0)
@@ -398,6 +428,7 @@ def _tiny_hf_models():
                                       "original_max_position_embeddings": 16,
                                       "rope_theta": 500.0}))),
         ("qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small))),
+        ("qwen3", transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=32))),
         ("mistral", transformers.MistralForCausalLM(transformers.MistralConfig(
             **small, sliding_window=6))),
         ("gemma2", transformers.Gemma2ForCausalLM(_gemma2_config())),

@@ -311,25 +311,47 @@ def _chat_turn(session, messages: list[dict], text: str, max_new_tokens: int,
         messages.pop()
         print(f"torchllama: {e}", file=sys.stderr)
         return
+    from torchllama.serving.reasoning import ReasoningParser, template_thinks
+
+    reasoning = None                 # a thinking model: its <think>…</think> shown dimmed
+    if template_thinks(tokenizer.chat_template):
+        reasoning = ReasoningParser(tokenizer.decode(prompt_ids[-8:]).rstrip()
+                                    .endswith("<think>"))
     try:
         new_ids = list(_stream_answer(session, tokenizer, prompt_ids, max_new_tokens,
-                                      sampling))
+                                      sampling, reasoning))
     except ContextLengthError as e:
         messages.pop()
         print(f"torchllama: {e}. Type /reset to start a new conversation.", file=sys.stderr)
         return
-    messages.append({"role": "assistant", "content": tokenizer.decode(new_ids).strip()})
+    answer = reasoning.content if reasoning is not None else tokenizer.decode(new_ids)
+    messages.append({"role": "assistant", "content": answer.strip()})
     print(session.stats.summary(), file=sys.stderr)
 
 
-def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling):
+def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling, reasoning=None):
+    """Stream the answer's text to stdout (a `ReasoningParser`'s reasoning dimmed on a
+    terminal, else to stderr) and yield its token ids."""
     from torchllama.generation.text import TextStream
 
     text = TextStream(tokenizer, prompt_ids)
+
+    def show(piece: str, final: bool = False) -> None:
+        if reasoning is None:
+            return _write(piece)
+        for kind, part in reasoning.feed(piece) + (reasoning.finish() if final else []):
+            if kind == "content":
+                _write(part)
+            elif sys.stdout.isatty():
+                _write(f"\033[2m{part}\033[0m")
+            else:
+                print(part, end="", file=sys.stderr, flush=True)
+
     for token_id in session.generate(prompt_ids, max_new_tokens, sampling):
-        _write(text.push(token_id))
+        show(text.push(token_id))
         yield token_id
-    _write(text.flush() + "\n")
+    show(text.flush(), final=True)
+    _write("\n")
 
 
 def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,

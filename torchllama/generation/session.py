@@ -325,12 +325,14 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False,
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: Optional[list[dict]] = None) -> list[int]:
+                tools: Optional[list[dict]] = None,
+                variables: Optional[dict] = None) -> list[int]:
     """Token ids of a conversation, ending with the assistant's turn opened.
 
     The checkpoint's own jinja chat template when it has one (BOS added once; `tools` given to
-    it as transformers does); otherwise, for a SentencePiece vocabulary with BOS and EOS (Llama
-    2 chat), Meta's format (`llama2_chat_ids`, no tools).
+    it as transformers does, and `variables`, more template variables such as Qwen3's
+    enable_thinking); otherwise, for a SentencePiece vocabulary with BOS and EOS (Llama 2 chat),
+    Meta's format (`llama2_chat_ids`, no tools).
 
     Raises:
         TorchLlamaError: no template and no known format; malformed messages; Llama 2 format
@@ -339,7 +341,7 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if chat_format(tokenizer) == "llama2":
         return llama2_chat_ids(tokenizer, messages)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+                                         tools=tools, variables=variables)
     return _with_bos(tokenizer, tokenizer.encode(text, special=True))
 
 

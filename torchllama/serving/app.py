@@ -40,8 +40,9 @@ from torchllama.serving.metrics import ServerMetrics
 from torchllama.serving.protocol import (APIError, ChatBody, CompletionBody, EmbeddingBody,
                                          LoadAdapterBody, Reply, SamplingBody, UnloadAdapterBody,
                                          chunk, constraint_of, delta, error_event, error_response,
-                                         finish_payload, first_payloads, message_dicts, response,
-                                         tool_deltas)
+                                         finish_payload, first_payloads, message_dicts,
+                                         parsed_deltas, response)
+from torchllama.serving.reasoning import ReasoningParser, template_thinks
 from torchllama.serving.tools import (ToolCallParser, ToolError, Tools, chat_messages,
                                       renders_tools, tool_grammar, tools_of)
 from torchllama.generation.sampling import SamplingParams
@@ -101,6 +102,7 @@ class _Choice:
         self.request: Optional[Request] = None
         self.error: Optional[APIError] = None
         self.parser: Optional[ToolCallParser] = None     # a chat answer offered tools
+        self.reasoning: Optional[ReasoningParser] = None  # a thinking model's chat answer
         self.done: Optional[Callable[[], None]] = None  # called (event loop) when it ends
 
     # called from the engine thread
@@ -144,6 +146,22 @@ class _Choice:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def split(self, text: str, final: bool = False) -> list[tuple]:
+        """Parser events of new text (`final`: and of what the parsers held back): reasoning
+        first, its content then through the tool-call parser."""
+        pieces = [("content", text)]
+        if self.reasoning is not None:
+            pieces = self.reasoning.feed(text) + (self.reasoning.finish() if final else [])
+        events: list[tuple] = []
+        for kind, piece in pieces:
+            if kind == "content" and self.parser is not None:
+                events += self.parser.feed(piece)
+            else:
+                events.append((kind, piece))
+        if final and self.parser is not None:
+            events += self.parser.finish()
+        return events
 
 
 class _Adapters:
@@ -249,10 +267,12 @@ class _Completions:
         self.grammars = Grammars(tokenizer)
         self.context = engine.context
         self.native_tools = renders_tools(tokenizer.chat_template)
+        self.thinks = template_thinks(tokenizer.chat_template)
 
     def chat_prompt(self, body: ChatBody) -> tuple[Optional[Tools], list[int]]:
         """(the tools the answer is parsed for, or None; the prompt's token ids) of a chat
-        request (`torchllama.serving.tools`).
+        request (`torchllama.serving.tools`; `chat_template_kwargs` are more template
+        variables).
 
         Raises:
             APIError: 400 naming the field: invalid tools or tool_choice, tools together with
@@ -269,9 +289,17 @@ class _Completions:
                                 "and regex", "tools")
         messages, offered = chat_messages(message_dicts(body.messages), tools, self.native_tools)
         try:
-            return tools, encode_chat(self.tokenizer, messages, tools=offered)
+            return tools, encode_chat(self.tokenizer, messages, tools=offered,
+                                      variables=body.chat_template_kwargs)
         except TorchLlamaError as e:
             raise APIError(400, str(e), "messages") from None
+
+    def thinking(self, prompt_ids: list[int]) -> Optional[bool]:
+        """For a thinking model's template: whether the prompt opened `<think>` itself (the
+        answer starts inside it); None for other templates (no reasoning split)."""
+        if not self.thinks:
+            return None
+        return self.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith("<think>")
 
     @staticmethod
     def sampling_of(body: SamplingBody, index: int, top_logprobs: int) -> SamplingParams:
@@ -357,6 +385,8 @@ class _Completions:
                                      text=TextStream(self.tokenizer, prompt_ids, stops),
                                      adapter=adapter)
             choice.parser = ToolCallParser() if tools is not None else None
+            thinking = self.thinking(prompt_ids) if chat else None
+            choice.reasoning = ReasoningParser(thinking) if thinking is not None else None
             choices.append(choice)
         try:
             for choice in choices:
@@ -385,7 +415,8 @@ class _Completions:
         """The response to a completion request: a JSON body, or a stream of events; a chat
         answer offered `tools` is parsed for tool calls."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools)
+        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools,
+                      self.thinking(prompt_ids) if chat else None)
         reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs, tools)
         reply.model = reply.choices[0].request.adapter or self.model_name    # (as vLLM)
         if not body.stream:
@@ -432,12 +463,13 @@ class _Completions:
                     if choice.error is not None:       # OpenAI's in-stream error event
                         yield error_event(choice.error)
                         return
-                    for payload in _tool_finish(reply, choice):
+                    for payload in _parsed_finish(reply, choice):
                         yield chunk(reply, [payload])
                     yield chunk(reply, [finish_payload(reply, choice)])
-                elif choice.parser is not None:      # content and tool_calls deltas
-                    events = choice.parser.feed(text)
-                    for payload in tool_deltas(reply, choice, events, [event] if event else []):
+                elif choice.parser is not None or choice.reasoning is not None:
+                    events = choice.split(text)      # reasoning, content, tool_calls deltas
+                    for payload in parsed_deltas(reply, choice, events,
+                                                 [event] if event else []):
                         yield chunk(reply, [payload])
                 elif text or event is not None:
                     yield chunk(reply, [delta(reply, choice, text, event)])
@@ -451,13 +483,14 @@ class _Completions:
             await pieces.aclose()
 
 
-def _tool_finish(reply: Reply, choice: _Choice) -> list[dict]:
-    """A choice's last tool payloads (the text its parser held back); its finish reason
+def _parsed_finish(reply: Reply, choice: _Choice) -> list[dict]:
+    """A choice's last parsed payloads (the text its parsers held back); its finish reason
     becomes "tool_calls" when it made a call."""
-    if choice.parser is None:
+    if choice.parser is None and choice.reasoning is None:
         return []
-    payloads = tool_deltas(reply, choice, choice.parser.finish(), [])
-    if choice.finish_reason == "stop" and choice.parser.finish_reason:
+    payloads = parsed_deltas(reply, choice, choice.split("", final=True), [])
+    if choice.finish_reason == "stop" and choice.parser is not None and \
+            choice.parser.finish_reason:
         choice.finish_reason = choice.parser.finish_reason
     return payloads
 

@@ -8,7 +8,8 @@
     constraint_of              a body's output constraint (response_format, grammar, regex)
     Reply                      one request being answered: id, kind, choices, usage
     response, chunk, delta     the whole answer, a server-sent event, one choice's new text
-    tool_deltas                a stream's tool_calls deltas (`torchllama.serving.tools`)
+    parsed_deltas              a stream's reasoning_content and tool_calls deltas
+                               (`torchllama.serving.reasoning`, `torchllama.serving.tools`)
     *_logprobs                 OpenAI's two log-probability formats
 
 A choice here is anything with index, finish_reason, token_events (the engine's `TokenEvent`s)
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from torchllama.serving.request import TokenEvent
+from torchllama.serving.reasoning import split_reasoning
 from torchllama.serving.tools import ToolCallParser, Tools, parse_all
 
 try:  # the server's own dependencies; the rest of torchllama works without them
@@ -97,6 +99,8 @@ class ChatBody(SamplingBody):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    # extension (vLLM's): more variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -218,6 +222,7 @@ class Reply:
     choices: list
     model: str = "torchllama"
     tools: Optional[Tools] = None            # the model's output is parsed for tool calls
+    thinking: Optional[bool] = None          # split <think>…</think> (True: the prompt opened it)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
@@ -236,11 +241,10 @@ def response(reply: Reply, texts: list[str]) -> dict:
     out = []
     for choice, text in zip(reply.choices, texts):
         entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
-        if reply.chat and reply.tools is not None:
-            parsed = parse_all(text)
-            entry["message"] = assistant_message(parsed)
-            if choice.finish_reason == "stop" and parsed.finish_reason:
-                entry["finish_reason"] = parsed.finish_reason
+        if reply.chat and (reply.tools is not None or reply.thinking is not None):
+            entry["message"] = _parsed_message(reply, text)
+            if choice.finish_reason == "stop" and entry["message"].get("tool_calls"):
+                entry["finish_reason"] = "tool_calls"
             entry["logprobs"] = chat_logprobs(choice) if reply.logprobs is not None else None
         elif reply.chat:
             entry["message"] = {"role": "assistant", "content": text}
@@ -284,6 +288,20 @@ def delta(reply: Reply, choice, text: str, event: Optional[TokenEvent]) -> dict:
     return payload
 
 
+def _parsed_message(reply: Reply, text: str) -> dict:
+    """The assistant message of a whole answer: its reasoning split off (`reasoning_content`),
+    then its tool calls (the same parsers a stream goes through)."""
+    reasoning, content = (split_reasoning(text, reply.thinking) if reply.thinking is not None
+                          else (None, text))
+    if reply.tools is not None:
+        message = assistant_message(parse_all(content))
+    else:
+        message = {"role": "assistant", "content": content}
+    if reply.thinking is not None:
+        message["reasoning_content"] = reasoning
+    return message
+
+
 def assistant_message(parsed: ToolCallParser) -> dict:
     """The assistant message of an answer parsed for tool calls (content None when it is
     only calls, as OpenAI's)."""
@@ -294,16 +312,18 @@ def assistant_message(parsed: ToolCallParser) -> dict:
     return message
 
 
-def tool_deltas(reply: Reply, choice, events: list[tuple], token_events: list) -> list[dict]:
-    """A choice's stream payloads for its `ToolCallParser` events: content, a call's id and
-    name (arguments ""), then its arguments piece by piece (OpenAI's tool_calls deltas). The
-    log-probabilities of `token_events` ride on the first payload (with an empty delta if the
-    parser held their text back, so that none is lost)."""
-    calls = choice.parser.calls
+def parsed_deltas(reply: Reply, choice, events: list[tuple], token_events: list) -> list[dict]:
+    """A choice's stream payloads for its parsers' events: reasoning (`reasoning_content`),
+    content, a call's id and name (arguments ""), then its arguments piece by piece (OpenAI's
+    tool_calls deltas). The log-probabilities of `token_events` ride on the first payload
+    (with an empty delta if the parsers held their text back, so that none is lost)."""
+    calls = choice.parser.calls if choice.parser is not None else []
     payloads = []
     for e in events:
         if e[0] == "content":
             d: dict[str, Any] = {"content": e[1]}
+        elif e[0] == "reasoning":
+            d = {"reasoning_content": e[1]}
         elif e[0] == "call":
             call = calls[e[1]]
             d = {"tool_calls": [{"index": e[1], "id": call.id, "type": "function",

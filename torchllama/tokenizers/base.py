@@ -239,6 +239,7 @@ class Tokenizer(ABC):
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation with the checkpoint's Jinja chat template, as HF transformers does.
 
@@ -249,6 +250,8 @@ class Tokenizer(ABC):
                 should continue).
             tools: OpenAI's tool objects, given to the template as ``tools`` (transformers'
                 ``apply_chat_template(tools=...)``); templates that do not read it ignore it.
+            variables: more template variables (transformers' ``**kwargs``, e.g. Qwen3's
+                ``enable_thinking``); they cannot replace the ones above.
 
         Returns:
             The prompt text; encode it with ``special=True`` (and ``bos=add_bos`` unless the
@@ -268,17 +271,19 @@ class Tokenizer(ABC):
             )
         _validate_messages(messages)
         template = self._get_compiled_template()
-        variables: dict[str, Any] = {
+        context: dict[str, Any] = {
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": bool(add_generation_prompt),
         }
         if tools is not None:
-            variables["tools"] = [dict(t) for t in tools]
+            context["tools"] = [dict(t) for t in tools]
         for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("unk_token", self.unk_id),
                         ("pad_token", self.pad_id)):
-            variables[name] = self._pieces[i] if i is not None else ""
+            context[name] = self._pieces[i] if i is not None else ""
+        for key, value in (variables or {}).items():
+            context.setdefault(key, value)
         try:
-            return template.render(**variables)
+            return template.render(**context)
         except TorchLlamaError:
             raise
         except Exception as e:  # jinja2 UndefinedError, TypeError in the template ...
