@@ -28,6 +28,8 @@ MLPS = ("swiglu", "geglu", "geglu_tanh", "relu", "gelu", "gelu_tanh")
 GATED_MLPS = ("swiglu", "geglu", "geglu_tanh")
 POSITIONS = ("rope", "sinusoidal", "learned", "t5", "alibi", "none")
 ATTENTIONS = ("mha", "mla")
+#: ModelArgs.moe_router: how a mixture of experts picks each token's experts (`torchllama.nn.moe`).
+MOE_ROUTERS = ("softmax", "sigmoid")
 LAYER_TYPES = ("global", "local")
 #: RoPE scaling type → (required keys, optional keys) of the `rope_scaling` dict.
 ROPE_SCALINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -143,6 +145,25 @@ class ModelArgs:
             RoPE (the RoPE part of the key is one shared, "decoupled" head).
         v_head_dim: MLA: per-head value width.
 
+    Mixture of experts (`torchllama.nn.moe`; 0 experts: a dense MLP in every layer):
+        n_experts: routed experts per MoE layer (Mixtral 8, Qwen3-30B-A3B 128, OLMoE 64,
+            DeepSeek-V3 256).
+        n_experts_per_token: experts each token is sent to, k (Mixtral 2, Qwen3-MoE 8).
+        moe_hidden_dim: an expert's hidden width; None means `ffn_hidden_dim`.
+        n_shared_experts: experts every token goes through besides, as one MLP of
+            n_shared_experts × moe_hidden_dim (DeepSeek-V2/V3: 1 and 2).
+        moe_router: "softmax" (softmax over all experts, then the top k: Shazeer et al. 2017,
+            Mixtral, Qwen3-MoE, OLMoE) or "sigmoid" (a sigmoid score per expert, the top k of
+            score + a correction bias within the best groups: DeepSeek-V3 eq. 12-16).
+        moe_norm_topk: the k weights renormalized to sum to 1 (Mixtral; Qwen3-MoE and
+            DeepSeek-V3 by config; OLMoE not).
+        moe_scale: the routed output is multiplied by this (DeepSeek-V3's
+            routed_scaling_factor, 2.5).
+        moe_groups, moe_group_topk: sigmoid router: experts split into this many groups, of
+            which the best moe_group_topk (by the sum of their two best scores) are eligible.
+        first_dense_layers: the first layers keep a dense MLP (DeepSeek's
+            first_k_dense_replace).
+
     Raises:
         ArgumentError: from `__post_init__`, one line naming the field, what it must be and
             what it was: a non-positive size, head counts that do not divide, an unknown value
@@ -194,6 +215,16 @@ class ModelArgs:
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    moe_hidden_dim: Optional[int] = None
+    n_shared_experts: int = 0
+    moe_router: str = "softmax"
+    moe_norm_topk: bool = True
+    moe_scale: float = 1.0
+    moe_groups: int = 1
+    moe_group_topk: int = 1
+    first_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -238,6 +269,45 @@ class ModelArgs:
                                 f"feeds both branches); got {self.norm_placement!r}")
         self._check_attention()
         self._check_position()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ArgumentError(f"ModelArgs.{name} must be an integer ≥ 0, got {value!r}")
+        if not self.n_experts:
+            return
+        for name in ("n_experts_per_token", "moe_groups", "moe_group_topk"):
+            _positive_int(self, name)
+        if self.moe_hidden_dim is not None:
+            _positive_int(self, "moe_hidden_dim")
+        if self.n_experts_per_token > self.n_experts:
+            raise ArgumentError(f"ModelArgs.n_experts_per_token ({self.n_experts_per_token}) "
+                                f"must be ≤ n_experts ({self.n_experts})")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ArgumentError(f"ModelArgs.moe_router must be one of {', '.join(MOE_ROUTERS)}; "
+                                f"got {self.moe_router!r}")
+        if self.n_experts % self.moe_groups or self.moe_group_topk > self.moe_groups:
+            raise ArgumentError(f"ModelArgs.moe_groups ({self.moe_groups}) must divide n_experts "
+                                f"({self.n_experts}) and be ≥ moe_group_topk "
+                                f"({self.moe_group_topk})")
+        if not (isinstance(self.moe_scale, (int, float)) and math.isfinite(self.moe_scale)
+                and self.moe_scale > 0):
+            raise ArgumentError(f"ModelArgs.moe_scale must be a number > 0, got "
+                                f"{self.moe_scale!r}")
+        if not self.gated_mlp:
+            raise ArgumentError(f"ModelArgs.n_experts needs a gated mlp (swiglu, geglu, "
+                                f"geglu_tanh): experts are gated MLPs; got mlp {self.mlp!r}")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has a mixture of experts (else a dense MLP)."""
+        return self.n_experts > 0 and layer_id >= self.first_dense_layers
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """An expert's hidden width (`moe_hidden_dim`, else the dense MLP's)."""
+        return self.moe_hidden_dim or self.ffn_hidden_dim
 
     def _check_position(self) -> None:
         rope = self.position == "rope"

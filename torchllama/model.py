@@ -31,7 +31,7 @@ from torchllama.config import LayerSpec, ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.nn import (ALiBi, AttentionInputs, KVCaches, LearnedPositions, RotaryEmbedding,
                            SinusoidalPositions, T5RelativeBias, kv_storage,
-                           linear_cross_entropy, make_attention, make_mlp, make_norm,
+                           linear_cross_entropy, make_attention, make_feed_forward, make_norm,
                            slot_positions)
 from torchllama.nn.linear import Linear
 
@@ -51,7 +51,7 @@ class TransformerBlock(nn.Module):
         self.spec = spec
         self.placement = "parallel" if args.parallel_block else args.norm_placement
         self.attention = make_attention(args, spec)
-        self.feed_forward = make_mlp(args)
+        self.feed_forward = make_feed_forward(args, layer_id)   # dense MLP or experts
         self.attention_norm = make_norm(args, args.dim)
         if self.placement != "parallel":                 # parallel: one norm feeds both
             self.ffn_norm = make_norm(args, args.dim)

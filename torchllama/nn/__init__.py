@@ -13,6 +13,7 @@ from torchllama.nn.kv_cache import (KV_CACHE_DTYPES, KVCache, KVCaches, SlidingW
                                     check_kv_cache_dtype, kv_storage)
 from torchllama.nn.loss import linear_cross_entropy
 from torchllama.nn.mlp import MLP, FeedForward, make_mlp
+from torchllama.nn.moe import MoE, make_feed_forward
 from torchllama.nn.norms import LayerNorm, RMSNorm, make_norm
 from torchllama.nn.position import (ALiBi, LearnedPositions, RotaryEmbedding, SinusoidalPositions,
                                     T5RelativeBias, alibi_slopes, apply_rotary_emb,
@@ -21,8 +22,8 @@ from torchllama.nn.position import (ALiBi, LearnedPositions, RotaryEmbedding, Si
 
 __all__ = ["ALiBi", "Attention", "AttentionInputs", "FeedForward", "KVCache", "KVCaches",
            "KV_CACHE_DTYPES", "check_kv_cache_dtype", "kv_storage", "LayerNorm",
-           "LearnedPositions", "MLP", "MultiHeadLatentAttention", "RMSNorm", "RotaryEmbedding",
-           "SinusoidalPositions", "SlidingWindowKVCache", "T5RelativeBias", "alibi_slopes",
-           "apply_rotary_emb", "attend", "linear_cross_entropy", "make_attention", "make_mlp",
-           "make_norm", "precompute_freqs_cis", "repeat_kv", "rope_inv_freq", "slot_positions",
+           "LearnedPositions", "MLP", "MoE", "MultiHeadLatentAttention", "RMSNorm",
+           "RotaryEmbedding", "SinusoidalPositions", "SlidingWindowKVCache", "T5RelativeBias",
+           "alibi_slopes", "apply_rotary_emb", "attend", "linear_cross_entropy",
+           "make_attention", "make_feed_forward", "make_mlp", "make_norm", "precompute_freqs_cis", "repeat_kv", "rope_inv_freq", "slot_positions",
            "sinusoidal_embeddings", "t5_relative_position_bucket"]
