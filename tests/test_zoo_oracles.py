@@ -401,9 +401,39 @@ def _count(args: ModelArgs) -> int:
     ("qwen2-0.5b", 494_032_768),       # Qwen/Qwen2-0.5B
     ("mistral-7b", 7_241_732_096),     # mistralai/Mistral-7B-v0.1
     ("llama3.1-8b", 8_030_261_248),    # meta-llama/Llama-3.1-8B
+    ("qwen3-0.6b", 596_049_920),       # Qwen/Qwen3-0.6B
+    ("mixtral-8x7b", 46_702_792_704),  # mistralai/Mixtral-8x7B-v0.1
+    ("qwen3-30b-a3b", 30_532_122_624),  # Qwen/Qwen3-30B-A3B
+    # deepseek-ai/DeepSeek-V3 without its MTP module: 671,026,419,200 in its files, which also
+    # hold the 58 × 256 routers' correction biases (a buffer here, not a parameter)
+    ("deepseek-v3", 671_026_419_200 - 58 * 256),
 ])
 def test_parameter_counts_of_published_configurations(preset, expected):
     assert _count(get_preset(preset)) == expected
+
+
+@pytest.mark.parametrize("preset, active", [
+    ("mixtral-8x7b", 12_879_925_248),   # "12.9B active" (Mistral AI)
+    ("qwen3-30b-a3b", 3_353_032_704),   # "3.3B activated" (Qwen3 report)
+    ("deepseek-v3", 37_552_282_624),    # "37B activated" (DeepSeek-V3 report)
+    ("qwen3-0.6b", 596_049_920),        # dense: all of them
+])
+def test_active_parameters_of_mixtures_of_experts(preset, active):
+    from torchllama.model import parameter_counts
+
+    total, got = parameter_counts(get_preset(preset))
+    assert got == active and total == _count(get_preset(preset))
+
+
+def test_info_prints_total_and_active_parameters(capsys):
+    from torchllama.cli import main
+
+    assert main(["info", "--preset", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "61 layers (3 dense, 58 mixture of experts)" in out and "MLA" in out
+    assert "671,026,404,352" in out and "37,552,282,624" in out and "8 of 256 experts + 1 " \
+        "shared" in out
+    assert main(["info", "--preset", "nope"]) == 1
 
 
 def test_deepseek_v3_attention_parameters_per_layer():

@@ -667,32 +667,75 @@ def kv_cache(model: Optional[str] = None, preset: Optional[str] = None,
         compare_attention: also show the same model with MHA, GQA (8 query heads per KV head),
             MQA and MLA side by side.
     """
-    from torchllama.checkpoint import read_model_args
-    from torchllama.config import ModelArgs, get_preset, read_model_config
     from torchllama.errors import ArgumentError
     from torchllama.bench.kv_cache_size import DTYPE_BYTES, report
 
-    if sum(x is not None for x in (model, preset, config)) > 1:
-        raise ArgumentError("give one of --model, --preset and --config")
     if dtype not in DTYPE_BYTES:
         raise ArgumentError(f"--dtype {dtype!r} is not supported; use one of "
                             f"{', '.join(DTYPE_BYTES)}")
     if (seq_len is not None and seq_len < 1) or batch_size < 1:
         raise ArgumentError("--seq-len and --batch-size must be ≥ 1")
-    if preset is not None:
-        args, name = get_preset(preset), preset
-    elif config is not None:
-        try:
-            args = ModelArgs(**read_model_config(config))
-        except TypeError as e:
-            raise ArgumentError(f"--config {config}: {e}") from None
-        except ArgumentError as e:
-            raise ArgumentError(f"--config {config}: {e}") from None
-        name = config
-    else:
-        args = read_model_args(model)
-        name = model or "SmolLM2-135M-Instruct (embedded)"
+    args, name = _model_args(model, preset, config)
     print(report(args, name, seq_len or args.max_seq_len, batch_size, dtype, compare_attention))
+    return 0
+
+
+def _model_args(model: Optional[str], preset: Optional[str], config: Optional[str]):
+    """(ModelArgs, a name for it) of --model, --preset or --config (no weights read).
+
+    Raises:
+        ArgumentError: more than one given, an unknown preset, a config that is not ModelArgs.
+    """
+    from torchllama.checkpoint import read_model_args
+    from torchllama.config import ModelArgs, get_preset, read_model_config
+    from torchllama.errors import ArgumentError
+
+    if sum(x is not None for x in (model, preset, config)) > 1:
+        raise ArgumentError("give one of --model, --preset and --config")
+    if preset is not None:
+        return get_preset(preset), preset
+    if config is not None:
+        try:
+            return ModelArgs(**read_model_config(config)), config
+        except (TypeError, ArgumentError) as e:
+            raise ArgumentError(f"--config {config}: {e}") from None
+    return read_model_args(model), model or "SmolLM2-135M-Instruct (embedded)"
+
+
+def info(model: Optional[str] = None, preset: Optional[str] = None,
+         config: Optional[str] = None) -> int:
+    """A model's shape from its configuration: layers, widths, heads, the variant-zoo choices
+    that differ from Llama 2's, and its parameters, in total and active per token (a mixture
+    of experts runs only its chosen experts). No weights are read.
+
+    Args:
+        model: a checkpoint (.gguf, Meta or Hugging Face folder, training run); default: the
+            embedded SmolLM2-135M-Instruct.
+        preset: a preset name instead (e.g. mixtral-8x7b, qwen3-30b-a3b, deepseek-v3).
+        config: a YAML or JSON file of ModelArgs fields instead.
+    """
+    from torchllama.model import parameter_counts
+
+    args, name = _model_args(model, preset, config)
+    total, active = parameter_counts(args)
+    moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    layers = f"{args.n_layers} layers" + (f" ({args.n_layers - moe} dense, {moe} mixture of "
+                                          "experts)" if moe and moe < args.n_layers else
+                                          " (mixture of experts)" if moe else "")
+    heads = (f"{args.n_heads} heads (MLA: a {args.kv_lora_rank} + {args.qk_rope_head_dim} "
+             "latent)" if args.attention == "mla" else
+             f"{args.n_heads} heads ({args.n_kv_heads} key/value, {args.head_dim} wide)")
+    print(f"{name}\n  {layers}, dim {args.dim}, {heads}, vocabulary {args.vocab_size}, "
+          f"context {args.max_seq_len}")
+    choices = {k: v for k, v in args.variant_fields().items() if k not in ("layer_types",)}
+    if choices:
+        print("  choices: " + ", ".join(f"{k}={v}" for k, v in choices.items()))
+    line = f"  parameters: {total:,} ({total / 1e9:.2f}B)"
+    if moe:
+        line += (f"; active per token {active:,} ({active / 1e9:.2f}B: {args.n_experts_per_token}"
+                 f" of {args.n_experts} experts" + (f" + {args.n_shared_experts} shared"
+                                                      if args.n_shared_experts else "") + ")")
+    print(line)
     return 0
 
 
@@ -925,7 +968,7 @@ BENCH: dict[str, Callable[..., int]] = {
 #: `torchllama COMMAND`: a function, or a dict of subcommands (`torchllama bench decode`).
 COMMANDS: dict[str, Callable[..., int] | dict[str, Callable[..., int]]] = {
     "generate": generate, "chat": chat, "convert": convert, "serve": serve, "bench": BENCH,
-    "kv-cache": kv_cache, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
+    "kv-cache": kv_cache, "info": info, "train-tokenizer": train_tokenizer, "prepare-data": prepare_data,
     "train": train, "finetune": finetune, "plot-log": plot_log, "ablate": ablate,
     "anatomy": anatomy, "perplexity": perplexity}
 

@@ -533,11 +533,10 @@ PRESETS: dict[str, ModelArgs] = {
                              embed_scale=True, attn_scale=256 ** -0.5, rope_theta=1000000.0,
                              rope_local_theta=10000.0, sliding_window=512,
                              layer_types=_every_nth_global(18, 6)),
-    # DeepSeek-V3's attention (MLA: q_lora_rank 1536, kv_lora_rank 512, 128 + 64 query/key
-    # dims, 128 value dims, 128 heads, 61 layers, YaRN ×40 from 4096). Its FFN is a mixture of
-    # experts in 58 of 61 layers, which torchllama does not implement: this preset has the
-    # dense FFN (18432) of its first 3 layers everywhere, so only attention shapes, KV bytes
-    # and attention parameter counts are DeepSeek-V3's.
+    # DeepSeek-V3 (without its multi-token-prediction module): MLA (q_lora_rank 1536,
+    # kv_lora_rank 512, 128 + 64 query/key dims, 128 value dims, 128 heads, YaRN ×40 from 4096);
+    # 61 layers, the first 3 with a dense FFN (18432), the others 256 routed experts of 2048
+    # (8 per token: sigmoid scores, 4 of 8 groups, weights renormalized × 2.5) and 1 shared.
     "deepseek-v3": ModelArgs(dim=7168, n_layers=61, n_heads=128, vocab_size=129280,
                              hidden_dim=18432, norm_eps=1e-6, max_seq_len=163840,
                              attention="mla", q_lora_rank=1536, kv_lora_rank=512,
@@ -545,7 +544,25 @@ PRESETS: dict[str, ModelArgs] = {
                              rope_scaling={"type": "yarn", "factor": 40.0,
                                            "original_max_seq_len": 4096, "beta_fast": 32.0,
                                            "beta_slow": 1.0, "mscale": 1.0,
-                                           "mscale_all_dim": 1.0}),
+                                           "mscale_all_dim": 1.0},
+                             n_experts=256, n_experts_per_token=8, moe_hidden_dim=2048,
+                             n_shared_experts=1, moe_router="sigmoid", moe_groups=8,
+                             moe_group_topk=4, moe_scale=2.5, first_dense_layers=3),
+    # Mixtral 8x7B: Mistral 7B's attention (no sliding window in v0.1's config), 8 experts of
+    # 14336 in every layer, 2 per token (softmax, renormalized).
+    "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              hidden_dim=14336, rope_theta=1000000.0, max_seq_len=32768,
+                              norm_eps=1e-5, n_experts=8, n_experts_per_token=2),
+    # Qwen3 0.6B: QK-norm, 128-wide heads (16 query, 8 key/value), tied embeddings.
+    "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                            vocab_size=151936, hidden_dim=3072, rope_theta=1000000.0,
+                            norm_eps=1e-6, max_seq_len=40960, tie_embeddings=True,
+                            qk_norm=True),
+    # Qwen3-30B-A3B: 48 layers of 128 experts of 768, 8 per token (renormalized), QK-norm.
+    "qwen3-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                               vocab_size=151936, hidden_dim=6144, rope_theta=1000000.0,
+                               norm_eps=1e-6, max_seq_len=40960, qk_norm=True, n_experts=128,
+                               n_experts_per_token=8, moe_hidden_dim=768),
     # Small models to train from scratch on a laptop CPU (`make train-demo`), ~ a few million
     # parameters, for a SentencePiece vocabulary of 4096 tokens (`torchllama train-tokenizer`).
     "shakespeare-small": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=4096,

@@ -328,3 +328,16 @@ class Transformer(nn.Module):
         if end > max_len:
             raise ContextLengthError(
                 f"positions {start_pos}..{end - 1} exceed the context of {max_len} tokens")
+
+
+def parameter_counts(args: ModelArgs) -> tuple[int, int]:
+    """(total, active per token) parameters of a model with these args, counted on the meta
+    device (nothing allocated). Active leaves out the routed experts a token is not sent to:
+    per MoE layer (n_experts − n_experts_per_token) × 3·dim·expert_hidden_dim (a dense
+    model: total = active)."""
+    with torch.device("meta"):
+        total = sum(p.numel() for p in Transformer(args).parameters())
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    idle = moe_layers * (args.n_experts - args.n_experts_per_token) * 3 * args.dim * \
+        args.expert_hidden_dim
+    return total, total - idle if args.n_experts else total
