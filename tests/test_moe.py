@@ -16,23 +16,25 @@ from torchllama.nn.moe import MoE
 
 transformers = pytest.importorskip("transformers")
 
-D, F_, E = 64, 48, 8
+D, F_, E = 64, 64, 8   # (F a multiple of 32: torch's element-wise SiLU runs 32 floats a step,
+#                        and a row shorter than that meets its scalar tail, other bits)
 SMALL = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=300, max_position_embeddings=64)
 
 
 def ours_like(hf_block, **moe) -> MoE:
-    """Our MoE with `hf_block`'s weights (router, 3-D experts split into w1/w3, shared
-    experts)."""
+    """Our MoE with `hf_block`'s weights (router, 3-D experts split into each expert's
+    w1/w3/w2, shared experts)."""
     args = ModelArgs(dim=D, n_layers=1, n_heads=4, vocab_size=300, hidden_dim=F_,
                      n_experts=E, **moe)
     ours = MoE(args).eval()
     gate_up, down = hf_block.experts.gate_up_proj.detach(), hf_block.experts.down_proj.detach()
     with torch.no_grad():
         ours.gate.weight.copy_(hf_block.gate.weight)
-        ours.w1.copy_(gate_up[:, :F_])                      # (E, 2F, D): gate rows, then up
-        ours.w3.copy_(gate_up[:, F_:])
-        ours.w2.copy_(down)                                 # (E, D, F)
+        for e, expert in enumerate(ours.experts):           # (E, 2F, D): gate rows, then up
+            expert.w1.weight.copy_(gate_up[e, :F_])
+            expert.w3.weight.copy_(gate_up[e, F_:])
+            expert.w2.weight.copy_(down[e])                 # (E, D, F)
         if hasattr(hf_block.gate, "e_score_correction_bias"):
             ours.e_score_correction_bias.copy_(hf_block.gate.e_score_correction_bias)
         shared = getattr(hf_block, "shared_experts", None)

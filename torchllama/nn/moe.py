@@ -17,10 +17,12 @@ Routers (`ModelArgs.moe_router`):
   s_e + b_e); g_e = s_e (without b), renormalized if `moe_norm_topk`, times `moe_scale`.
 
 The computation groups tokens by expert (each expert's tokens in one product, llama.cpp's
-MUL_MAT_ID) and adds each token's experts in increasing expert order, with torchllama's
-batch-invariant float32 product: a token's output is the same bits whatever other tokens are
-in the batch. Expert weights are 3-D parameters, one slice per expert: w1, w3 (E, F, D) and
-w2 (E, D, F), as llama.cpp's `ffn_{gate,up,down}_exps` tensors.
+MUL_MAT_ID) and adds each token's experts in increasing expert order. Each expert is a gated
+`FeedForward` (Meta's w1/w2/w3, as Mistral's reference names Mixtral's experts), so its
+products are torchllama's batch-invariant ones — float32 or quantized blocks alike: a token's
+output is the same bits whatever other tokens are in the batch (for expert widths that are
+multiples of 32, as in every released model: torch's vectorized SiLU rounds a row's last
+floats differently when the row ends in its scalar tail).
 
 Source: transformers' MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock and
 DeepseekV3MoE (the semantics the tests compare against).
@@ -31,15 +33,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchllama.nn.linear import Linear, invariant_linear
-from torchllama.nn.mlp import ACTIVATIONS, FeedForward
+from torchllama.nn.linear import Linear
+from torchllama.nn.mlp import FeedForward
 
 
 class MoE(nn.Module):
     """A mixture-of-experts feed-forward block (see the module docstring).
 
-    Shapes: x (B, T, D) → (B, T, D). Parameters: gate.weight (E, D) the router; w1, w3
-    (E, F, D) and w2 (E, D, F) the experts; e_score_correction_bias (E,) for the sigmoid
+    Shapes: x (B, T, D) → (B, T, D). Parameters: gate.weight (E, D) the router;
+    experts.{e}.w1/w3 (F, D) and .w2 (D, F); e_score_correction_bias (E,) for the sigmoid
     router (a buffer); shared_experts (a `FeedForward` of n_shared·F) if any.
 
     Args:
@@ -53,13 +55,8 @@ class MoE(nn.Module):
         self.router, self.norm_topk, self.scale = args.moe_router, args.moe_norm_topk, \
             args.moe_scale
         self.groups, self.group_topk = args.moe_groups, args.moe_group_topk
-        self.act = ACTIVATIONS[args.mlp]
         self.gate = Linear(D, E, bias=False)                               # router (E, D)
-        self.w1 = nn.Parameter(torch.empty(E, Fh, D))                      # gate projections
-        self.w3 = nn.Parameter(torch.empty(E, Fh, D))                      # up projections
-        self.w2 = nn.Parameter(torch.empty(E, D, Fh))                      # down projections
-        for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, std=0.02)
+        self.experts = nn.ModuleList(FeedForward(D, Fh, args.mlp) for _ in range(E))
         if self.router == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.shared_experts = FeedForward(D, args.n_shared_experts * Fh, args.mlp) \
@@ -96,10 +93,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(h)                                          # (N, D)
         for e in torch.unique(ids).tolist():                               # increasing e
             tokens, slot = torch.where(ids == e)                           # (n,), (n,)
-            xe = h.index_select(0, tokens)                                 # (n, D)
-            hidden = self.act(invariant_linear(xe, self.w1[e])) * \
-                invariant_linear(xe, self.w3[e])                           # (n, F)
-            ye = invariant_linear(hidden, self.w2[e])                      # (n, D)
+            ye = self.experts[e](h.index_select(0, tokens)[None])[0]       # (n, D)
             out.index_add_(0, tokens, (ye * weights[tokens, slot, None]).to(out.dtype))
         out = out.view(shape)
         if self.shared_experts is not None:
