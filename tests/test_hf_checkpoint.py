@@ -236,7 +236,8 @@ def test_config_defaults_follow_llama_config():
 @pytest.mark.parametrize("changes, message", [
     ({"architectures": ["PhiForCausalLM"], "model_type": "phi"},
      r"config\.json: unsupported architecture PhiForCausalLM \(supported: LlamaForCausalLM, "
-     r"Qwen2ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM"),
+     r"Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+     r"Qwen3MoeForCausalLM, Gemma2ForCausalLM"),
     ({"architectures": ["GemmaForCausalLM"]}, r"config\.json: unsupported architecture Gemma"),
     ({"architectures": _DELETE, "model_type": "phi"}, r"unsupported architecture model_type 'phi'"),
     ({"hidden_size": _DELETE}, r"config\.json: required key 'hidden_size' is missing"),

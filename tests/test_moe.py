@@ -147,3 +147,26 @@ def test_decoder_with_moe_layers_decodes_as_it_computes_whole():
 def test_bad_moe_fields_name_the_field(fields, field):
     with pytest.raises(ArgumentError, match=f"ModelArgs.{field}"):
         ModelArgs(dim=D, n_layers=1, n_heads=4, vocab_size=300, **fields)
+
+
+@pytest.mark.parametrize("experts, message", [(2, "unexpected tensor 'model.layers.0.block_"
+                                                  "sparse_moe.experts.2.w1.weight'"),
+                                              (6, "block_sparse_moe.gate.weight. has shape "
+                                                  r"\(4, 64\), expected \(6, 64\)")])
+def test_an_expert_count_that_does_not_match_the_files_names_the_tensor(tmp_path, experts,
+                                                                        message):
+    import json
+
+    import torchllama
+    from torchllama.errors import ModelFileError
+    from tests.test_gemma3 import tiny_sp_tokenizer
+
+    config = transformers.MixtralConfig(**SMALL, intermediate_size=F_, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    tiny_sp_tokenizer(300).save_hf(tmp_path)
+    assert torchllama.load(tmp_path, progress=False)[0].args.n_experts == 4
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "num_local_experts": experts}))
+    with pytest.raises(ModelFileError, match=message):
+        torchllama.load(tmp_path, progress=False)

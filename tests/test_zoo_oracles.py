@@ -38,12 +38,23 @@ def perturbed(hf_model, seed: int = 0):
 
 def ours_from(hf_model, family=None) -> Transformer:
     """Our model from a transformers model: its config through the family's args_from_hf, its
-    weights through the family's table."""
+    weights through the family's table. (Mixtures of experts: transformers keeps experts fused
+    in memory but saves one tensor per expert, as the hub's files are: through its
+    `save_pretrained` and our loader.)"""
     config = hf_model.config.to_dict()
     family = family or family_for_hf(config, "config")
     args = family.args_from_hf(config, "config.json")
+    state = hf_model.state_dict()
+    if args.n_experts:
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_model.save_pretrained(tmp)
+            state = load_file(f"{tmp}/model.safetensors")
     model = Transformer(args).eval()
-    model.load_state_dict(from_hf_state_dict(family, hf_model.state_dict(), args), strict=True)
+    model.load_state_dict(from_hf_state_dict(family, state, args), strict=True)
     return model
 
 
@@ -94,13 +105,21 @@ def test_qwen3_qk_norm_and_head_dim(bias):
     assert_same_logits(hf, ours)
 
 
-def test_qwen3_greedy_continuation_equals_transformers():
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral"])
+def test_greedy_continuation_equals_transformers(name):
     torch.manual_seed(1)
-    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      vocab_size=300, max_position_embeddings=128,
-                                      tie_word_embeddings=True)
-    hf = perturbed(transformers.Qwen3ForCausalLM(config))
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                 max_position_embeddings=128)
+    hf = perturbed({
+        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **small, head_dim=32, tie_word_embeddings=True)),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **small, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=False)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **small, num_local_experts=4, num_experts_per_tok=2)),
+    }[name]())
     ours = ours_from(hf)
     prompt = torch.tensor([[5, 17, 42, 7]])
     with torch.no_grad():
@@ -459,6 +478,11 @@ def _tiny_hf_models():
                                       "rope_theta": 500.0}))),
         ("qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small))),
         ("qwen3", transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=32))),
+        ("mixtral", transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **{**small, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2))),
+        ("qwen3_moe", transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **small, head_dim=32, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=True))),
         ("mistral", transformers.MistralForCausalLM(transformers.MistralConfig(
             **small, sliding_window=6))),
         ("gemma2", transformers.Gemma2ForCausalLM(_gemma2_config())),

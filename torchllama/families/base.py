@@ -128,6 +128,37 @@ class Mapping:
 _AS_IS = Layout()
 
 
+def _expert_mappings(ours_name: str, theirs: str, layout: Layout,
+                     ours: Optional[set[str]]) -> list[Mapping]:
+    """A row of a mixture of experts' weights, "{e}" the expert index: one mapping per expert
+    when the format names each expert's tensor (HF), else one mapping of every expert's
+    tensor to one stored tensor (GGUF's 3-D `ffn_*_exps`, with a `Stacked` layout). The
+    experts are those of `ours` (none without it)."""
+    names = []
+    while ours is not None and ours_name.replace("{e}", str(len(names))) in ours:
+        names.append(ours_name.replace("{e}", str(len(names))))
+    if not names:
+        return []
+    if "{e}" in theirs:
+        return [Mapping((n,), theirs.replace("{e}", str(e)), layout)
+                for e, n in enumerate(names)]
+    return [Mapping(tuple(names), theirs, layout)]
+
+
+class Stacked(Layout):
+    """Experts' 2-D tensors stored as one 3-D tensor, expert first (llama.cpp's
+    `ffn_{gate,up,down}_exps`)."""
+
+    def stored_shape(self, shapes: tuple[torch.Size, ...]) -> torch.Size:
+        return torch.Size((len(shapes), *shapes[0]))
+
+    def load(self, t: torch.Tensor, args: "ModelArgs") -> tuple[torch.Tensor, ...]:
+        return tuple(t.unbind(0))
+
+    def save(self, ts: tuple[torch.Tensor, ...], args: "ModelArgs") -> torch.Tensor:
+        return torch.stack(ts)
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family's adapter: its name table and its config translations.
@@ -179,11 +210,14 @@ class Family:
             layout = (row.hf_layout if fmt == "hf" else row.gguf_layout) or _AS_IS
             layers = range(n_layers) if "{i}" in theirs else [None]
             for i in layers:
-                names = tuple(n.format(i=i) if i is not None else n for n in row.our_names)
+                at = (lambda n: n.replace("{i}", str(i))) if i is not None else (lambda n: n)
+                names = tuple(at(n) for n in row.our_names)
+                if "{e}" in names[0]:
+                    out += _expert_mappings(names[0], at(theirs), layout, ours)
+                    continue
                 if ours is not None and not all(n in ours for n in names):
                     continue
-                out.append(Mapping(names, theirs.format(i=i) if i is not None else theirs,
-                                   layout))
+                out.append(Mapping(names, at(theirs), layout))
         return out
 
     def their_name(self, fmt: str, our_name: str, n_layers: int) -> str:

@@ -1,0 +1,155 @@
+"""The mixture-of-experts families (`torchllama.nn.moe`): Mixtral (Mistral's decoder with 8
+experts per layer) and Qwen3-MoE (Qwen3's decoder with many small experts), read from and
+written to Hugging Face folders as transformers saves them: one tensor per expert
+(`experts.{e}.w1` / `gate_proj` …) and the router as `gate`. Our names are Meta-style:
+`feed_forward.gate` the router, `feed_forward.experts.{e}.w1/w2/w3` (Mistral's reference names).
+
+Sources: transformers' models/mixtral and models/qwen3_moe (configurations, and the per-expert
+checkpoint names its weight conversion reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torchllama.config import ModelArgs
+from torchllama.errors import ModelFileError
+from torchllama.families.base import Family, Tensors, hf_key, unsupported_fields
+from torchllama.families.llama import (_HF_ROPE, TENSORS, _common_hf_args, _common_hf_config,
+                                       _our_layer_types, hf_layer_types)
+from torchllama.families.qwen3 import QWEN3_TENSORS
+
+_E = "layers.{i}.feed_forward."
+
+
+def _moe_rows(prefix: str, names: tuple[str, str, str]) -> tuple[Tensors, ...]:
+    """The router and the experts' w1/w2/w3 under an HF prefix, with the experts' own names."""
+    return (Tensors(_E + "gate.weight", prefix + "gate.weight"),) + tuple(
+        Tensors(_E + f"experts.{{e}}.{ours}.weight", prefix + f"experts.{{e}}.{theirs}.weight")
+        for ours, theirs in zip(("w1", "w2", "w3"), names))
+
+
+MIXTRAL_TENSORS = TENSORS + _moe_rows("model.layers.{i}.block_sparse_moe.", ("w1", "w2", "w3"))
+QWEN3_MOE_TENSORS = QWEN3_TENSORS + _moe_rows("model.layers.{i}.mlp.",
+                                              ("gate_proj", "down_proj", "up_proj"))
+
+
+def _moe_unsupported(args: ModelArgs, what: str, extra: dict) -> Optional[str]:
+    if not args.n_experts or args.moe_router != "softmax" or args.n_shared_experts or \
+            args.first_dense_layers:
+        return f"{what} has softmax-routed experts in every layer, none shared"
+    return unsupported_fields(args, {
+        "n_experts": lambda a: True, "n_experts_per_token": lambda a: True,
+        "rope_scaling": lambda a: a.rope_scaling["type"] in _HF_ROPE, **extra})
+
+
+# ---- Mixtral -----------------------------------------------------------------------------------
+
+def mixtral_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` of a `MixtralForCausalLM` config.json: Mistral's keys (its sliding window,
+    null in Mixtral's own configs) and num_local_experts / num_experts_per_tok, the top k
+    renormalized.
+
+    Raises:
+        ModelFileError: a required key missing or of the wrong type.
+    """
+    return _common_hf_args(config, source,
+                           sliding_window=hf_key(config, "sliding_window", int, source, None),
+                           n_experts=hf_key(config, "num_local_experts", int, source),
+                           n_experts_per_token=hf_key(config, "num_experts_per_tok", int, source))
+
+
+def mixtral_hf_config(args: ModelArgs) -> dict[str, Any]:
+    """config.json keys of a `MixtralForCausalLM`."""
+    return {**_common_hf_config(args), "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral", "sliding_window": args.sliding_window,
+            "num_local_experts": args.n_experts, "num_experts_per_tok": args.n_experts_per_token}
+
+
+def _mixtral_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
+    if fmt != "hf":
+        return "torchllama writes Mixtral as a Hugging Face folder only"
+    if not args.moe_norm_topk or args.moe_hidden_dim not in (None, args.ffn_hidden_dim):
+        return "Mixtral renormalizes its top k and its experts are the MLP's width"
+    if args.layer_types and "global" in args.layer_types:
+        return "Mixtral's sliding window, if any, is on every layer"
+    return _moe_unsupported(args, "Mixtral", {"sliding_window": lambda a: True,
+                                              "layer_types": lambda a: True})
+
+
+MIXTRAL = Family(
+    name="mixtral", tensors=MIXTRAL_TENSORS,
+    hf_architectures=("MixtralForCausalLM",), hf_model_type="mixtral",
+    args_from_hf=mixtral_args_from_hf, hf_config=mixtral_hf_config,
+    unsupported=_mixtral_unsupported,
+)
+
+
+# ---- Qwen3-MoE ---------------------------------------------------------------------------------
+
+def qwen3_moe_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` of a `Qwen3MoeForCausalLM` config.json: Qwen3's keys (QK-norm, head_dim 128
+    by default) and num_experts (or num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob.
+
+    Raises:
+        ModelFileError: a required key missing or of the wrong type; dense layers among the
+            sparse ones (mlp_only_layers, decoder_sparse_step ≠ 1), which we do not read.
+    """
+    if config.get("mlp_only_layers") or hf_key(config, "decoder_sparse_step", int, source, 1) != 1:
+        raise ModelFileError(f"{source}: mlp_only_layers / decoder_sparse_step (dense layers "
+                             "among the experts) are not supported")
+    n_layers = hf_key(config, "num_hidden_layers", int, source)
+    window, types = None, None
+    if hf_key(config, "use_sliding_window", bool, source, False):
+        window = hf_key(config, "sliding_window", int, source)
+        first = hf_key(config, "max_window_layers", int, source, n_layers)
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    bias = hf_key(config, "attention_bias", bool, source, False)
+    config = {"head_dim": 128, **config}
+    return _common_hf_args(
+        config, source, qk_norm=True, qkv_bias=bias, out_bias=bias, sliding_window=window,
+        layer_types=_our_layer_types(types, source),
+        n_experts=hf_key(config, "num_experts", int, source, None) or   # (transformers 5
+        hf_key(config, "num_local_experts", int, source),                 # writes this one)
+        n_experts_per_token=hf_key(config, "num_experts_per_tok", int, source),
+        moe_hidden_dim=hf_key(config, "moe_intermediate_size", int, source),
+        moe_norm_topk=hf_key(config, "norm_topk_prob", bool, source, False))
+
+
+def qwen3_moe_hf_config(args: ModelArgs) -> dict[str, Any]:
+    """config.json keys of a `Qwen3MoeForCausalLM`."""
+    config = {**_common_hf_config(args), "architectures": ["Qwen3MoeForCausalLM"],
+              "model_type": "qwen3_moe", "attention_bias": args.qkv_bias,
+              "use_sliding_window": args.sliding_window is not None,
+              "sliding_window": args.sliding_window, "num_experts": args.n_experts,
+              "num_experts_per_tok": args.n_experts_per_token,
+              "moe_intermediate_size": args.expert_hidden_dim,
+              "norm_topk_prob": args.moe_norm_topk, "decoder_sparse_step": 1,
+              "mlp_only_layers": []}
+    if args.sliding_window is not None:
+        config["layer_types"] = hf_layer_types(args)
+        config["max_window_layers"] = 0
+    return config
+
+
+def _qwen3_moe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
+    if fmt != "hf":
+        return "torchllama writes Qwen3-MoE as a Hugging Face folder only"
+    if not args.qk_norm:
+        return "Qwen3-MoE normalizes queries and keys (qk_norm: true)"
+    return _moe_unsupported(args, "Qwen3-MoE", {
+        "head_dim": lambda a: True, "qk_norm": lambda a: True,
+        "qkv_bias": lambda a: a.out_bias == a.qkv_bias,
+        "out_bias": lambda a: a.out_bias == a.qkv_bias, "moe_hidden_dim": lambda a: True,
+        "moe_norm_topk": lambda a: True, "sliding_window": lambda a: True,
+        "layer_types": lambda a: True})
+
+
+QWEN3_MOE = Family(
+    name="qwen3_moe", tensors=QWEN3_MOE_TENSORS,
+    hf_architectures=("Qwen3MoeForCausalLM",), hf_model_type="qwen3_moe",
+    args_from_hf=qwen3_moe_args_from_hf, hf_config=qwen3_moe_hf_config,
+    unsupported=_qwen3_moe_unsupported,
+)
