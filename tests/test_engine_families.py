@@ -1,7 +1,8 @@
 """Every family in the engine: requests arriving together and mid-stream, prompts past the
 sliding window, chunked prefills and prefix-cache hits each get exactly the tokens they get alone
-(`Session`, greedy) — tiny random models of each architecture, float32 and with int4 weights on
-torchllama's kernels (the fused decoder layer for Llama/Mistral/Gemma), and the real Gemma 3."""
+(`Session`, greedy) — tiny random models of each architecture (a mixture of experts too),
+float32 and with int4 weights on torchllama's kernels (the fused decoder layer for
+Llama/Mistral/Gemma), and the real Gemma 3."""
 
 import copy
 import dataclasses
@@ -33,6 +34,9 @@ FAMILIES = {
     "mla": dict(attention="mla", n_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16),
     "alibi": dict(position="alibi"),
+    # a mixture of experts (the first layer dense), Qwen3-MoE's router
+    "moe": dict(n_experts=4, n_experts_per_token=2, moe_hidden_dim=64, first_dense_layers=1,
+                qk_norm=True, moe_norm_topk=False),
 }
 
 
@@ -47,7 +51,7 @@ def family_model(name: str, dtype: str) -> Transformer:
 
 
 CASES = [(name, "float32") for name in FAMILIES] + \
-    [(name, "int4") for name in ("llama", "mistral", "gemma3", "mla")]
+    [(name, "int4") for name in ("llama", "mistral", "gemma3", "mla", "moe")]
 
 
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
