@@ -217,12 +217,13 @@ def test_deepseek_v3_multi_head_latent_attention(q_lora_rank, scaling):
     assert ours.caches[0].v_cache.shape == (1, 1, 64, 4)
 
 
-def test_deepseek_mixture_of_experts_is_refused():
+def test_deepseek_v2_routers_are_refused():
     from torchllama.errors import ModelFileError
 
     config = transformers.DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1)
-    with pytest.raises(ModelFileError, match="mixture-of-experts layers"):
-        DEEPSEEK_V3.args_from_hf(config.to_dict(), "config.json")
+    assert DEEPSEEK_V3.args_from_hf(config.to_dict(), "config.json").n_experts == 256
+    with pytest.raises(ModelFileError, match="scoring_func 'softmax'"):
+        DEEPSEEK_V3.args_from_hf({**config.to_dict(), "scoring_func": "softmax"}, "config.json")
 
 
 @pytest.mark.parametrize("scaling", [
@@ -494,6 +495,12 @@ def _tiny_hf_models():
         ("deepseek_v3", transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             **{**small, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=2))),
+        ("deepseek_v3", transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **{**small, "num_key_value_heads": 4, "num_hidden_layers": 3}, q_lora_rank=24,
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5))),
         ("mpt", transformers.MptForCausalLM(transformers.MptConfig(
             d_model=64, n_heads=4, n_layers=2, vocab_size=300, max_seq_len=64))),
     ]

@@ -4,8 +4,9 @@ a pre-norm RMSNorm / SwiGLU decoder. Our MLA names are those of DeepSeek's own r
 ... With `rope_interleave` (DeepSeek-V3's configs) the RoPE dims are stored in Meta's interleaved
 layout, ours.
 
-Mixture-of-experts layers are not implemented: configs whose MLPs are all dense
-(first_k_dense_replace ≥ num_hidden_layers) load; others are refused.
+Its mixture of experts (DeepSeek-V3 §2.1.2: sigmoid scores, a correction bias, group-limited
+choice, routed scaling, shared experts; `torchllama.nn.moe`) loads from Hugging Face folders,
+one tensor per expert as saved; GGUF files read and write the dense models only.
 """
 
 from __future__ import annotations
@@ -78,22 +79,54 @@ TENSORS = (
             _B + "ffn_down.weight"),
     Tensors("layers.{i}.feed_forward.w3.weight", _L + "mlp.up_proj.weight",
             _B + "ffn_up.weight"),
-)
+    # the mixture of experts' layers (after first_k_dense_replace): router, its correction
+    # bias, each routed expert, the shared experts as one MLP
+    Tensors("layers.{i}.feed_forward.gate.weight", _L + "mlp.gate.weight"),
+    Tensors("layers.{i}.feed_forward.e_score_correction_bias",
+            _L + "mlp.gate.e_score_correction_bias"),
+) + tuple(
+    Tensors(f"layers.{{i}}.feed_forward.experts.{{e}}.{ours}.weight",
+            _L + f"mlp.experts.{{e}}.{theirs}.weight")
+    for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))) + tuple(
+    Tensors(f"layers.{{i}}.feed_forward.shared_experts.{ours}.weight",
+            _L + f"mlp.shared_experts.{theirs}.weight")
+    for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
+
+
+def _moe_args_from_hf(config: dict[str, Any], source: str, n_layers: int) -> dict[str, Any]:
+    """ModelArgs fields of DeepSeek-V3's mixture of experts ({} for a dense model).
+
+    Raises:
+        ModelFileError: a router other than V3's (scoring_func sigmoid, topk_method noaux_tc).
+    """
+    dense = hf_key(config, "first_k_dense_replace", int, source, 3)
+    experts = hf_key(config, "n_routed_experts", int, source, 256)
+    if dense >= n_layers or not experts:
+        return {}
+    scoring = hf_key(config, "scoring_func", str, source, "sigmoid")
+    method = hf_key(config, "topk_method", str, source, "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise ModelFileError(f"{source}: scoring_func {scoring!r} / topk_method {method!r}: "
+                             "only DeepSeek-V3's router (sigmoid, noaux_tc) is supported")
+    return dict(n_experts=experts, first_dense_layers=dense, moe_router="sigmoid",
+                n_experts_per_token=hf_key(config, "num_experts_per_tok", int, source, 8),
+                moe_hidden_dim=hf_key(config, "moe_intermediate_size", int, source),
+                n_shared_experts=hf_key(config, "n_shared_experts", int, source, 1),
+                moe_groups=hf_key(config, "n_group", int, source, 8),
+                moe_group_topk=hf_key(config, "topk_group", int, source, 4),
+                moe_norm_topk=hf_key(config, "norm_topk_prob", bool, source, True),
+                moe_scale=hf_key(config, "routed_scaling_factor", float, source, 2.5))
 
 
 def deepseek_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
-    """`ModelArgs` of a `DeepseekV3ForCausalLM` config.json with dense MLP layers only.
+    """`ModelArgs` of a `DeepseekV3ForCausalLM` config.json, its mixture of experts too.
 
     Raises:
-        ModelFileError: mixture-of-experts layers, rope_interleave false, attention biases, or
+        ModelFileError: a router other than V3's, rope_interleave false, attention biases, or
             a required key missing or of the wrong type.
     """
     n_layers = hf_key(config, "num_hidden_layers", int, source)
-    dense = hf_key(config, "first_k_dense_replace", int, source, 3)
-    if dense < n_layers and hf_key(config, "n_routed_experts", int, source, 256):
-        raise ModelFileError(
-            f"{source}: mixture-of-experts layers (first_k_dense_replace {dense} < "
-            f"num_hidden_layers {n_layers}) are not supported; only dense DeepSeek models load")
+    moe = _moe_args_from_hf(config, source, n_layers)
     if not hf_key(config, "rope_interleave", bool, source, True):
         raise ModelFileError(f"{source}: rope_interleave=false is not supported")
     if hf_key(config, "attention_bias", bool, source, False):
@@ -117,14 +150,14 @@ def deepseek_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
             kv_lora_rank=hf_key(config, "kv_lora_rank", int, source),
             qk_nope_head_dim=hf_key(config, "qk_nope_head_dim", int, source),
             qk_rope_head_dim=hf_key(config, "qk_rope_head_dim", int, source),
-            v_head_dim=hf_key(config, "v_head_dim", int, source))
+            v_head_dim=hf_key(config, "v_head_dim", int, source), **moe)
     except ArgumentError as e:
         raise ModelFileError(f"{source}: {e}") from e
 
 
 def deepseek_hf_config(args: ModelArgs) -> dict[str, Any]:
-    """config.json keys of a dense `DeepseekV3ForCausalLM`."""
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    """config.json keys of a `DeepseekV3ForCausalLM`."""
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
             "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
             "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
             "num_key_value_heads": args.n_heads, "vocab_size": args.vocab_size,
@@ -135,6 +168,16 @@ def deepseek_hf_config(args: ModelArgs) -> dict[str, Any]:
             "qk_rope_head_dim": args.qk_rope_head_dim, "v_head_dim": args.v_head_dim,
             "first_k_dense_replace": args.n_layers, "n_routed_experts": 0,
             "hidden_act": "silu", "attention_bias": False}
+    if args.n_experts:
+        config.update(
+            first_k_dense_replace=args.first_dense_layers, n_routed_experts=args.n_experts,
+            num_experts_per_tok=args.n_experts_per_token,
+            moe_intermediate_size=args.expert_hidden_dim,
+            n_shared_experts=args.n_shared_experts, n_group=args.moe_groups,
+            topk_group=args.moe_group_topk, norm_topk_prob=args.moe_norm_topk,
+            routed_scaling_factor=args.moe_scale, scoring_func="sigmoid",
+            topk_method="noaux_tc")
+    return config
 
 
 # ---- GGUF (llama.cpp's deepseek2) ---------------------------------------------------------------
@@ -267,9 +310,16 @@ def _deepseek_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
         return "DeepSeek-V3 has attention: mla"
     if fmt == "gguf" and _gguf_rope_unsupported(args):
         return _gguf_rope_unsupported(args)
+    moe = ()
+    if args.n_experts and fmt == "hf":
+        if args.moe_router != "sigmoid":
+            return "DeepSeek-V3's experts are routed by sigmoid scores (moe_router: sigmoid)"
+        moe = ("n_experts", "n_experts_per_token", "moe_hidden_dim", "n_shared_experts",
+               "moe_router", "moe_norm_topk", "moe_scale", "moe_groups", "moe_group_topk",
+               "first_dense_layers")
     return unsupported_fields(args, {name: (lambda a: True) for name in (
         "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-        "v_head_dim", "rope_scaling", "head_dim")})
+        "v_head_dim", "rope_scaling", "head_dim") + moe})
 
 
 DEEPSEEK_V3 = Family(
