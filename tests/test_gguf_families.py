@@ -53,6 +53,9 @@ CASES = {
     # (transformers' GGUF reader takes Qwen3's head_dim from its config default, 128, not from
     # qwen3.attention.key_length: a head_dim of 128 is what it can check)
     "qwen3": (dict(SMALL, qk_norm=True, head_dim=128), "qwen3", True),
+    # (its GGUF reader takes moe_intermediate_size from the config default, 768, likewise)
+    "qwen3-moe": (dict(SMALL, qk_norm=True, head_dim=128, n_experts=4, n_experts_per_token=2,
+                       moe_hidden_dim=768), "qwen3moe", True),
     "gpt2": (GPT2, "gpt2", True),
     "gpt2-untied": (dict(GPT2, tie_embeddings=False), "gpt2", True),
     "mistral": (dict(SMALL, sliding_window=6), "llama", True),

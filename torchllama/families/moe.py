@@ -14,19 +14,23 @@ from typing import Any, Optional
 
 from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
-from torchllama.families.base import Family, Tensors, hf_key, unsupported_fields
-from torchllama.families.llama import (_HF_ROPE, TENSORS, _common_hf_args, _common_hf_config,
-                                       _our_layer_types, hf_layer_types)
+from torchllama.families.base import Family, Stacked, Tensors, hf_key, unsupported_fields
+from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, TENSORS, _common_hf_args,
+                                       _common_hf_config, _gguf_args, _our_layer_types,
+                                       gguf_metadata, gguf_rope_unsupported, hf_layer_types)
 from torchllama.families.qwen3 import QWEN3_TENSORS
 
 _E = "layers.{i}.feed_forward."
 
 
 def _moe_rows(prefix: str, names: tuple[str, str, str]) -> tuple[Tensors, ...]:
-    """The router and the experts' w1/w2/w3 under an HF prefix, with the experts' own names."""
-    return (Tensors(_E + "gate.weight", prefix + "gate.weight"),) + tuple(
-        Tensors(_E + f"experts.{{e}}.{ours}.weight", prefix + f"experts.{{e}}.{theirs}.weight")
-        for ours, theirs in zip(("w1", "w2", "w3"), names))
+    """The router and the experts' w1/w2/w3 under an HF prefix, with the experts' own names;
+    in GGUF (llama.cpp) `ffn_gate_inp` and the 3-D `ffn_{gate,down,up}_exps`, expert first."""
+    return (Tensors(_E + "gate.weight", prefix + "gate.weight", "blk.{i}.ffn_gate_inp.weight"),
+            ) + tuple(
+        Tensors(_E + f"experts.{{e}}.{ours}.weight", prefix + f"experts.{{e}}.{theirs}.weight",
+                f"blk.{{i}}.ffn_{gguf}_exps.weight", gguf_layout=Stacked())
+        for ours, theirs, gguf in zip(("w1", "w2", "w3"), names, ("gate", "down", "up")))
 
 
 MIXTRAL_TENSORS = TENSORS + _moe_rows("model.layers.{i}.block_sparse_moe.", ("w1", "w2", "w3"))
@@ -135,8 +139,10 @@ def qwen3_moe_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def _qwen3_moe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt != "hf":
-        return "torchllama writes Qwen3-MoE as a Hugging Face folder only"
+    if fmt == "gguf" and (not args.moe_norm_topk or args.sliding_window is not None or
+                          gguf_rope_unsupported(args)):
+        return gguf_rope_unsupported(args) or "llama.cpp's qwen3moe renormalizes the top k " \
+            "(norm_topk_prob) and has no sliding window"
     if not args.qk_norm:
         return "Qwen3-MoE normalizes queries and keys (qk_norm: true)"
     return _moe_unsupported(args, "Qwen3-MoE", {
@@ -147,9 +153,33 @@ def _qwen3_moe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
         "layer_types": lambda a: True})
 
 
+def qwen3_moe_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str
+                             ) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `qwen3moe.*` metadata: Qwen3's, and expert_count,
+    expert_used_count, expert_feed_forward_length (llama.cpp renormalizes the top k)."""
+    from torchllama.errors import checked_field
+
+    def need(key: str):
+        return checked_field(metadata, f"qwen3moe.{key}", int, source, what="metadata key")
+
+    return _gguf_args("qwen3moe", metadata, tensor_names, source, qk_norm=True,
+                      n_experts=need("expert_count"), n_experts_per_token=need("expert_used_count"),
+                      moe_hidden_dim=need("expert_feed_forward_length"), moe_norm_topk=True)
+
+
+def qwen3_moe_gguf_metadata(writer, args: ModelArgs) -> None:
+    """Qwen3's keys and the experts' (`qwen3_moe_args_from_gguf`)."""
+    gguf_metadata(writer, args)
+    writer.add_expert_count(args.n_experts)
+    writer.add_expert_used_count(args.n_experts_per_token)
+    writer.add_expert_feed_forward_length(args.expert_hidden_dim)
+
+
 QWEN3_MOE = Family(
     name="qwen3_moe", tensors=QWEN3_MOE_TENSORS,
     hf_architectures=("Qwen3MoeForCausalLM",), hf_model_type="qwen3_moe",
+    gguf_architecture="qwen3moe",
     args_from_hf=qwen3_moe_args_from_hf, hf_config=qwen3_moe_hf_config,
-    unsupported=_qwen3_moe_unsupported,
+    args_from_gguf=qwen3_moe_args_from_gguf, gguf_metadata=qwen3_moe_gguf_metadata,
+    unsupported=_qwen3_moe_unsupported, gguf_ignored=_ROPE_FREQS,
 )
