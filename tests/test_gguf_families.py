@@ -56,6 +56,7 @@ CASES = {
     # (its GGUF reader takes moe_intermediate_size from the config default, 768, likewise)
     "qwen3-moe": (dict(SMALL, qk_norm=True, head_dim=128, n_experts=4, n_experts_per_token=2,
                        moe_hidden_dim=768), "qwen3moe", True),
+    "mixtral": (dict(SMALL, n_experts=4, n_experts_per_token=2), "llama", False),
     "gpt2": (GPT2, "gpt2", True),
     "gpt2-untied": (dict(GPT2, tie_embeddings=False), "gpt2", True),
     "mistral": (dict(SMALL, sliding_window=6), "llama", True),
@@ -78,7 +79,12 @@ CASES = {
 def tokenizer(tmp_path_factory):
     """A tiny byte-level BPE vocabulary (a vocab-only GGUF file; a 32k vocabulary would make
     transformers' GGUF reader take seconds per file)."""
-    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
+    return tiny_bpe_tokenizer(tmp_path_factory.mktemp("vocab"))
+
+
+def tiny_bpe_tokenizer(folder):
+    """The `tokenizer` fixture's vocabulary, written in `folder`."""
+    path = folder / "vocab.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")

@@ -20,7 +20,7 @@ import torch
 
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
-from torchllama.families.base import (Family, RopePermuted, Tensors, gguf_sizes, hf_key,
+from torchllama.families.base import (Family, RopePermuted, Stacked, Tensors, gguf_sizes, hf_key,
                                       hf_max_positions, hf_rope, hf_rope_parameters,
                                       unsupported_fields)
 
@@ -471,7 +471,11 @@ def args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> Model
     """
     window = checked_field(metadata, "llama.attention.sliding_window", int, source, None,
                            what="metadata key")
-    return _gguf_args("llama", metadata, tensor_names, source, sliding_window=window or None)
+    experts = checked_field(metadata, "llama.expert_count", int, source, 0, what="metadata key")
+    moe = dict(n_experts=experts, n_experts_per_token=checked_field(
+        metadata, "llama.expert_used_count", int, source, what="metadata key")) if experts else {}
+    return _gguf_args("llama", metadata, tensor_names, source, sliding_window=window or None,
+                      **moe)
 
 
 def qwen2_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
@@ -490,13 +494,24 @@ def gguf_metadata(writer, args: ModelArgs) -> None:
         writer.add_key_length(args.head_dim)
         writer.add_value_length(args.head_dim)
     writer.add_vocab_size(args.vocab_size)
+    if args.n_experts:                                  # Mixtral, Qwen3-MoE
+        writer.add_expert_count(args.n_experts)
+        writer.add_expert_used_count(args.n_experts_per_token)
     if args.sliding_window is not None:
         writer.add_uint32(f"{writer.arch}.attention.sliding_window", args.sliding_window)
     _write_gguf_rope_scaling(writer, args)
 
 
+# Mixtral's GGUF files are `llama` files with experts (llama.cpp's converter): the router and
+# 3-D expert tensors, read through this table (`families.moe.MIXTRAL` writes them).
+GGUF_EXPERT_ROWS = (
+    Tensors("layers.{i}.feed_forward.gate.weight", None, "blk.{i}.ffn_gate_inp.weight"),
+) + tuple(Tensors(f"layers.{{i}}.feed_forward.experts.{{e}}.{ours}.weight", None,
+                  f"blk.{{i}}.ffn_{gguf}_exps.weight", gguf_layout=Stacked())
+          for ours, gguf in (("w1", "gate"), ("w2", "down"), ("w3", "up")))
+
 LLAMA = Family(
-    name="llama", tensors=TENSORS,
+    name="llama", tensors=TENSORS + GGUF_EXPERT_ROWS,
     hf_architectures=("LlamaForCausalLM",), hf_model_type="llama",
     gguf_architecture="llama",
     args_from_hf=llama_args_from_hf, hf_config=llama_hf_config,

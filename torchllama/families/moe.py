@@ -17,7 +17,8 @@ from torchllama.errors import ModelFileError
 from torchllama.families.base import Family, Stacked, Tensors, hf_key, unsupported_fields
 from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, TENSORS, _common_hf_args,
                                        _common_hf_config, _gguf_args, _our_layer_types,
-                                       gguf_metadata, gguf_rope_unsupported, hf_layer_types)
+                                       args_from_gguf, gguf_metadata, gguf_rope_unsupported,
+                                       hf_layer_types)
 from torchllama.families.qwen3 import QWEN3_TENSORS
 
 _E = "layers.{i}.feed_forward."
@@ -71,8 +72,8 @@ def mixtral_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def _mixtral_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt != "hf":
-        return "torchllama writes Mixtral as a Hugging Face folder only"
+    if fmt == "gguf" and (args.sliding_window is not None or gguf_rope_unsupported(args)):
+        return gguf_rope_unsupported(args) or "GGUF llama files with experts have no window"
     if not args.moe_norm_topk or args.moe_hidden_dim not in (None, args.ffn_hidden_dim):
         return "Mixtral renormalizes its top k and its experts are the MLP's width"
     if args.layer_types and "global" in args.layer_types:
@@ -81,11 +82,14 @@ def _mixtral_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
                                               "layer_types": lambda a: True})
 
 
+# GGUF: llama.cpp writes Mixtral as a `llama` file with experts (read through `LLAMA`).
 MIXTRAL = Family(
     name="mixtral", tensors=MIXTRAL_TENSORS,
     hf_architectures=("MixtralForCausalLM",), hf_model_type="mixtral",
+    gguf_architecture="llama",
     args_from_hf=mixtral_args_from_hf, hf_config=mixtral_hf_config,
-    unsupported=_mixtral_unsupported,
+    args_from_gguf=args_from_gguf, gguf_metadata=gguf_metadata,
+    unsupported=_mixtral_unsupported, gguf_ignored=_ROPE_FREQS,
 )
 
 
@@ -169,9 +173,7 @@ def qwen3_moe_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str
 
 def qwen3_moe_gguf_metadata(writer, args: ModelArgs) -> None:
     """Qwen3's keys and the experts' (`qwen3_moe_args_from_gguf`)."""
-    gguf_metadata(writer, args)
-    writer.add_expert_count(args.n_experts)
-    writer.add_expert_used_count(args.n_experts_per_token)
+    gguf_metadata(writer, args)                          # (the expert counts too)
     writer.add_expert_feed_forward_length(args.expert_hidden_dim)
 
 
