@@ -1074,7 +1074,9 @@ def quantize_model(model: nn.Module, scheme: Scheme | str) -> nn.Module:
         scheme = parsed
     weights, biases = {}, {}
     for name, module in model.named_modules():
-        chosen = scheme_for(name + ".weight", scheme)
+        if name.endswith(".feed_forward.gate"):   # a mixture of experts' router stays float
+            continue                              # (llama.cpp's mixes keep ffn_gate_inp F32:
+        chosen = scheme_for(name + ".weight", scheme)  # tiny, and top-k choices are sensitive)
         if isinstance(module, nn.Linear) and fits(module.weight.shape, chosen):
             weights[name + ".weight"] = quantize_weight(module.weight.detach(), chosen)
             if module.bias is not None:
