@@ -58,6 +58,7 @@ def test_batched_updates_equal_the_finetuning_modules_and_are_batch_invariant(
     """Float32 SmolLM2: each adapter's logits equal the `LoRALinear` model's (1e-4: the same
     products in another order); rows of one batch with base/one/two equal each alone."""
     model = copy.deepcopy(smollm2[0])
+    model.clear_caches()                         # (the shared model may carry other tests')
     references = {name: make_adapter(model, tmp_path / name, targets, seed, 0.01)
                   for seed, (name, targets) in enumerate(TARGETS.items())}
     adapters = install(model)
@@ -211,10 +212,16 @@ def test_the_prefix_cache_keeps_adapters_apart(server):
     from torchllama.bench.load import _metric
 
     url, client = server
-    prompt = " ".join(PROMPTS * 8) + " Which one?"          # several blocks, new to the cache
-    ask(client, "base", prompt)
+    messages = [{"role": "system", "content": "Adapters apart. " + " ".join(PROMPTS * 8)},
+                {"role": "user", "content": "Which one?"}]     # several blocks, all new
+
+    def answer(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    answer("base")
     hits = _metric(url, "torchllama_prefix_cache_hits_total", None)
-    first = ask(client, "one", prompt)
+    first = answer("one")
     assert _metric(url, "torchllama_prefix_cache_hits_total", None) == hits
-    assert ask(client, "one", prompt) == first
+    assert answer("one") == first
     assert _metric(url, "torchllama_prefix_cache_hits_total", None) == hits + 1
