@@ -158,27 +158,36 @@ def qwen2_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     Raises:
         ModelFileError: as `llama_args_from_hf`.
     """
+    return _common_hf_args(config, source, qkv_bias=True, **qwen_window_args(config, source))
+
+
+def qwen_window_args(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """sliding_window and layer_types of a Qwen2/Qwen3(-MoE) config.json: `layer_types`, or
+    use_sliding_window with the window on the layers from max_window_layers on."""
+    if not hf_key(config, "use_sliding_window", bool, source, False):
+        return {}
     n_layers = hf_key(config, "num_hidden_layers", int, source)
-    window = None
-    types = None
-    if hf_key(config, "use_sliding_window", bool, source, False):
-        window = hf_key(config, "sliding_window", int, source)
-        first = hf_key(config, "max_window_layers", int, source, 28)
-        types = config.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    return _common_hf_args(config, source, qkv_bias=True, sliding_window=window,
-                           layer_types=_our_layer_types(types, source))
+    first = hf_key(config, "max_window_layers", int, source, 28)
+    types = config.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return dict(sliding_window=hf_key(config, "sliding_window", int, source),
+                layer_types=_our_layer_types(types, source))
 
 
-def qwen2_hf_config(args: ModelArgs) -> dict[str, Any]:
-    """config.json keys of a `Qwen2ForCausalLM`."""
-    config = {**_common_hf_config(args), "architectures": ["Qwen2ForCausalLM"],
-              "model_type": "qwen2", "use_sliding_window": args.sliding_window is not None,
+def qwen_hf_config(args: ModelArgs, architecture: str, model_type: str) -> dict[str, Any]:
+    """config.json keys of a Qwen2/Qwen3(-MoE) model: Llama's and the sliding-window keys."""
+    config = {**_common_hf_config(args), "architectures": [architecture],
+              "model_type": model_type, "use_sliding_window": args.sliding_window is not None,
               "sliding_window": args.sliding_window}
     if args.sliding_window is not None:
         config["layer_types"] = hf_layer_types(args)
         config["max_window_layers"] = 0
     return config
+
+
+def qwen2_hf_config(args: ModelArgs) -> dict[str, Any]:
+    """config.json keys of a `Qwen2ForCausalLM`."""
+    return qwen_hf_config(args, "Qwen2ForCausalLM", "qwen2")
 
 
 def _qwen2_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:

@@ -16,10 +16,9 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
 from torchllama.families.base import Family, Stacked, Tensors, hf_key, unsupported_fields
 from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, TENSORS, _common_hf_args,
-                                       _common_hf_config, _gguf_args, _our_layer_types,
-                                       args_from_gguf, gguf_metadata, gguf_rope_unsupported,
-                                       hf_layer_types)
-from torchllama.families.qwen3 import QWEN3_TENSORS
+                                       _common_hf_config, _gguf_args, args_from_gguf,
+                                       gguf_metadata, gguf_rope_unsupported, qwen_hf_config)
+from torchllama.families.qwen3 import QWEN3_TENSORS, qwen3_args
 
 _E = "layers.{i}.feed_forward."
 
@@ -107,18 +106,8 @@ def qwen3_moe_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     if config.get("mlp_only_layers") or hf_key(config, "decoder_sparse_step", int, source, 1) != 1:
         raise ModelFileError(f"{source}: mlp_only_layers / decoder_sparse_step (dense layers "
                              "among the experts) are not supported")
-    n_layers = hf_key(config, "num_hidden_layers", int, source)
-    window, types = None, None
-    if hf_key(config, "use_sliding_window", bool, source, False):
-        window = hf_key(config, "sliding_window", int, source)
-        first = hf_key(config, "max_window_layers", int, source, n_layers)
-        types = config.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    bias = hf_key(config, "attention_bias", bool, source, False)
-    config = {"head_dim": 128, **config}
     return _common_hf_args(
-        config, source, qk_norm=True, qkv_bias=bias, out_bias=bias, sliding_window=window,
-        layer_types=_our_layer_types(types, source),
+        {"head_dim": 128, **config}, source, **qwen3_args(config, source),
         n_experts=hf_key(config, "num_experts", int, source, None) or   # (transformers 5
         hf_key(config, "num_local_experts", int, source),                 # writes this one)
         n_experts_per_token=hf_key(config, "num_experts_per_tok", int, source),
@@ -128,18 +117,12 @@ def qwen3_moe_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
 
 def qwen3_moe_hf_config(args: ModelArgs) -> dict[str, Any]:
     """config.json keys of a `Qwen3MoeForCausalLM`."""
-    config = {**_common_hf_config(args), "architectures": ["Qwen3MoeForCausalLM"],
-              "model_type": "qwen3_moe", "attention_bias": args.qkv_bias,
-              "use_sliding_window": args.sliding_window is not None,
-              "sliding_window": args.sliding_window, "num_experts": args.n_experts,
-              "num_experts_per_tok": args.n_experts_per_token,
-              "moe_intermediate_size": args.expert_hidden_dim,
-              "norm_topk_prob": args.moe_norm_topk, "decoder_sparse_step": 1,
-              "mlp_only_layers": []}
-    if args.sliding_window is not None:
-        config["layer_types"] = hf_layer_types(args)
-        config["max_window_layers"] = 0
-    return config
+    return {**qwen_hf_config(args, "Qwen3MoeForCausalLM", "qwen3_moe"),
+            "attention_bias": args.qkv_bias, "num_experts": args.n_experts,
+            "num_experts_per_tok": args.n_experts_per_token,
+            "moe_intermediate_size": args.expert_hidden_dim,
+            "norm_topk_prob": args.moe_norm_topk, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
 
 
 def _qwen3_moe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:

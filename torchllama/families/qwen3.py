@@ -16,8 +16,8 @@ from typing import Any, Optional
 from torchllama.config import ModelArgs
 from torchllama.families.base import Family, RopePermuted, Tensors, hf_key, unsupported_fields
 from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, QWEN2_TENSORS, _common_hf_args,
-                                       _common_hf_config, _gguf_args, _our_layer_types,
-                                       gguf_metadata, gguf_rope_unsupported, hf_layer_types)
+                                       _gguf_args, gguf_metadata, gguf_rope_unsupported,
+                                       qwen_hf_config, qwen_window_args)
 
 # Qwen2's table (its bias rows apply only to a model with biases) and the QK-norm gains.
 QWEN3_TENSORS = QWEN2_TENSORS + (
@@ -38,29 +38,19 @@ def qwen3_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
         ModelFileError: a required key missing or of the wrong type, or a feature we do not
             implement (named).
     """
-    n_layers = hf_key(config, "num_hidden_layers", int, source)
-    window, types = None, None
-    if hf_key(config, "use_sliding_window", bool, source, False):
-        window = hf_key(config, "sliding_window", int, source)
-        first = hf_key(config, "max_window_layers", int, source, 28)
-        types = config.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return _common_hf_args({"head_dim": 128, **config}, source, **qwen3_args(config, source))
+
+
+def qwen3_args(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ModelArgs fields Qwen3 and Qwen3-MoE configs share beyond Llama's: QK-norm, the
+    attention bias (q, k, v and o) and the sliding-window keys."""
     bias = hf_key(config, "attention_bias", bool, source, False)
-    config = {"head_dim": 128, **config}
-    return _common_hf_args(config, source, qk_norm=True, qkv_bias=bias, out_bias=bias,
-                           sliding_window=window, layer_types=_our_layer_types(types, source))
+    return dict(qk_norm=True, qkv_bias=bias, out_bias=bias, **qwen_window_args(config, source))
 
 
 def qwen3_hf_config(args: ModelArgs) -> dict[str, Any]:
     """config.json keys of a `Qwen3ForCausalLM`."""
-    config = {**_common_hf_config(args), "architectures": ["Qwen3ForCausalLM"],
-              "model_type": "qwen3", "attention_bias": args.qkv_bias,
-              "use_sliding_window": args.sliding_window is not None,
-              "sliding_window": args.sliding_window}
-    if args.sliding_window is not None:
-        config["layer_types"] = hf_layer_types(args)
-        config["max_window_layers"] = 0
-    return config
+    return {**qwen_hf_config(args, "Qwen3ForCausalLM", "qwen3"), "attention_bias": args.qkv_bias}
 
 
 def _qwen3_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:

@@ -320,17 +320,8 @@ class ToolCallParser:
     def _step(self, events: list) -> bool:
         """Handle what the buffer decides; False when more text is needed."""
         buf = self._buffer
-        if self._state == "content":
-            at = buf.find(CALL_OPEN)
-            if at >= 0:
-                self._content(events, buf[:at].rstrip())
-                self._buffer, self._state = buf[at + len(CALL_OPEN):], "head"
-                return True
-            keep = _held_back(buf, CALL_OPEN)
-            if buf[:keep]:
-                self._content(events, buf[:keep])
-            self._buffer = buf[keep:]
-            return False
+        if self._state == "content":            # (the whitespace before a call is dropped)
+            return self._until(events, CALL_OPEN, self._content, "head", strip=True)
         if self._state == "head":
             match = _HEAD.match(buf)
             if match is None or match.end() == len(buf):     # (more whitespace may come)
@@ -340,17 +331,10 @@ class ToolCallParser:
             self._buffer, self._state = buf[match.end():], "arguments"
             return True
         if self._state == "arguments":
-            at = buf.find(_END)
-            if at >= 0:
-                self._arguments(events, buf[:at])
-                self.calls[-1].complete = True
-                self._buffer, self._state = buf[at + len(_END):], "between"
-                return True
-            keep = _held_back(buf, _END)
-            if buf[:keep]:
-                self._arguments(events, buf[:keep])
-            self._buffer = buf[keep:]
-            return False
+            if not self._until(events, _END, self._arguments, "between"):
+                return False
+            self.calls[-1].complete = True
+            return True
         # between calls: "\n<tool_call>" opens the next one
         opener = "\n" + CALL_OPEN
         if buf.startswith(opener):
@@ -360,6 +344,20 @@ class ToolCallParser:
             return False
         self._state = "content"             # text after the calls (not from the grammar)
         return True
+
+    def _until(self, events: list, tag: str, emit, state: str, strip: bool = False) -> bool:
+        """Emit the buffer up to `tag` and go on past it in `state` (True); or emit what
+        cannot begin the tag and wait for more (False)."""
+        buf = self._buffer
+        at = buf.find(tag)
+        if at >= 0:
+            emit(events, buf[:at].rstrip() if strip else buf[:at])
+            self._buffer, self._state = buf[at + len(tag):], state
+            return True
+        keep = _held_back(buf, tag)
+        emit(events, buf[:keep])
+        self._buffer = buf[keep:]
+        return False
 
     def _content(self, events: list, text: str) -> None:
         if text:

@@ -370,6 +370,24 @@ def load_adapter(model: nn.Module, folder: Path | str) -> LoRAConfig:
     return config
 
 
+def read_adapter_weights(folder: Path | str) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors of a PEFT folder (PEFT's names).
+
+    Raises:
+        ModelFileError: the file is missing or unreadable.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ModelFileError(f"{path} is missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: cannot read it ({e})") from None
+
+
 def copy_adapter_weights(model: nn.Module, folder: Path | str) -> None:
     """Copy adapter_model.safetensors' A, B (and DoRA magnitudes) into the model's LoRA
     modules (B's rows back in our order).
@@ -379,16 +397,8 @@ def copy_adapter_weights(model: nn.Module, folder: Path | str) -> None:
             differs, one the model has no module for, or a module without its tensor — the
             message names the first mismatch and both shapes.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder) / WEIGHTS_FILE
-    try:
-        saved = load_file(str(path))
-    except FileNotFoundError:
-        raise ModelFileError(f"{path} is missing") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read it ({e})") from None
+    saved = read_adapter_weights(folder)
     wanted = adapter_state_dict(model)              # our modules' tensors, in PEFT's names
     for key in saved:
         if key not in wanted:

@@ -164,11 +164,9 @@ def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeig
         ModelFileError: missing or malformed files, a DoRA adapter, or an adapter for another
             model (a module this model lacks, a tensor of another shape: named).
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from torchllama.transforms.lora import (PEFT_PREFIX, WEIGHTS_FILE, _hf_names,
-                                            read_adapter_config, resolve_adapter)
+                                            read_adapter_config, read_adapter_weights,
+                                            resolve_adapter)
 
     folder = resolve_adapter(folder)
     config = read_adapter_config(folder)
@@ -183,12 +181,7 @@ def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeig
                              "model has no such linear layers (an adapter for another "
                              "architecture)")
     path = folder / WEIGHTS_FILE
-    try:
-        saved = load_file(str(path))
-    except FileNotFoundError:
-        raise ModelFileError(f"{path} is missing") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read it ({e})") from None
+    saved = read_adapter_weights(folder)
     updates = []
     for ours, (theirs, layout) in _hf_names(model, names).items():
         key = PEFT_PREFIX + theirs
