@@ -54,6 +54,7 @@ class ReasoningParser:
         self._state = self._state or ("thinking" if self.inside else "start")
 
     def feed(self, text: str) -> list[tuple[str, str]]:
+        """Events of the next piece of text (what is decided so far; see the class)."""
         self._buffer += text
         events: list[tuple[str, str]] = []
         while self._step(events):

@@ -291,6 +291,7 @@ class ToolCallParser:
     _state: str = "content"          # content | head | arguments | between
 
     def feed(self, text: str) -> list[tuple]:
+        """Events of the next piece of text (what is decided so far; see the class)."""
         self._buffer += text
         events: list[tuple] = []
         while self._step(events):
