@@ -237,7 +237,7 @@ def test_config_defaults_follow_llama_config():
     ({"architectures": ["PhiForCausalLM"], "model_type": "phi"},
      r"config\.json: unsupported architecture PhiForCausalLM \(supported: LlamaForCausalLM, "
      r"Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-     r"Qwen3MoeForCausalLM, Gemma2ForCausalLM"),
+     r"Qwen3MoeForCausalLM, OlmoeForCausalLM, Gemma2ForCausalLM"),
     ({"architectures": ["GemmaForCausalLM"]}, r"config\.json: unsupported architecture Gemma"),
     ({"architectures": _DELETE, "model_type": "phi"}, r"unsupported architecture model_type 'phi'"),
     ({"hidden_size": _DELETE}, r"config\.json: required key 'hidden_size' is missing"),

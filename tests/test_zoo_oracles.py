@@ -105,7 +105,7 @@ def test_qwen3_qk_norm_and_head_dim(bias):
     assert_same_logits(hf, ours)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral", "olmoe"])
 def test_greedy_continuation_equals_transformers(name):
     torch.manual_seed(1)
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -119,6 +119,8 @@ def test_greedy_continuation_equals_transformers(name):
             moe_intermediate_size=32, norm_topk_prob=False)),
         "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **small, num_local_experts=4, num_experts_per_tok=2)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **small, num_experts=4, num_experts_per_tok=2)),
     }[name]())
     ours = ours_from(hf)
     prompt = torch.tensor([[5, 17, 42, 7]])
@@ -424,6 +426,7 @@ def _count(args: ModelArgs) -> int:
     ("qwen3-0.6b", 596_049_920),       # Qwen/Qwen3-0.6B
     ("mixtral-8x7b", 46_702_792_704),  # mistralai/Mixtral-8x7B-v0.1
     ("qwen3-30b-a3b", 30_532_122_624),  # Qwen/Qwen3-30B-A3B
+    ("olmoe-1b-7b", 6_919_161_856),     # allenai/OLMoE-1B-7B-0924
     # deepseek-ai/DeepSeek-V3 without its MTP module: 671,026,419,200 in its files, which also
     # hold the 58 × 256 routers' correction biases (a buffer here, not a parameter)
     ("deepseek-v3", 671_026_419_200 - 58 * 256),
@@ -435,6 +438,7 @@ def test_parameter_counts_of_published_configurations(preset, expected):
 @pytest.mark.parametrize("preset, active", [
     ("mixtral-8x7b", 12_879_925_248),   # "12.9B active" (Mistral AI)
     ("qwen3-30b-a3b", 3_353_032_704),   # "3.3B activated" (Qwen3 report)
+    ("olmoe-1b-7b", 1_282_017_280),     # "1.3B active" (OLMoE paper)
     ("deepseek-v3", 37_552_282_624),    # "37B activated" (DeepSeek-V3 report)
     ("qwen3-0.6b", 596_049_920),        # dense: all of them
 ])
@@ -484,6 +488,8 @@ def _tiny_hf_models():
         ("qwen3_moe", transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **small, head_dim=32, num_experts=6, num_experts_per_tok=3,
             moe_intermediate_size=32, norm_topk_prob=True))),
+        ("olmoe", transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **{**small, "intermediate_size": 64}, num_experts=4, num_experts_per_tok=2))),
         ("mistral", transformers.MistralForCausalLM(transformers.MistralConfig(
             **small, sliding_window=6))),
         ("gemma2", transformers.Gemma2ForCausalLM(_gemma2_config())),

@@ -100,6 +100,9 @@ class ModelArgs:
             2017; no final norm) or "sandwich" (x + N'(F(N(x))), Gemma 2/3).
         qk_norm: normalize each head's queries and keys before RoPE (Dehghani et al. 2023;
             Gemma 3, OLMo 2, Qwen 3), with the norm chosen by `norm`.
+        qk_norm_span: "head" (one norm per head, of hd gains: Gemma 3, Qwen3) or "projection"
+            (one norm over all the heads' queries, H·hd gains, and keys, KV·hd: OLMo 2,
+            OLMoE).
 
     Biases (Qwen2: q/k/v only; GPT-2: all):
         qkv_bias: biases on the query, key and value projections.
@@ -193,6 +196,7 @@ class ModelArgs:
     norm_unit_offset: bool = False
     norm_placement: str = "pre"
     qk_norm: bool = False
+    qk_norm_span: str = "head"
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -264,6 +268,10 @@ class ModelArgs:
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ArgumentError("ModelArgs.norm_unit_offset needs norm: rmsnorm (Gemma's "
                                 f"(1 + w) gain); got norm {self.norm!r}")
+        if self.qk_norm_span not in ("head", "projection") or \
+                (self.qk_norm_span != "head" and not self.qk_norm):
+            raise ArgumentError("ModelArgs.qk_norm_span must be head or projection (with "
+                                f"qk_norm: true); got {self.qk_norm_span!r}")
         if self.parallel_block and self.norm_placement != "pre":
             raise ArgumentError("ModelArgs.parallel_block needs norm_placement: pre (one norm "
                                 f"feeds both branches); got {self.norm_placement!r}")
@@ -558,6 +566,12 @@ PRESETS: dict[str, ModelArgs] = {
                             vocab_size=151936, hidden_dim=3072, rope_theta=1000000.0,
                             norm_eps=1e-6, max_seq_len=40960, tie_embeddings=True,
                             qk_norm=True),
+    # OLMoE-1B-7B (0924): 64 experts of 1024, 8 per token (softmax weights kept as they are),
+    # QK-norm over the whole q and k projections.
+    "olmoe-1b-7b": ModelArgs(dim=2048, n_layers=16, n_heads=16, vocab_size=50304,
+                             hidden_dim=1024, max_seq_len=4096, qk_norm=True,
+                             qk_norm_span="projection", n_experts=64, n_experts_per_token=8,
+                             moe_norm_topk=False),
     # Qwen3-30B-A3B: 48 layers of 128 experts of 768, 8 per token (renormalized), QK-norm.
     "qwen3-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
                                vocab_size=151936, hidden_dim=6144, rope_theta=1000000.0,

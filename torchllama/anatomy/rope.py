@@ -130,9 +130,13 @@ def layer0_query_key(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
             h = h * torch.tensor(args.dim ** 0.5, dtype=h.dtype)
         x = block.attention_norm(h) if block.placement != "post" else h     # (1, T, D)
         T = tokens.shape[1]
-        q = attn.wq(x).view(1, T, args.n_heads, args.head_dim)              # (1, T, H, hd)
-        k = attn.wk(x).view(1, T, args.n_kv_heads, args.head_dim)           # (1, T, KV, hd)
-        if hasattr(attn, "q_norm"):                                         # QK-norm, before RoPE
+        q, k = attn.wq(x), attn.wk(x)                                       # (1, T, H·hd | KV·hd)
+        whole = hasattr(attn, "q_norm") and args.qk_norm_span == "projection"
+        if whole:                                                           # QK-norm, all heads
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q.view(1, T, args.n_heads, args.head_dim)                       # (1, T, H, hd)
+        k = k.view(1, T, args.n_kv_heads, args.head_dim)                    # (1, T, KV, hd)
+        if hasattr(attn, "q_norm") and not whole:                           # QK-norm, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
     return q.reshape(-1, args.head_dim).float(), k.reshape(-1, args.head_dim).float()
 

@@ -17,12 +17,12 @@ from torchllama.families.gemma import GEMMA2, GEMMA3
 from torchllama.families.gpt2 import GPT2
 from torchllama.families.llama import LLAMA, MISTRAL, QWEN2
 from torchllama.families.mpt import MPT
-from torchllama.families.moe import MIXTRAL, QWEN3_MOE
+from torchllama.families.moe import MIXTRAL, OLMOE, QWEN3_MOE
 from torchllama.families.qwen3 import QWEN3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL,
-                                                   QWEN3_MOE, GEMMA2, GEMMA3, GPT2, DEEPSEEK_V3,
-                                                   MPT)}
+                                                   QWEN3_MOE, OLMOE, GEMMA2, GEMMA3, GPT2,
+                                                   DEEPSEEK_V3, MPT)}
 
 
 def family_for_hf(config: dict[str, Any], source: str) -> Family:

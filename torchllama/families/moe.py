@@ -1,5 +1,6 @@
 """The mixture-of-experts families (`torchllama.nn.moe`): Mixtral (Mistral's decoder with 8
-experts per layer) and Qwen3-MoE (Qwen3's decoder with many small experts), read from and
+experts per layer), Qwen3-MoE (Qwen3's decoder with many small experts) and OLMoE (QK-norm
+over the whole projections, 64 experts, the top-k weights not renormalized), read from and
 written to Hugging Face folders as transformers saves them: one tensor per expert
 (`experts.{e}.w1` / `gate_proj` …) and the router as `gate`. Our names are Meta-style:
 `feed_forward.gate` the router, `feed_forward.experts.{e}.w1/w2/w3` (Mistral's reference names).
@@ -14,7 +15,8 @@ from typing import Any, Optional
 
 from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
-from torchllama.families.base import Family, Stacked, Tensors, hf_key, unsupported_fields
+from torchllama.families.base import (Family, RopePermuted, Stacked, Tensors, hf_key,
+                                      unsupported_fields)
 from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, TENSORS, _common_hf_args,
                                        _common_hf_config, _gguf_args, args_from_gguf,
                                        gguf_metadata, gguf_rope_unsupported, qwen_hf_config)
@@ -36,6 +38,14 @@ def _moe_rows(prefix: str, names: tuple[str, str, str]) -> tuple[Tensors, ...]:
 MIXTRAL_TENSORS = TENSORS + _moe_rows("model.layers.{i}.block_sparse_moe.", ("w1", "w2", "w3"))
 QWEN3_MOE_TENSORS = QWEN3_TENSORS + _moe_rows("model.layers.{i}.mlp.",
                                               ("gate_proj", "down_proj", "up_proj"))
+# OLMoE: Llama's names, QK-norm gains over the whole q and k projections (HF's rotate_half row
+# order within each head, as the projections' rows), Qwen3-MoE's expert names
+OLMOE_TENSORS = tuple(t for t in TENSORS if ".bias" not in t.our_names[0]) + (
+    Tensors("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight",
+            hf_layout=RopePermuted("n_heads")),
+    Tensors("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
+            hf_layout=RopePermuted("n_kv_heads")),
+) + _moe_rows("model.layers.{i}.mlp.", ("gate_proj", "down_proj", "up_proj"))
 
 
 def _moe_unsupported(args: ModelArgs, what: str, extra: dict) -> Optional[str]:
@@ -167,4 +177,52 @@ QWEN3_MOE = Family(
     args_from_hf=qwen3_moe_args_from_hf, hf_config=qwen3_moe_hf_config,
     args_from_gguf=qwen3_moe_args_from_gguf, gguf_metadata=qwen3_moe_gguf_metadata,
     unsupported=_qwen3_moe_unsupported, gguf_ignored=_ROPE_FREQS,
+)
+
+
+# ---- OLMoE -------------------------------------------------------------------------------------
+
+def olmoe_args_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` of an `OlmoeForCausalLM` config.json: Llama's keys, QK-norm over the whole
+    projections, num_experts (or num_local_experts) experts of intermediate_size,
+    num_experts_per_tok, norm_topk_prob (false in OLMoE's own config).
+
+    Raises:
+        ModelFileError: a required key missing or of the wrong type; clip_qkv (not supported).
+    """
+    if config.get("clip_qkv") is not None:
+        raise ModelFileError(f"{source}: clip_qkv {config['clip_qkv']!r} is not supported")
+    return _common_hf_args(
+        config, source, qk_norm=True, qk_norm_span="projection",
+        n_experts=hf_key(config, "num_experts", int, source, None) or
+        hf_key(config, "num_local_experts", int, source),
+        n_experts_per_token=hf_key(config, "num_experts_per_tok", int, source),
+        moe_norm_topk=hf_key(config, "norm_topk_prob", bool, source, False))
+
+
+def olmoe_hf_config(args: ModelArgs) -> dict[str, Any]:
+    """config.json keys of an `OlmoeForCausalLM`."""
+    return {**_common_hf_config(args), "architectures": ["OlmoeForCausalLM"],
+            "model_type": "olmoe", "num_experts": args.n_experts,
+            "num_experts_per_tok": args.n_experts_per_token,
+            "norm_topk_prob": args.moe_norm_topk, "clip_qkv": None}
+
+
+def _olmoe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
+    if fmt != "hf":
+        return "torchllama writes OLMoE as a Hugging Face folder only"
+    if not args.qk_norm or args.qk_norm_span != "projection":
+        return "OLMoE normalizes the whole q and k projections (qk_norm_span: projection)"
+    if args.moe_hidden_dim not in (None, args.ffn_hidden_dim):
+        return "OLMoE's experts are the MLP's width"
+    return _moe_unsupported(args, "OLMoE", {"qk_norm": lambda a: True,
+                                            "qk_norm_span": lambda a: True,
+                                            "moe_norm_topk": lambda a: True})
+
+
+OLMOE = Family(
+    name="olmoe", tensors=OLMOE_TENSORS,
+    hf_architectures=("OlmoeForCausalLM",), hf_model_type="olmoe",
+    args_from_hf=olmoe_args_from_hf, hf_config=olmoe_hf_config,
+    unsupported=_olmoe_unsupported,
 )

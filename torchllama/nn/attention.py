@@ -166,8 +166,11 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
         #: wq, wk and wv as one product, where `torchllama.transforms.quantize.fuse_projections` made one
         self.wqkv: Optional[nn.Module] = None
-        if args.qk_norm:                                   # over each head's hd dims
-            self.q_norm, self.k_norm = make_norm(args, hd), make_norm(args, hd)
+        self.qk_norm_span = args.qk_norm_span
+        if args.qk_norm:         # over each head's hd dims, or all heads' (H·hd, KV·hd)
+            whole = args.qk_norm_span == "projection"
+            self.q_norm = make_norm(args, self.n_heads * hd if whole else hd)
+            self.k_norm = make_norm(args, self.n_kv_heads * hd if whole else hd)
         self.kv_cache: Optional[KVCache] = None
         #: a list to append each call's attention probabilities (B, H, T, S) to, or None (see
         #: `torchllama.anatomy.capture_attention`)
@@ -195,10 +198,13 @@ class Attention(nn.Module):
             xq, xk, xv = self.wqkv(x).split([H * hd, KV * hd, KV * hd], dim=-1)
         else:
             xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)           # (B, T, H·hd | KV·hd)
+        whole = hasattr(self, "q_norm") and self.qk_norm_span == "projection"
+        if whole:                                         # QK-norm over all heads (OLMoE)
+            xq, xk = self.q_norm(xq), self.k_norm(xk)                 # (B, T, H·hd | KV·hd)
         xq = xq.view(B, T, H, hd)                                     # (B, T, H, hd)
         xk = xk.view(B, T, KV, hd)                                    # (B, T, KV, hd)
         xv = xv.view(B, T, KV, hd)                                    # (B, T, KV, hd)
-        if hasattr(self, "q_norm"):                                   # QK-norm, before RoPE
+        if hasattr(self, "q_norm") and not whole:                     # QK-norm, before RoPE
             xq, xk = self.q_norm(xq), self.k_norm(xk)
 
         dtype = attention_dtype(x)

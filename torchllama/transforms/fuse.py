@@ -110,7 +110,8 @@ def fits(block: TransformerBlock) -> bool:
     GeGLU `FeedForward`."""
     attention, ffn = block.attention, block.feed_forward
     if block.placement not in ("pre", "sandwich") or type(attention) is not Attention or \
-            type(ffn) is not FeedForward or not attention.rope:
+            type(ffn) is not FeedForward or not attention.rope or \
+            attention.qk_norm_span != "head":
         return False
     norms = _norms(block) + ([attention.q_norm, attention.k_norm]
                              if hasattr(attention, "q_norm") else [])
