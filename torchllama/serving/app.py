@@ -367,8 +367,10 @@ class _Completions:
 
     async def submit(self, body: SamplingBody, prompt_ids: list[int], chat: bool,
                      max_tokens: Optional[int], logprobs: Optional[int],
-                     tools: Optional[Tools] = None) -> list[_Choice]:
-        """Check the request and queue one engine request per choice."""
+                     tools: Optional[Tools] = None,
+                     thinking: Optional[bool] = None) -> list[_Choice]:
+        """Check the request and queue one engine request per choice (each parsed for `tools`
+        and, `thinking` not None, for reasoning: `Completions.thinking`)."""
         max_tokens, stops = self.check(body, prompt_ids, chat, max_tokens)
         constraints = await self.constraints_for(body, tools)
         adapter = self.adapters.pick(body.model)      # (no await from here to its use)
@@ -385,7 +387,6 @@ class _Completions:
                                      text=TextStream(self.tokenizer, prompt_ids, stops),
                                      adapter=adapter)
             choice.parser = ToolCallParser() if tools is not None else None
-            thinking = self.thinking(prompt_ids) if chat else None
             choice.reasoning = ReasoningParser(thinking) if thinking is not None else None
             choices.append(choice)
         try:
@@ -415,9 +416,10 @@ class _Completions:
         """The response to a completion request: a JSON body, or a stream of events; a chat
         answer offered `tools` is parsed for tool calls."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools,
-                      self.thinking(prompt_ids) if chat else None)
-        reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs, tools)
+        thinking = self.thinking(prompt_ids) if chat else None
+        reply = Reply(rid, chat, logprobs, len(prompt_ids), [], self.model_name, tools, thinking)
+        reply.choices = await self.submit(body, prompt_ids, chat, max_tokens, logprobs, tools,
+                                          thinking)
         reply.model = reply.choices[0].request.adapter or self.model_name    # (as vLLM)
         if not body.stream:
             return await self.whole(http, reply)
