@@ -43,6 +43,7 @@ GPT2 = dict(SMALL, n_kv_heads=4, hidden_dim=256, max_seq_len=1024, rope_theta=10
             position="learned", qkv_bias=True, out_bias=True, mlp_bias=True)
 MLA = dict(SMALL, n_kv_heads=4, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
            qk_rope_head_dim=4, v_head_dim=12)
+OLMOE = dict(SMALL, n_kv_heads=4, qk_norm=True, qk_norm_span="projection", moe_norm_topk=False)
 LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_seq_len": 16}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 16}
@@ -57,6 +58,7 @@ CASES = {
     "qwen3-moe": (dict(SMALL, qk_norm=True, head_dim=128, n_experts=4, n_experts_per_token=2,
                        moe_hidden_dim=768), "qwen3moe", True),
     "mixtral": (dict(SMALL, n_experts=4, n_experts_per_token=2), "llama", False),
+    "olmoe": (dict(OLMOE, n_experts=4, n_experts_per_token=2), "olmoe", False),
     "gpt2": (GPT2, "gpt2", True),
     "gpt2-untied": (dict(GPT2, tie_embeddings=False), "gpt2", True),
     "mistral": (dict(SMALL, sliding_window=6), "llama", True),

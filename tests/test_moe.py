@@ -172,7 +172,7 @@ def test_an_expert_count_that_does_not_match_the_files_names_the_tensor(tmp_path
         torchllama.load(tmp_path, progress=False)
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "olmoe"])
 def test_llama_cpp_computes_our_moe_gguf_files_as_we_do(tmp_path, name):
     """Our float32 GGUF of a random Qwen3-MoE (`qwen3moe`) and Mixtral (`llama` with experts):
     llama.cpp (llama-cpp-python, `make bench-peer`) gives the same logits within 1e-3 and the
@@ -181,12 +181,14 @@ def test_llama_cpp_computes_our_moe_gguf_files_as_we_do(tmp_path, name):
     import numpy as np
 
     import torchllama
-    from tests.test_gguf_families import SMALL, random_model, tiny_bpe_tokenizer, tokens
+    from tests.test_gguf_families import OLMOE, SMALL, random_model, tiny_bpe_tokenizer, tokens
 
     tok = tiny_bpe_tokenizer(tmp_path)
     fields = dict(SMALL, n_experts=4, n_experts_per_token=2)
     if name == "qwen3moe":
         fields.update(qk_norm=True, head_dim=128, moe_hidden_dim=768)
+    if name == "olmoe":
+        fields.update(OLMOE, n_experts=4, n_experts_per_token=2)
     model = random_model(fields)
     torchllama.save(model, tok, tmp_path / "m.gguf", to="gguf", progress=False)
     ids = tokens(40)[0].tolist()

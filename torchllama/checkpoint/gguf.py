@@ -54,7 +54,7 @@ from torchllama.checkpoint.common import meta_model
 from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
-from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted
+from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted, Stacked
 from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, ScaleFactors,
                                             Scheme, fits, fused_linears, fusion_groups,
                                             quantize_weight, quantized_linear, scheme_for)
@@ -560,7 +560,7 @@ class _Job:
         if q is None or not all(fits(torch.Size((self.expected[n][0], q.shape[1])),
                                      _scheme_of(q)) for n in mapping.ours):
             return None
-        rows = _layout_rows(mapping.layout, q, self.args)
+        rows = _layout_rows(mapping, q, self.args)
         del q                                          # the rows are views or copies of it
         loaded = {n: quantized_linear(w) if n in self.built else w
                   for n, w in zip(mapping.ours, rows)}
@@ -826,7 +826,7 @@ def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
         ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
     """
     typ = t.tensor_type
-    rows, K = int(t.shape[1]), int(t.shape[0])
+    rows, K = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])  # 3-D: experts' rows
     try:
         b = np.asarray(t.data).reshape(rows, -1).view(_BLOCKS[typ])        # (rows, blocks)
     except ValueError as e:
@@ -877,7 +877,7 @@ def _quantized(t: Any, quant, source: str, no_kernel: set):
         return None
     if (typ in _Q4_TYPES and quant == Scheme(4, 32)) or (typ == _Q.Q8_0 and quant == Scheme(8)):
         return read_blocks(t, source)
-    return quantize_weight(_dequantize(t, source), quant)
+    return quantize_weight(_dequantize(t, source).reshape(-1, int(t.shape[0])), quant)
 
 
 def _scheme_of(w) -> Scheme:
@@ -886,15 +886,20 @@ def _scheme_of(w) -> Scheme:
 
 def _rows_only(layout) -> bool:
     """Whether a layout only reorders or splits rows, so it applies to quantized rows as they
-    are (as is, HF's RoPE row order, a fused q/k/v split along rows)."""
-    return type(layout) in (Layout, RopePermuted) or \
+    are (as is, HF's RoPE row order, a fused q/k/v split along rows, experts' matrices stacked
+    expert first: llama.cpp's 3-D `ffn_*_exps`, read as one matrix of every expert's rows)."""
+    return type(layout) in (Layout, RopePermuted, Stacked) or \
         (isinstance(layout, Fused) and layout.dim == 0 and not layout.transposed)
 
 
-def _layout_rows(layout, q, args) -> tuple:
-    """`layout.load` applied to the rows of a quantized weight."""
+def _layout_rows(mapping: Mapping, q, args) -> tuple:
+    """The mapping's `layout.load` applied to the rows of a quantized weight: a stacked one
+    (`Stacked`) split into its experts' matrices (views of one block weight, no copy)."""
+    layout = mapping.layout
     if isinstance(layout, Fused):
         return q.split_rows(layout.sizes(args))
+    if isinstance(layout, Stacked):
+        return q.split_rows([q.shape[0] // len(mapping.ours)] * len(mapping.ours))
     return (q.map_rows(lambda x: layout.load(x, args)[0]),)
 
 

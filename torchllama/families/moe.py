@@ -17,7 +17,7 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ModelFileError
 from torchllama.families.base import (Family, RopePermuted, Stacked, Tensors, hf_key,
                                       unsupported_fields)
-from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, TENSORS, _common_hf_args,
+from torchllama.families.llama import (_HF_ROPE, _ROPE_FREQS, QWEN2_TENSORS, TENSORS, _common_hf_args,
                                        _common_hf_config, _gguf_args, args_from_gguf,
                                        gguf_metadata, gguf_rope_unsupported, qwen_hf_config)
 from torchllama.families.qwen3 import QWEN3_TENSORS, qwen3_args
@@ -39,12 +39,15 @@ MIXTRAL_TENSORS = TENSORS + _moe_rows("model.layers.{i}.block_sparse_moe.", ("w1
 QWEN3_MOE_TENSORS = QWEN3_TENSORS + _moe_rows("model.layers.{i}.mlp.",
                                               ("gate_proj", "down_proj", "up_proj"))
 # OLMoE: Llama's names, QK-norm gains over the whole q and k projections (HF's rotate_half row
-# order within each head, as the projections' rows), Qwen3-MoE's expert names
-OLMOE_TENSORS = tuple(t for t in TENSORS if ".bias" not in t.our_names[0]) + (
+# order within each head, as the projections' rows), Qwen3-MoE's expert names. llama.cpp's
+# `olmoe` keeps HF's rotate_half rows (NeoX RoPE), as its qwen2: the GGUF layouts are HF's.
+OLMOE_TENSORS = tuple(t for t in QWEN2_TENSORS if ".bias" not in t.our_names[0]) + (
     Tensors("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight",
-            hf_layout=RopePermuted("n_heads")),
+            "blk.{i}.attn_q_norm.weight", hf_layout=RopePermuted("n_heads"),
+            gguf_layout=RopePermuted("n_heads")),
     Tensors("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight",
-            hf_layout=RopePermuted("n_kv_heads")),
+            "blk.{i}.attn_k_norm.weight", hf_layout=RopePermuted("n_kv_heads"),
+            gguf_layout=RopePermuted("n_kv_heads")),
 ) + _moe_rows("model.layers.{i}.mlp.", ("gate_proj", "down_proj", "up_proj"))
 
 
@@ -209,8 +212,12 @@ def olmoe_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 
 def _olmoe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
-    if fmt != "hf":
-        return "torchllama writes OLMoE as a Hugging Face folder only"
+    if fmt == "gguf" and (args.moe_norm_topk or args.n_kv_heads != args.n_heads or
+                          args.head_dim != args.dim // args.n_heads or
+                          gguf_rope_unsupported(args)):
+        return gguf_rope_unsupported(args) or "llama.cpp's olmoe keeps the top-k weights " \
+            "(norm_topk_prob: false), as many key/value heads as query heads and head_dim = " \
+            "dim / n_heads"
     if not args.qk_norm or args.qk_norm_span != "projection":
         return "OLMoE normalizes the whole q and k projections (qk_norm_span: projection)"
     if args.moe_hidden_dim not in (None, args.ffn_hidden_dim):
@@ -220,9 +227,29 @@ def _olmoe_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
                                             "moe_norm_topk": lambda a: True})
 
 
+def olmoe_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
+    """`ModelArgs` from a GGUF file's `olmoe.*` metadata (llama.cpp's converter of
+    `OlmoeForCausalLM`): Llama's keys, expert_count and expert_used_count; the experts are
+    feed_forward_length wide, their top-k weights kept (llama.cpp's `build_olmoe`).
+
+    Raises:
+        ModelFileError: a required key missing or of the wrong type.
+    """
+    from torchllama.errors import checked_field
+
+    def need(key: str):
+        return checked_field(metadata, f"olmoe.{key}", int, source, what="metadata key")
+
+    return _gguf_args("olmoe", metadata, tensor_names, source, qk_norm=True,
+                      qk_norm_span="projection", n_experts=need("expert_count"),
+                      n_experts_per_token=need("expert_used_count"), moe_norm_topk=False)
+
+
 OLMOE = Family(
     name="olmoe", tensors=OLMOE_TENSORS,
     hf_architectures=("OlmoeForCausalLM",), hf_model_type="olmoe",
+    gguf_architecture="olmoe",
     args_from_hf=olmoe_args_from_hf, hf_config=olmoe_hf_config,
-    unsupported=_olmoe_unsupported,
+    args_from_gguf=olmoe_args_from_gguf, gguf_metadata=gguf_metadata,
+    unsupported=_olmoe_unsupported, gguf_ignored=_ROPE_FREQS,
 )

@@ -10,7 +10,8 @@ Routers (`ModelArgs.moe_router`):
 - "softmax" (Shazeer et al. 2017, "Outrageously Large Neural Networks", eq. 3-5 without the
   noise; Fedus et al. 2021, Switch Transformers, eq. 1-2; Jiang et al. 2024, Mixtral §2.1):
   p = softmax(W_g·x) over all experts, TopK by p, g_e = p_e, renormalized over the k to sum
-  to 1 if `moe_norm_topk` (Mixtral, Qwen3-MoE; OLMoE keeps the raw p_e).
+  to 1 if `moe_norm_topk` (Mixtral, Qwen3-MoE; OLMoE keeps the raw p_e), times `moe_scale`
+  (DeepSeek-V2's routed_scaling_factor; 1 elsewhere).
 - "sigmoid" (DeepSeek-AI 2024, DeepSeek-V3 §2.1.2, eq. 12-16): s_e = σ(W_g·x)_e; the choice
   ranks s_e + b_e (b: the correction bias of auxiliary-loss-free balancing) among the experts
   of the `moe_group_topk` best of `moe_groups` groups (a group's score: the sum of its two best
@@ -70,7 +71,7 @@ class MoE(nn.Module):
             weights, ids = torch.topk(probs, self.top_k, dim=-1)           # (N, k)
             if self.norm_topk:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights, ids
+            return weights * self.scale, ids                               # (DeepSeek-V2)
         scores = torch.sigmoid(logits)                                     # (N, E)
         choice = scores + self.e_score_correction_bias                     # (N, E)
         N, G = x.shape[0], self.groups
