@@ -561,9 +561,14 @@ class _Job:
                                      _scheme_of(q)) for n in mapping.ours):
             return None
         rows = _layout_rows(mapping, q, self.args)
+        stacked = isinstance(mapping.layout, Stacked) and set(mapping.ours) <= self.built
+        linears = fused_linears(q, [w.shape[0] for w in rows]) if stacked else None
         del q                                          # the rows are views or copies of it
-        loaded = {n: quantized_linear(w) if n in self.built else w
-                  for n, w in zip(mapping.ours, rows)}
+        if linears is not None:                        # experts: views of one packed module
+            loaded = dict(zip(mapping.ours, linears[1:]))  # (`stack_experts` finds them so)
+        else:
+            loaded = {n: quantized_linear(w) if n in self.built else w
+                      for n, w in zip(mapping.ours, rows)}
         if self.tied_output and mapping.ours == ("tok_embeddings.weight",):
             output = quantized_linear(loaded["tok_embeddings.weight"])
             if isinstance(output, BlockLinear):       # its table serves the embeddings too,

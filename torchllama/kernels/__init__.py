@@ -145,6 +145,14 @@ def _register_fakes() -> None:
     def _(x, codes, d, small=False):
         return x.new_empty((x.shape[0], 8 * codes.shape[0]))
 
+    @torch.library.register_fake("torchllama::q4_linear_experts")
+    def _(x, tokens, experts, n_experts, codes, d, m):
+        return x.new_empty((tokens.shape[0], 8 * codes.shape[0] // n_experts))
+
+    @torch.library.register_fake("torchllama::q8_linear_experts")
+    def _(x, tokens, experts, n_experts, codes, d, small=False):
+        return x.new_empty((tokens.shape[0], 8 * codes.shape[0] // n_experts))
+
     @torch.library.register_fake("torchllama::rms_norm")
     def _(x, w, eps, unit_offset):
         return torch.empty_like(x, memory_format=torch.contiguous_format)

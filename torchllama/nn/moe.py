@@ -17,8 +17,9 @@ Routers (`ModelArgs.moe_router`):
   of the `moe_group_topk` best of `moe_groups` groups (a group's score: the sum of its two best
   s_e + b_e); g_e = s_e (without b), renormalized if `moe_norm_topk`, times `moe_scale`.
 
-The computation groups tokens by expert (each expert's tokens in one product, llama.cpp's
-MUL_MAT_ID) and adds each token's experts in increasing expert order. Each expert is a gated
+The computation groups tokens by expert (each expert's tokens in one product; with block
+weights every expert's projection in one op, llama.cpp's MUL_MAT_ID, `stacked`) and adds each
+token's experts in increasing expert order. Each expert is a gated
 `FeedForward` (Meta's w1/w2/w3, as Mistral's reference names Mixtral's experts), so its
 products are torchllama's batch-invariant ones — float32 or quantized blocks alike: a token's
 output is the same bits whatever other tokens are in the batch (for expert widths that are
@@ -62,6 +63,9 @@ class MoE(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.shared_experts = FeedForward(D, args.n_shared_experts * Fh, args.mlp) \
             if args.n_shared_experts else None
+        #: every expert's w1, w3 and w2 as one product each (`expert_outputs`), where
+        #: `torchllama.transforms.quantize.stack_experts` made them (block weights)
+        self.stacked = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (N, k) float32, expert ids (N, k)) of tokens x (N, D)."""
@@ -88,18 +92,37 @@ class MoE(nn.Module):
         return weights * self.scale, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])                                       # (N, D)
+        shape, D = x.shape, x.shape[-1]
+        h = x.reshape(-1, D)                                               # (N, D)
         weights, ids = self.route(h)                                       # (N, k) each
-        out = torch.zeros_like(h)                                          # (N, D)
-        for e in torch.unique(ids).tolist():                               # increasing e
-            tokens, slot = torch.where(ids == e)                           # (n,), (n,)
-            ye = self.experts[e](h.index_select(0, tokens)[None])[0]       # (n, D)
-            out.index_add_(0, tokens, (ye * weights[tokens, slot, None]).to(out.dtype))
-        out = out.view(shape)
+        ids, slot = ids.sort(dim=-1)                   # each token's experts in increasing e
+        weights = weights.gather(1, slot)                                  # (N, k)
+        y = self.expert_outputs(h, ids)                                    # (N, k, D)
+        out = y[:, 0] * weights[:, :1]                 # Σ_j g_j · E_j(x), j in increasing e
+        for j in range(1, self.top_k):
+            out = out + y[:, j] * weights[:, j:j + 1]                      # (N, D)
+        out = out.to(x.dtype).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def expert_outputs(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """E_e(h_t) (N, k, D) float32 for each token t of h (N, D) and each of its experts
+        e = ids[t, j] (N, k): the tokens grouped by expert, each expert's in one product (or,
+        where `stacked` is set, every expert's projection in one op)."""
+        N, k = ids.shape
+        if self.stacked is not None:                   # llama.cpp's MUL_MAT_ID, three ops
+            pairs, flat = torch.arange(N).repeat_interleave(k), ids.reshape(-1)    # (N·k,)
+            gate = self.stacked.w1(h, pairs, flat)                         # (N·k, F)
+            up = self.stacked.w3(h, pairs, flat)                           # (N·k, F)
+            hidden = self.experts[0].act(gate) * up                        # (N·k, F)
+            y = self.stacked.w2(hidden, torch.arange(N * k), flat)         # (N·k, D)
+            return y.view(N, k, -1)
+        y = h.new_empty((N, k, h.shape[-1]), dtype=torch.float32)          # (N, k, D)
+        for e in torch.unique(ids).tolist():                               # increasing e
+            tokens, slot = torch.where(ids == e)                           # (n,), (n,)
+            y[tokens, slot] = self.experts[e](h.index_select(0, tokens)[None])[0].float()
+        return y
 
 
 def make_feed_forward(args, layer_id: int) -> nn.Module:

@@ -25,6 +25,10 @@
 //   the file); Q4_K's super-blocks uint8 (G, nd/8, 80), Q6_K's int8 (G, nd/16, 144); Q4's m a
 //   float32 scalar c for m = c·d. The decode step reads every scale once per token: fewer
 //   bytes are a faster step)
+//   q4_linear_experts(x (M, K) f32, tokens (R,) i64, experts (R,) i64, E, codes (E·N/8, K/32,
+//       128) u8, d, m) → (R, N) f32: row r = x[tokens[r]] · W_{experts[r]}ᵀ, the E experts'
+//       matrices stacked (a mixture of experts' layer in one op: llama.cpp's MUL_MAT_ID)
+//   q8_linear_experts(x, tokens, experts, E, codes (E·N/8, K/32, 256|192) i8, d, small) → the same
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
 //   pack_six(codes (N, K) i8 in [−32, 31]) → (N/8, K/32, 192) i8: the 6-bit packed codes
 //   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
@@ -148,46 +152,159 @@ static int32_t scale_form(const at::Tensor& t, int64_t G, int64_t nd) {
   return -1;
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                     const at::Tensor& m) {
+// The Q4 weight of packed buffers (argument checks: the ops' messages name `op`).
+static Q4Weight q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                          const char* op) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 128 && codes.scalar_type() == at::kByte &&
-              codes.is_contiguous(), "q4_linear: codes must be contiguous uint8 (N/8, K/32, "
+              codes.is_contiguous(), op, ": codes must be contiguous uint8 (N/8, K/32, "
               "128) (the packed layout), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
   const int32_t d_form = scale_form(d, G, nb);
   const bool times_d = m.dim() == 0 && m.scalar_type() == at::kFloat;
   const int32_t m_form = times_d ? scale_times_d : scale_form(m, G, nb);
   TORCH_CHECK((d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_u8) &&
-              (m_form == d_form || m_form == scale_times_d),
-              "q4_linear: d must be contiguous float32 or float16 (N/8, K/32, 8) or uint8 "
+              (m_form == d_form || m_form == scale_times_d), op,
+              ": d must be contiguous float32 or float16 (N/8, K/32, 8) or uint8 "
               "super-blocks (N/8, K/256, 80); m the same form, or a float32 scalar c (m = c·d); "
               "got d ", d.sizes(), " ", d.scalar_type(), ", m ", m.sizes(), " ", m.scalar_type());
-  const Q4Weight w{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), G, 32 * nb,
-                   d_form, m_form, times_d ? m.item<float>() : 0.f};
-  return product(x, w, "q4_linear");
+  return Q4Weight{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), G, 32 * nb,
+                  d_form, m_form, times_d ? m.item<float>() : 0.f};
 }
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                     bool small) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                     const at::Tensor& m) {
+  return product(x, q4_weight(codes, d, m, "q4_linear"), "q4_linear");
+}
+
+static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, bool small,
+                          const char* op) {
   TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == 256 || codes.size(2) == 192) &&
-              codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes "
+              codes.scalar_type() == at::kChar && codes.is_contiguous(), op, ": codes "
               "must be contiguous int8 (N/8, K/32, 256) (the packed layout) or (N/8, K/32, 192) "
               "(6-bit codes), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
   const bool six = codes.size(2) == 192;
-  TORCH_CHECK(!six || small, "q8_linear: 6-bit codes are small (within ±32): small must be true");
+  TORCH_CHECK(!six || small, op, ": 6-bit codes are small (within ±32): small must be true");
   int64_t block = 32;
   int32_t d_form = scale_form(d, G, nb);
   if (d_form != scale_f32 && d_form != scale_f16) {
     block = 16;
     d_form = scale_form(d, G, 2 * nb);
   }
-  TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_i8,
-              "q8_linear: d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
+  TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_i8, op,
+              ": d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
               "int8 super-blocks of 16 scales (N/8, K/256, 144); got ", d.sizes(), " ",
               d.scalar_type());
-  const Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six};
-  return product(x, w, "q8_linear");
+  return Q8Weight{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six};
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                     bool small) {
+  return product(x, q8_weight(codes, d, small, "q8_linear"), "q8_linear");
+}
+
+// ---- mixture of experts: every (token, expert) pair of a layer in one op ---------------------
+
+// Expert e's weight: the packed buffers' groups [e·Ge, (e+1)·Ge) (a buffer of one scalar, Q4's
+// c of m = c·d, is every expert's).
+static const void* groups_at(const at::Tensor& t, int64_t g) {
+  if (t.dim() == 0) return t.data_ptr();
+  return static_cast<const uint8_t*>(t.data_ptr()) + g * t.stride(0) * t.element_size();
+}
+static Q4Weight expert_weight(Q4Weight w, int64_t e, int64_t Ge, const at::Tensor& codes,
+                              const at::Tensor& d, const at::Tensor& m) {
+  w.codes = static_cast<const uint8_t*>(groups_at(codes, e * Ge));
+  w.d = groups_at(d, e * Ge);
+  w.m = groups_at(m, e * Ge);
+  w.G = Ge;
+  return w;
+}
+static Q8Weight expert_weight(Q8Weight w, int64_t e, int64_t Ge, const at::Tensor& codes,
+                              const at::Tensor& d, const at::Tensor&) {
+  w.codes = static_cast<const int8_t*>(groups_at(codes, e * Ge));
+  w.d = groups_at(d, e * Ge);
+  w.G = Ge;
+  return w;
+}
+
+// y (R, N) f32: row r = x[tokens[r]] · W_{experts[r]}ᵀ, W the E experts' (N, K) matrices
+// stacked (E·N rows, packed): llama.cpp's MUL_MAT_ID. x's rows are quantized once; the pairs
+// are grouped by expert (a counting sort, pair order kept within an expert), each expert's
+// rows gathered and multiplied by its groups, and the (expert, row group) work of every expert
+// split over the threads at once. Each output is the kernel's y[m, n] of one activation row and
+// one weight row: the same bits as that expert's own product, whatever else is in the batch.
+template <typename W>
+static at::Tensor expert_product(const at::Tensor& x_, const at::Tensor& tokens_,
+                                 const at::Tensor& experts_, int64_t E, const W& w,
+                                 const at::Tensor& codes, const at::Tensor& d,
+                                 const at::Tensor& m, const char* op) {
+  check_x(x_, w.K, op);
+  TORCH_CHECK(E > 0 && w.G % E == 0, op, ": ", w.G, " row groups do not split into ", E,
+              " experts");
+  TORCH_CHECK(tokens_.dim() == 1 && experts_.dim() == 1 && tokens_.size(0) == experts_.size(0)
+              && tokens_.scalar_type() == at::kLong && experts_.scalar_type() == at::kLong, op,
+              ": tokens and experts must be (R,) int64 tensors of one length");
+  const at::Tensor x = x_.contiguous(), tokens = tokens_.contiguous(),
+                   experts = experts_.contiguous();
+  const int64_t M = x.size(0), K = w.K, nb = K / 32, R = tokens.size(0), Ge = w.G / E,
+                N = 8 * Ge;
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* ex = experts.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0), order(R);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(0 <= tok[r] && tok[r] < M && 0 <= ex[r] && ex[r] < E, op, ": pair ", r,
+                " (token ", tok[r], ", expert ", ex[r], ") is out of range (", M, " tokens, ",
+                E, " experts)");
+    ++start[ex[r] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < R; ++r) order[fill[ex[r]]++] = r;           // by expert, stable
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);          // each token once
+  std::vector<int8_t> q(size_t(R * K));
+  std::vector<float> qd(size_t(R * nb)), qs(size_t(R * nb));
+  for (int64_t i = 0; i < R; ++i) {                                   // gathered by expert
+    const int64_t t = tok[order[i]];
+    std::memcpy(q.data() + i * K, a.q + t * K, size_t(K));
+    std::memcpy(qd.data() + i * nb, a.d + t * nb, sizeof(float) * size_t(nb));
+    std::memcpy(qs.data() + i * nb, a.s + t * nb, sizeof(float) * size_t(nb));
+  }
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+  at::Tensor ys = at::empty({R, N}, x.options());                    // rows in expert order
+  float* yp = ys.data_ptr<float>();
+  const auto rows = rows_kernel(w);
+  const int64_t per_group = std::max<int64_t>(1, 8 * K * R / std::max<int64_t>(1, used.size()));
+  const int64_t grain = std::max<int64_t>(1, (32768 + per_group - 1) / per_group);
+  at::parallel_for(0, int64_t(used.size()) * Ge, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {
+      const int64_t e = used[i / Ge], g0 = i % Ge, g1 = std::min(Ge, g0 + (i1 - i));
+      const int64_t s = start[e];
+      const Act ae{q.data() + s * K, qd.data() + s * nb, qs.data() + s * nb, start[e + 1] - s, K};
+      rows(ae, expert_weight(w, e, Ge, codes, d, m), yp + s * N, g0, g1);
+      i += g1 - g0;
+    }
+  });
+  at::Tensor y = at::empty({R, N}, x.options());                     // back in pair order
+  float* out = y.data_ptr<float>();
+  for (int64_t i = 0; i < R; ++i)
+    std::memcpy(out + order[i] * N, yp + i * N, sizeof(float) * size_t(N));
+  return y;
+}
+
+at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
+                             const at::Tensor& experts, int64_t n_experts,
+                             const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  const Q4Weight w = q4_weight(codes, d, m, "q4_linear_experts");
+  return expert_product(x, tokens, experts, n_experts, w, codes, d, m, "q4_linear_experts");
+}
+
+at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
+                             const at::Tensor& experts, int64_t n_experts,
+                             const at::Tensor& codes, const at::Tensor& d, bool small) {
+  const Q8Weight w = q8_weight(codes, d, small, "q8_linear_experts");
+  return expert_product(x, tokens, experts, n_experts, w, codes, d, d, "q8_linear_experts");
 }
 
 // int8 codes (N, K), every one in [−32, 31], straight into the packed 6-bit layout (G, K/32,
@@ -233,6 +350,10 @@ static at::Tensor pack_six(const at::Tensor& codes_) {
 TORCH_LIBRARY(torchllama, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor d, bool small=False) -> Tensor");
+  m.def("q4_linear_experts(Tensor x, Tensor tokens, Tensor experts, int n_experts, Tensor codes, "
+        "Tensor d, Tensor m) -> Tensor");
+  m.def("q8_linear_experts(Tensor x, Tensor tokens, Tensor experts, int n_experts, Tensor codes, "
+        "Tensor d, bool small=False) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("pack_six(Tensor codes) -> Tensor");
   m.def("isa() -> int", &torchllama::isa_code);
@@ -242,6 +363,8 @@ TORCH_LIBRARY(torchllama, m) {
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {
   m.impl("q4_linear", &torchllama::q4_linear);
   m.impl("q8_linear", &torchllama::q8_linear);
+  m.impl("q4_linear_experts", &torchllama::q4_linear_experts);
+  m.impl("q8_linear_experts", &torchllama::q8_linear_experts);
   m.impl("quantize_act", &torchllama::quantize_act);
   m.impl("pack_six", &torchllama::pack_six);
 }
