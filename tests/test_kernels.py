@@ -254,6 +254,11 @@ forms = [Q4Linear(Q4Blocks(q4.codes, fd.values(), fm.values(), fd, fm)),   # Q4_
          Q8Linear(Q8Blocks(small.codes, f6.values(), f6))]                  # Q6_K super-blocks
 assert [f.d.dtype for f in forms] == [torch.uint8, torch.float16, torch.int8] and forms[1].m.dim() == 0
 y = torch.cat([y] + [f(x) for f in forms], 1)
+wide = torch.randn(72, 256, generator=g)                 # 9 row groups: two 4-group decode
+d9 = torch.rand(72, 8, generator=g).half().float()       # tiles (VNNI's pairs) and a lone one
+wides = [Q4Linear(Q4Blocks.from_float(wide)), Q4Linear(Q4Blocks(q4.codes.repeat(4, 1)[:72], d9,
+                                                                 -8 * d9))]
+y = torch.cat([y] + [f(x[:m]).ravel()[None].expand(7, -1) for f in wides for m in (1, 3, 7)], 1)
 x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
 y7 = torch.cat([Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))(x7),
                 Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
@@ -308,18 +313,18 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
 
 def test_each_kernel_comes_from_the_highest_level_that_has_it():
     """The tables of every level, this CPU's or not (assembled, never run): without VNNI an
-    AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; the block
-    products on the packed layout are AVX2's on every AVX-512 CPU; rope_head is the scalar one
-    everywhere."""
-    products = ("q4_rows", "q8_rows")
+    AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; with VNNI
+    the Q4 products are that level's (VNNI decode tiles), the Q8 ones AVX2's; rope_head is the
+    scalar one everywhere."""
     floats = ("rms_norm_rows", "attend_tiles", "attend_fold", "linear_rows",
               "linear_cols")
-    expected = {"scalar": ("scalar", "scalar", "scalar"), "avx2": ("avx2", "avx2", "avx2"),
-                "avx512": ("avx2", "avx2", "avx512"),
-                "avx512_vnni": ("avx512_vnni", "avx2", "avx512")}   # no VNNI products yet
-    for isa, (quantize_level, product_level, float_level) in expected.items():
+    expected = {"scalar": ("scalar", "scalar", "scalar", "scalar"),
+                "avx2": ("avx2", "avx2", "avx2", "avx2"),
+                "avx512": ("avx2", "avx2", "avx2", "avx512"),
+                "avx512_vnni": ("avx512_vnni", "avx512_vnni", "avx2", "avx512")}
+    for isa, (quantize_level, q4_level, q8_level, float_level) in expected.items():
         assert kernels.kernel_levels(isa) == {"quantize_block": quantize_level,
-                                              **dict.fromkeys(products, product_level),
+                                              "q4_rows": q4_level, "q8_rows": q8_level,
                                               **dict.fromkeys(floats, float_level),
                                               "rope_head": "scalar"}, isa
     assert kernels.kernel_levels() == kernels.kernel_levels(kernels.isa())

@@ -75,7 +75,7 @@ class MoE(nn.Module):
             weights, ids = torch.topk(probs, self.top_k, dim=-1)           # (N, k)
             if self.norm_topk:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights * self.scale, ids                               # (DeepSeek-V2)
+            return (weights if self.scale == 1.0 else weights * self.scale), ids  # (DeepSeek-V2)
         scores = torch.sigmoid(logits)                                     # (N, E)
         choice = scores + self.e_score_correction_bias                     # (N, E)
         N, G = x.shape[0], self.groups
@@ -98,9 +98,9 @@ class MoE(nn.Module):
         ids, slot = ids.sort(dim=-1)                   # each token's experts in increasing e
         weights = weights.gather(1, slot)                                  # (N, k)
         y = self.expert_outputs(h, ids)                                    # (N, k, D)
-        out = y[:, 0] * weights[:, :1]                 # Σ_j g_j · E_j(x), j in increasing e
-        for j in range(1, self.top_k):
-            out = out + y[:, j] * weights[:, j:j + 1]                      # (N, D)
+        # Σ_j g_j · E_j(x), j in increasing e: torch sums dim 1 of a contiguous (N, k, D) one
+        # j after another for each (token, d), the same bits as that loop (tested)
+        out = (y * weights[..., None]).sum(dim=1)                          # (N, D)
         out = out.to(x.dtype).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

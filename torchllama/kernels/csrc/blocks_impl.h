@@ -5,8 +5,9 @@
 //   0  scalar (any CPU): plain loops, the reference,
 //   1  AVX2 + FMA + F16C: _mm256_maddubs_epi16 / _mm256_madd_epi16 (llama.cpp's
 //      ggml-cpu/quants.c idiom) on 8 weight rows at once,
-//   2  AVX-512 F/VL/BW + VNNI: only the activation quantization (the products are AVX2's
-//      there: dispatch.cpp takes them from the level below).
+//   2  AVX-512 F/VL/BW + VNNI: the activation quantization 16 lanes at a time, and Q4's decode
+//      tiles by vpdpbusd on two row groups per zmm (`q4_tile_vnni`); every other tile is
+//      AVX2's, compiled again here.
 // Every level computes each output with the same float operations in the same order (the
 // integer sums are exact, so they are equal however they are formed): one answer on every CPU,
 // for every batch size (see blocks.cpp for the contract). The arguments (Act, Q4Weight,
@@ -103,7 +104,6 @@ static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* 
   *s = db * float(sum);
 }
 
-#if ISA_LEVEL != 2
 // ---- scales: value j of row r of group g, nd values a row, stored in form F -----------------
 template <int F>
 static inline const uint8_t* super_block(const void* p, int64_t g, int64_t j, int64_t nd) {
@@ -281,6 +281,64 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
     for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
 }
 
+#if ISA_LEVEL == 2
+// Q4 decode on AVX-512 VNNI: groups g0..g0+TG−1 (TG even) two per zmm (lanes 0-7 group g, 8-15
+// group g + 1); vpdpbusd adds the four u8 × s8 products of a lane to its int32 sum directly
+// (no int16 step: exact, as q4_tile's, whose sums never saturate), and the float epilogue is
+// q4_tile's per lane: the same operations, so the same bits.
+template <int F>
+static inline __m512 scales16(const void* p, int64_t g, int64_t j, int64_t nd) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(                  // (AVX-512 F, no DQ)
+      _mm512_castps_pd(_mm512_castps256_ps512(scales8<F>(p, g, j, nd))),
+      _mm256_castps_pd(scales8<F>(p, g + 1, j, nd)), 1));
+}
+
+template <int TG, int DF, int MF>
+static inline void q4_tile_vnni(const Act& a, int64_t m, const Q4Weight& w, int64_t g0, float* y) {
+  constexpr int TP = TG / 2;                               // group pairs
+  const int64_t nb = w.K / 32, N = w.G * 8;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512 acc[TP];
+  for (int t = 0; t < TP; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* x = a.q + m * a.K + 32 * b;
+    __m512i s32[TP];
+    for (int t = 0; t < TP; ++t) s32[t] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      int32_t xl, xh;
+      std::memcpy(&xl, x + 4 * c, 4);
+      std::memcpy(&xh, x + 16 + 4 * c, 4);
+      const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+      for (int t = 0; t < TP; ++t) {
+        const uint8_t* p0 = w.codes + ((g0 + 2 * t) * nb + b) * 128 + 32 * c;
+        const uint8_t* p1 = p0 + nb * 128;                                  // group g + 1
+        if (c == 0) {
+          _mm_prefetch((const char*)(p0 + PF * 128), _MM_HINT_T0);
+          _mm_prefetch((const char*)(p0 + PF * 128 + 64), _MM_HINT_T0);
+          _mm_prefetch((const char*)(p1 + PF * 128), _MM_HINT_T0);
+          _mm_prefetch((const char*)(p1 + PF * 128 + 64), _MM_HINT_T0);
+        }
+        const __m512i raw = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+            _mm256_loadu_si256((const __m256i*)p1), 1);
+        s32[t] = _mm512_dpbusd_epi32(s32[t], _mm512_and_si512(raw, m4), vl);   // q[4c..]
+        s32[t] = _mm512_dpbusd_epi32(s32[t], _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                     vh);                                      // q[16+4c..]
+      }
+    }
+    const __m512 dx = _mm512_set1_ps(a.d[m * nb + b]), sx = _mm512_set1_ps(a.s[m * nb + b]);
+    for (int t = 0; t < TP; ++t) {
+      const __m512 dw = scales16<DF>(w.d, g0 + 2 * t, b, nb);
+      const __m512 mw = MF == scale_times_d ? _mm512_mul_ps(dw, _mm512_set1_ps(w.m_mult))
+                                            : scales16<MF>(w.m, g0 + 2 * t, b, nb);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[t]), _mm512_mul_ps(dw, dx), acc[t]);
+      acc[t] = _mm512_fmadd_ps(mw, sx, acc[t]);
+    }
+  }
+  for (int t = 0; t < TP; ++t) _mm512_storeu_ps(y + m * N + 8 * (g0 + 2 * t), acc[t]);
+}
+#endif
+
 // Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
 // can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
 // |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
@@ -453,6 +511,9 @@ constexpr int64_t MC = TL_MC;
 // read each weight tile from memory once. (1 or 2 groups a tile stream no faster: measured
 // with a standalone 2-thread bench against a same-process memory sum, Zen 3.)
 constexpr int DG = 4;
+#ifndef TL_DECODE_ROWS
+#define TL_DECODE_ROWS 9
+#endif
 template <typename T14, typename T11>
 static inline void drive_decode(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11) {
   int64_t g = g_begin;
@@ -501,10 +562,16 @@ static thread_local ScaleBuffer scale_buffer;
 template <int DF, int MF>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = TILES[0], PG = TILES[1];
-  if (a.M < 4) {
+  if (a.M < TL_DECODE_ROWS) {
+#if ISA_LEVEL == 2
+    drive_decode(a.M, g0, g1,
+                 [&](int64_t m, int64_t g) { q4_tile_vnni<DG, DF, MF>(a, m, w, g, y); },
+                 [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); });
+#else
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q4_tile<1, DG, DF, MF>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); });
+#endif
     return;
   }
   const int64_t nb = w.K / 32, n = PG * nb * 8;
@@ -534,14 +601,14 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 template <int B, int DF, bool SMALL>
 static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
-  if (a.M < 4 && w.six) {
+  if (a.M < TL_DECODE_ROWS && w.six) {
     const int32_t* sx = sum_buffer.sums(a);
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, sx + m * a.K / 16); },
                  [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
     return;
   }
-  if (a.M < 4) {
+  if (a.M < TL_DECODE_ROWS) {
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL>(a, m, w, g, y); });
@@ -602,6 +669,5 @@ static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64
   else if (w.d_form == scale_f16) q8_rows_b<32, scale_f16>(a, w, y, g0, g1);
   else q8_rows_b<32, scale_f32>(a, w, y, g0, g1);
 }
-#endif  // ISA_LEVEL != 2
 
 }  // namespace ISA

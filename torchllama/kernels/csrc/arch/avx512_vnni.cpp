@@ -30,6 +30,7 @@ const Kernels& avx512_vnni_kernels() {
   static const Kernels k = [] {
     Kernels k;                                   // float32 layer kernels: avx512
     k.quantize_block = &avx512_vnni::quantize_block;
+    k.q4_rows = &avx512_vnni::q4_rows;
     return k;
   }();
   return k;

@@ -1,0 +1,112 @@
+"""A mixture of experts on the block kernels: GGUF experts kept in their blocks, every expert's
+projection of a layer in one op (`q4_linear_experts` / `q8_linear_experts`, llama.cpp's
+MUL_MAT_ID), the same bits as the expert-by-expert products and in any batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import torchllama
+from torchllama import kernels
+from torchllama.transforms.quantize import BlockLinear, quantize_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gguf_families import SMALL, random_model, tiny_bpe_tokenizer, tokens  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs torchllama's kernels")
+
+MOE = dict(SMALL, hidden_dim=64, n_experts=8, n_experts_per_token=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _gguf_moe(tmp_path, tokenizer, qtype: str) -> Path:
+    model = random_model(MOE)
+    return torchllama.save(model, tokenizer, tmp_path / f"moe-{qtype}.gguf", to="gguf",
+                           dtype=qtype, progress=False)
+
+
+def _unstacked(model):
+    for layer in model.layers:
+        layer.feed_forward.stacked = None
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_gguf_experts_stay_in_their_blocks_and_one_op_equals_each_expert(tmp_path, tokenizer,
+                                                                         qtype):
+    """The 3-D `ffn_*_exps` tensors load as one packed block module per projection whose rows
+    are the experts' (views, no copy), each expert's matrix exactly the file's; the stacked op
+    gives the logits of the expert-by-expert products bit for bit."""
+    path = _gguf_moe(tmp_path, tokenizer, qtype)
+    model, _ = torchllama.load(path, progress=False)
+    moe = model.layers[0].feed_forward
+    assert moe.stacked is not None
+    stacked = moe.stacked.w1.stacked
+    assert isinstance(stacked, BlockLinear) and stacked.out_features == 8 * 64
+    for e, expert in enumerate(moe.experts):                       # views of the stacked rows
+        assert isinstance(expert.w1, BlockLinear)
+        assert expert.w1.codes.untyped_storage().data_ptr() == \
+            stacked.codes.untyped_storage().data_ptr()
+        assert expert.w1.codes.storage_offset() == e * expert.w1.codes.numel()
+    reader = gguf.GGUFReader(path)
+    exps = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight")
+    file_values = torch.from_numpy(np.asarray(
+        gguf.quants.dequantize(exps.data, exps.tensor_type), dtype=np.float32))   # (E, F, D)
+    for e in (0, 5):
+        assert torch.equal(moe.experts[e].w1.dequantize(), file_values[e])
+    ids = tokens(24)
+    with torch.inference_mode():
+        stacked_logits = model(ids)
+        each = _unstacked(model)(ids)
+    assert torch.equal(stacked_logits, each)
+
+
+def test_stacked_experts_are_batch_invariant(tmp_path, tokenizer):
+    """A token's MoE output is the same bits alone, in a batch of the sequence's tokens and
+    beside other tokens (each expert's rows are the kernel's, whatever else it multiplies)."""
+    model, _ = torchllama.load(_gguf_moe(tmp_path, tokenizer, "q4_0"), progress=False)
+    moe = model.layers[1].feed_forward
+    assert moe.stacked is not None
+    x = torch.randn(1, 9, SMALL["dim"], generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        alone = moe(x[:, 4:5])
+        in_batch = moe(x)[:, 4:5]
+        mixed = moe(torch.cat([torch.randn(5, 1, SMALL["dim"]), x[:, 4:5]], dim=0))[-1:]
+    assert torch.equal(alone, in_batch) and torch.equal(alone, mixed)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantizing_a_float_moe_stacks_its_experts(scheme):
+    """`quantize_model` on a float MoE: the experts' block linears are joined into the stacked
+    products, and the model computes what the expert-by-expert path computes, bit for bit."""
+    model = quantize_model(random_model(MOE), scheme)
+    assert all(layer.feed_forward.stacked is not None for layer in model.layers)
+    assert not isinstance(model.layers[0].feed_forward.gate, BlockLinear)   # router float
+    ids = tokens(16)
+    with torch.inference_mode():
+        stacked = model(ids)
+        each = _unstacked(model)(ids)
+    assert torch.equal(stacked, each)
+
+
+def test_the_experts_op_checks_its_pairs():
+    model = quantize_model(random_model(MOE), "int4")
+    product = model.layers[0].feed_forward.stacked.w1
+    x = torch.randn(2, SMALL["dim"])
+    y = product(x, torch.tensor([0, 1, 1]), torch.tensor([7, 0, 7]))
+    for r, (t, e) in enumerate([(0, 7), (1, 0), (1, 7)]):
+        assert torch.equal(y[r], model.layers[0].feed_forward.experts[e].w1(x[t:t + 1])[0])
+    with pytest.raises(RuntimeError, match=r"pair 1 \(token 0, expert 8\) is out of range"):
+        product(x, torch.tensor([0, 0]), torch.tensor([1, 8]))
+    with pytest.raises(RuntimeError, match=r"pair 0 \(token 2, expert 1\) is out of range"):
+        product(x, torch.tensor([2]), torch.tensor([1]))
