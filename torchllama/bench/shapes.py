@@ -10,6 +10,10 @@ Shapes (`SHAPES`; sources: each model's published config.json):
     olmoe-1b-7b  OLMoE-1B-7B (preset `olmoe-1b-7b`; llama.cpp's `olmoe` architecture): dim
            2048, 16 layers, 16/16 heads, QK-norm over the projections, 64 experts of 1024
            per layer, 8 per token; 6.9B parameters, 1.3B active per token, untied
+    qwen3-30b-a3b-2l  Qwen3-30B-A3B's layers (`qwen3moe`: dim 2048, 32/4 heads of 128, QK-norm,
+           128 experts of 768, 8 per token, renormalized), 2 of its 48
+    mixtral-8x7b-2l   Mixtral 8x7B's layers (`llama` with experts: dim 4096, 32/8 heads, 8
+           experts of 14336, 2 per token), 2 of its 32
     tiny   a test shape: dim 256, 2 layers, 4/2 heads, FFN 512, tied
 
 Every file carries SmolLM2's tokenizer (copied from the embedded SmolLM2-135M GGUF), so the
@@ -75,8 +79,9 @@ class Shape:
         norm_eps: RMSNorm epsilon.
         model: what the shape is of, for tables.
         preset: a `torchllama.config` preset that gives the whole architecture (a mixture of
-            experts: its experts, QK-norm; the fields above repeat its sizes), written in its
-            GGUF family's format; None: Llama's architecture from the fields above.
+            experts: its experts, QK-norm; the fields above repeat its sizes, n_layers may
+            keep fewer of its layers), written in its GGUF family's format; None: Llama's
+            architecture from the fields above.
     """
 
     name: str
@@ -101,6 +106,10 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("8b", 4096, 32, 32, 8, 14336, 500000.0, False, 131072, model="Llama 3.1 8B"),
     Shape("olmoe-1b-7b", 2048, 16, 16, 16, 1024, 10000.0, False, 4096, model="OLMoE-1B-7B",
           preset="olmoe-1b-7b"),
+    Shape("qwen3-30b-a3b-2l", 2048, 2, 32, 4, 6144, 1000000.0, False, 40960, 1e-6,
+          model="Qwen3-30B-A3B, 2 of 48 layers", preset="qwen3-30b-a3b"),
+    Shape("mixtral-8x7b-2l", 4096, 2, 32, 8, 14336, 1000000.0, False, 32768,
+          model="Mixtral 8x7B, 2 of 32 layers", preset="mixtral-8x7b"),
 )}
 
 #: --type → (the type of most matrices, GGUF's general.file_type).
@@ -138,7 +147,7 @@ def model_args(shape: Shape):
     from torchllama.config import ModelArgs, get_preset
 
     if shape.preset is not None:
-        return get_preset(shape.preset).replace(vocab_size=VOCAB_SIZE)
+        return get_preset(shape.preset).replace(vocab_size=VOCAB_SIZE, n_layers=shape.n_layers)
     return ModelArgs(dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
                      n_kv_heads=shape.n_kv_heads, vocab_size=VOCAB_SIZE,
                      hidden_dim=shape.hidden_dim, norm_eps=shape.norm_eps,
