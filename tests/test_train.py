@@ -603,11 +603,19 @@ def test_ablation_smoke_run_of_two_variants(dataset, tmp_path):
     mtime = (out / "alibi" / "latest").resolve().stat().st_mtime
     run_ablation(str(dataset), str(out), **kwargs)
     assert (out / "alibi" / "latest").resolve().stat().st_mtime == mtime
-    # every variant keeps the baseline's non-embedding parameter budget (within one MLP step)
+    # every variant keeps the baseline's non-embedding parameter budget (within one MLP step;
+    # the mixture of experts its active parameters: total minus the experts a token skips)
+    from torchllama.model import parameter_counts
+
     target = non_embedding_params(ablation_args("baseline", 4096, 512))
     for name in VARIANTS:
         args = ablation_args(name, 4096, 512)
-        assert abs(non_embedding_params(args) - target) <= 6 * 3 * 8 * 256 / 2, name
+        total, active = parameter_counts(args)
+        assert abs(non_embedding_params(args) - (total - active) - target) <= \
+            6 * 3 * 8 * 256 / 2, name
+    moe = ablation_args("moe", 4096, 512)
+    assert moe.n_experts == 8 and moe.expert_hidden_dim == 352 and \
+        parameter_counts(moe)[0] > 3 * parameter_counts(moe)[1] / 2
 
 
 def test_kv_cache_command_reproduces_the_lecture_example(capsys):
@@ -665,3 +673,27 @@ def test_a_variant_trains_from_a_yaml_config_and_loads_back(dataset, tmp_path):
     reference.load_state_dict(weights)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens))
+
+
+def test_a_moe_model_trains_with_its_balance_loss_logged(dataset, tmp_path):
+    """A few steps of a tiny mixture of experts (3 layers, 4 experts, 2 per token, α = 0.01,
+    DeepSeek's sigmoid router with γ = 0.01) through `torchllama train`'s loop: each step logs
+    the balance loss (the sum over layers, k·α a layer when balanced), the loss falls, and the
+    routers' correction biases moved by whole steps of γ."""
+    import torchllama
+
+    config = tmp_path / "moe.yaml"
+    config.write_text("dim: 64\nn_layers: 3\nn_heads: 4\nhidden_dim: 64\nmax_seq_len: 64\n"
+                      "n_experts: 4\nn_experts_per_token: 2\nmoe_aux_loss_coef: 0.01\n"
+                      "moe_router: sigmoid\nmoe_bias_update_speed: 0.01\n")
+    run = tmp_path / "run"
+    train(TrainConfig(**options(dataset, run, config, max_steps=10, eval_every=10,
+                                sample_tokens=0)))
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    steps = [e for e in log if "aux_loss" in e]
+    assert len(steps) == 10 and steps[-1]["loss"] < steps[0]["loss"]
+    assert all(0.0 < e["aux_loss"] < 3 * 4 * 0.01 * 2 for e in steps)     # ≤ E·k·α a layer
+    model, _ = torchllama.load(run, progress=False)
+    bias = model.layers[0].feed_forward.e_score_correction_bias            # (E,), saved
+    assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round(),
+                                                   atol=1e-4)

@@ -166,6 +166,11 @@ class ModelArgs:
             which the best moe_group_topk (by the sum of their two best scores) are eligible.
         first_dense_layers: the first layers keep a dense MLP (DeepSeek's
             first_k_dense_replace).
+        moe_aux_loss_coef: training only: α of the load-balancing loss added to the training
+            loss, α·E·Σ_e f_e·P_e per MoE layer (Fedus et al. 2021, eq. 4-6; 0: none).
+        moe_bias_update_speed: training only, sigmoid router: γ of DeepSeek-V3's
+            auxiliary-loss-free balancing, b_e += γ·sign(mean load − load_e) after each
+            optimizer step (§2.1.2; DeepSeek used 0.001; 0: the bias stays).
 
     Raises:
         ArgumentError: from `__post_init__`, one line naming the field, what it must be and
@@ -226,6 +231,8 @@ class ModelArgs:
     moe_router: str = "softmax"
     moe_norm_topk: bool = True
     moe_scale: float = 1.0
+    moe_aux_loss_coef: float = 0.0
+    moe_bias_update_speed: float = 0.0
     moe_groups: int = 1
     moe_group_topk: int = 1
     first_dense_layers: int = 0
@@ -284,6 +291,10 @@ class ModelArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ArgumentError(f"ModelArgs.{name} must be an integer ≥ 0, got {value!r}")
+        for name in ("moe_aux_loss_coef", "moe_bias_update_speed"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ArgumentError(f"ModelArgs.{name} must be a number ≥ 0, got {value!r}")
         if not self.n_experts:
             return
         for name in ("n_experts_per_token", "moe_groups", "moe_group_topk"):
@@ -445,12 +456,13 @@ class ModelArgs:
 
 
 #: The fields of the variant zoo (after Meta's). A model whose zoo fields are all at their
-#: defaults is a Llama.
+#: defaults is a Llama. (The experts' balancing settings are training's, not the model's.)
 ZOO_FIELDS = tuple(f.name for f in dataclasses.fields(ModelArgs)
                    if f.name not in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
                                      "multiple_of", "ffn_dim_multiplier", "hidden_dim",
                                      "norm_eps", "rope_theta", "max_batch_size", "max_seq_len",
-                                     "tie_embeddings"))
+                                     "tie_embeddings", "moe_aux_loss_coef",
+                                     "moe_bias_update_speed"))
 
 
 def _positive_int(args: ModelArgs, name: str) -> None:
@@ -541,6 +553,21 @@ PRESETS: dict[str, ModelArgs] = {
                              embed_scale=True, attn_scale=256 ** -0.5, rope_theta=1000000.0,
                              rope_local_theta=10000.0, sliding_window=512,
                              layer_types=_every_nth_global(18, 6)),
+    # DeepSeek-V2-Lite: MLA without query compression (kv_lora_rank 512, 128 + 64 query/key
+    # dims, 128 value dims, 16 heads, YaRN ×40 from 4096, mscale 0.707); 27 layers, the first
+    # with a dense FFN (10944), the others 64 routed experts of 1408 (6 per token: softmax,
+    # not renormalized, × 1.0) and 2 shared. 15.7B parameters, 2.4B active (its model card).
+    "deepseek-v2-lite": ModelArgs(dim=2048, n_layers=27, n_heads=16, vocab_size=102400,
+                                  hidden_dim=10944, norm_eps=1e-6, max_seq_len=163840,
+                                  attention="mla", kv_lora_rank=512, qk_nope_head_dim=128,
+                                  qk_rope_head_dim=64, v_head_dim=128,
+                                  rope_scaling={"type": "yarn", "factor": 40.0,
+                                                "original_max_seq_len": 4096,
+                                                "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "mscale": 0.707, "mscale_all_dim": 0.707},
+                                  n_experts=64, n_experts_per_token=6, moe_hidden_dim=1408,
+                                  n_shared_experts=2, moe_norm_topk=False,
+                                  first_dense_layers=1),
     # DeepSeek-V3 (without its multi-token-prediction module): MLA (q_lora_rank 1536,
     # kv_lora_rank 512, 128 + 64 query/key dims, 128 value dims, 128 heads, YaRN ×40 from 4096);
     # 61 layers, the first 3 with a dense FFN (18432), the others 256 routed experts of 2048

@@ -139,8 +139,15 @@ class Transformer(nn.Module):
 
     def residual_projections(self) -> list[nn.Linear]:
         """The linear layers whose outputs are added to the residual stream (attention output
-        and feed-forward down projections): GPT-2's init scales them by 1/√(2·n_layers)."""
-        return [m for block in self.layers for m in (block.attention.wo, block.feed_forward.w2)]
+        and feed-forward down projections; a mixture of experts' every expert's and shared
+        expert's): GPT-2's init scales them by 1/√(2·n_layers)."""
+        out = []
+        for block in self.layers:
+            ffn = block.feed_forward
+            experts = list(getattr(ffn, "experts", ())) + \
+                [s for s in [getattr(ffn, "shared_experts", None)] if s is not None]
+            out += [block.attention.wo] + [e.w2 for e in experts or [ffn]]
+        return out
 
     # ---- KV cache ----------------------------------------------------------------------------
 

@@ -66,13 +66,21 @@ class MoE(nn.Module):
         #: every expert's w1, w3 and w2 as one product each (`expert_outputs`), where
         #: `torchllama.transforms.quantize.stack_experts` made them (block weights)
         self.stacked = None
+        self.aux_coef, self.bias_speed = args.moe_aux_loss_coef, args.moe_bias_update_speed
+        #: training: this forward's balance loss (`balance_loss`), and the tokens routed to
+        #: each expert since the last bias update (`update_bias`)
+        self.aux_loss: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights (N, k) float32, expert ids (N, k)) of tokens x (N, D)."""
+        """(weights (N, k) float32, expert ids (N, k)) of tokens x (N, D); in training, the
+        balance loss and the experts' loads recorded too (`record`)."""
         logits = self.gate(x).float()                                      # (N, E)
         if self.router == "softmax":
             probs = torch.softmax(logits, dim=-1)                          # (N, E)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)           # (N, k)
+            if self.training:
+                self.record(probs, ids)
             if self.norm_topk:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return (weights if self.scale == 1.0 else weights * self.scale), ids  # (DeepSeek-V2)
@@ -87,9 +95,38 @@ class MoE(nn.Module):
                                     float("-inf"))
         ids = torch.topk(choice, self.top_k, dim=-1)[1]                    # (N, k)
         weights = scores.gather(1, ids)                                    # (N, k)
+        if self.training:                           # DeepSeek-V3 eq. 18-20: normalized scores
+            self.record(scores / scores.sum(dim=-1, keepdim=True), ids)
         if self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, ids
+
+    def record(self, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """Training: the balance loss of this batch's routing (probs (N, E) the router's
+        probabilities, ids (N, k) its choices) and the loads for `update_bias`.
+
+        Switch Transformers (Fedus et al. 2021, eq. 4-6), as transformers'
+        `load_balancing_loss_func` counts it for top-k: aux = α · E · Σ_e f_e · P_e, with
+        f_e = (tokens that chose e) / N and P_e = mean_t probs[t, e]; k·α when balanced.
+        """
+        counts = torch.zeros(self.n_experts, device=ids.device).index_add_(
+            0, ids.reshape(-1), torch.ones(ids.numel(), device=ids.device))    # (E,)
+        if self.aux_coef:
+            f = counts / ids.shape[0]                                      # (E,) Σ = k
+            self.aux_loss = self.aux_coef * self.n_experts * (f * probs.mean(dim=0)).sum()
+        if self.bias_speed and self.router == "sigmoid":
+            self.load = counts if self.load is None else self.load + counts
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After an optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2): each
+        expert's correction bias b_e += γ·sign(mean load − load_e), the loads those of the
+        forwards since the last update (then cleared). No-op without recorded loads."""
+        if self.load is None:
+            return
+        self.e_score_correction_bias += self.bias_speed * torch.sign(
+            self.load.mean() - self.load)                                  # (E,)
+        self.load = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, D = x.shape, x.shape[-1]
@@ -123,6 +160,24 @@ class MoE(nn.Module):
             tokens, slot = torch.where(ids == e)                           # (n,), (n,)
             y[tokens, slot] = self.experts[e](h.index_select(0, tokens)[None])[0].float()
         return y
+
+
+def balance_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the MoE layers' balance losses of the last training forward (`MoE.record`),
+    each cleared; None where there are none (no experts, α = 0, or evaluation)."""
+    losses = []
+    for module in model.modules():
+        if isinstance(module, MoE) and module.aux_loss is not None:
+            losses.append(module.aux_loss)
+            module.aux_loss = None
+    return torch.stack(losses).sum() if losses else None
+
+
+def update_biases(model: nn.Module) -> None:
+    """`MoE.update_bias` of every MoE layer of `model` (call after each optimizer step)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.update_bias()
 
 
 def make_feed_forward(args, layer_id: int) -> nn.Module:

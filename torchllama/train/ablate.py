@@ -53,6 +53,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mla": ("MLA (kv_lora_rank 128, rope 16)",
             dict(attention="mla", n_kv_heads=8, kv_lora_rank=128, qk_nope_head_dim=32,
                  qk_rope_head_dim=16, v_head_dim=32)),
+    "moe": ("mixture of experts: 8 of half the MLP's width, 2 per token (the baseline's "
+            "active parameters), Switch balance loss α = 0.01",
+            dict(n_experts=8, n_experts_per_token=2, moe_aux_loss_coef=0.01)),
     "baseline-seed2": ("the baseline again with another seed: the noise level", {}),
 }
 
@@ -94,7 +97,8 @@ def budget_matched(args: ModelArgs, target: int, step: int = 8) -> ModelArgs:
 
 def ablation_args(name: str, vocab_size: int, context: int) -> ModelArgs:
     """The ModelArgs of a variant: shakespeare-small with its changes, a context of `context`
-    positions and the baseline's non-embedding parameter budget.
+    positions and the baseline's non-embedding parameter budget (a mixture of experts: its
+    active parameters, the experts k of 1/k the MLP's width).
 
     Raises:
         ArgumentError: unknown variant (the message lists them).
@@ -102,9 +106,13 @@ def ablation_args(name: str, vocab_size: int, context: int) -> ModelArgs:
     if name not in VARIANTS:
         raise ArgumentError(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
     base = get_preset("shakespeare-small").replace(vocab_size=vocab_size, max_seq_len=context)
-    if not VARIANTS[name][1]:
+    changes = VARIANTS[name][1]
+    if not changes:
         return base
-    return budget_matched(base.replace(**VARIANTS[name][1]), non_embedding_params(base))
+    if changes.get("n_experts"):          # equal ACTIVE parameters: k experts of F·(1/k) each
+        width = round(base.ffn_hidden_dim / changes["n_experts_per_token"] / 32) * 32
+        return base.replace(**changes, moe_hidden_dim=width)   # (SiLU rows: multiples of 32)
+    return budget_matched(base.replace(**changes), non_embedding_params(base))
 
 
 def _check_existing_run(run: Path, args: ModelArgs) -> None:

@@ -40,6 +40,7 @@ import torch
 from torchllama.config import ModelArgs, get_preset, read_model_config
 from torchllama.errors import ArgumentError, ModelFileError, TrainingError
 from torchllama.model import Transformer
+from torchllama.nn.moe import balance_loss
 from torchllama.train import checkpointing as ckpt_io
 from torchllama.train.data import (eval_windows, load_tokens, read_meta, sha256_file,
                                    tokenizer_sha256, TokenBatches, unigram_loss, verify_data)
@@ -590,19 +591,25 @@ class PretrainTrainer(Trainer):
         """grad_accum micro-steps on this rank's batches; DDP/FSDP synchronise the gradients on
         the last one. Returns the loss averaged over micro-steps and ranks."""
         loss_sum = torch.zeros((), device=self.device)
+        aux_sum, self.aux_loss = torch.zeros((), device=self.device), None
         for k in range(self.grad_accum):
             batch = self.batches.batch(self.micro_at(self.step) + k)           # (B, T + 1)
             batch = batch.to(self.device, non_blocking=True)
             with gradient_sync(self.runnable, k == self.grad_accum - 1):
                 loss = next_token_loss(self.runnable, batch, self.autocast)
-                (loss / self.grad_accum).backward()
+                aux = balance_loss(self.runnable)     # experts' load balancing, if asked
+                ((loss if aux is None else loss + aux) / self.grad_accum).backward()
             loss_sum += loss.detach()
+            if aux is not None:
+                aux_sum += aux.detach()
+                self.aux_loss = float(aux_sum / (k + 1))      # logged beside the loss
         return float(all_reduce_mean(loss_sum / self.grad_accum))
 
     def log_entry(self, loss: float, lr: float, grad_norm: float, seconds: float) -> dict:
         """The step's entry with tokens seen, throughput, MFU and epochs."""
         tok_s = self.tokens_per_step / seconds
-        return {**super().log_entry(loss, lr, grad_norm, seconds),
+        aux = {} if self.aux_loss is None else {"aux_loss": self.aux_loss}
+        return {**super().log_entry(loss, lr, grad_norm, seconds), **aux,
                 "tokens": self.tokens_at(self.step), "tokens_per_s": tok_s,
                 "mfu": self.flops_per_token * tok_s / self.ctx.world_size / self.peak,
                 "epoch": self.batches.epoch_of(self.micro_at(self.step))}

@@ -29,6 +29,7 @@ import torch
 
 from torchllama.checkpoint import atomic_output
 from torchllama.errors import TrainingError
+from torchllama.nn.moe import update_biases
 from torchllama.train.optim import LRSchedule
 
 LOG_FILE = "log.jsonl"
@@ -137,6 +138,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.non_finite_error(loss, grad_norm)
         self.optimizer.step()
+        update_biases(self.model)            # DeepSeek-V3's expert biases, where asked
         self.optimizer.zero_grad(set_to_none=True)
         self._synchronize()
         seconds = time.perf_counter() - t0

@@ -1,0 +1,77 @@
+"""Training a mixture of experts: Switch Transformers' load-balancing loss (against
+transformers' `load_balancing_loss_func`), its gradient into the router, DeepSeek-V3's
+bias update (a training run with the balance loss: tests/test_train.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchllama.config import ModelArgs
+from torchllama.errors import ArgumentError
+from torchllama.nn.moe import MoE, balance_loss, update_biases
+
+D, F_, E = 64, 64, 8
+
+
+def _moe(**fields) -> MoE:
+    torch.manual_seed(0)
+    args = ModelArgs(dim=D, n_layers=1, n_heads=4, vocab_size=300, hidden_dim=F_, n_experts=E,
+                     n_experts_per_token=2, **fields)
+    return MoE(args)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_balance_loss_is_transformers_switch_loss(k):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    moe = _moe(moe_aux_loss_coef=0.3)
+    moe.top_k = k
+    x = torch.randn(37, D)
+    moe.train()
+    moe.route(x)
+    ours = balance_loss(moe)
+    logits = moe.gate(x).float()                                           # (N, E)
+    theirs = 0.3 * load_balancing_loss_func((logits,), E, k)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert balance_loss(moe) is None                                       # taken once
+
+
+def test_balance_loss_trains_the_router_and_only_in_training():
+    moe = _moe(moe_aux_loss_coef=0.01)
+    x = torch.randn(2, 5, D)
+    moe.train()
+    moe(x)
+    balance_loss(moe).backward()                         # the balance loss alone
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    moe.eval()
+    moe(x)
+    assert balance_loss(moe) is None                     # evaluation: none recorded
+    assert balance_loss(_moe()) is None                  # α = 0: none
+
+
+def test_deepseek_bias_update_moves_each_bias_by_gamma_toward_balance():
+    moe = _moe(moe_router="sigmoid", moe_bias_update_speed=0.001)
+    assert "e_score_correction_bias" not in dict(moe.named_parameters())   # a buffer
+    moe.train()
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])                    # loads 4 2 1 1 0…
+    moe.record(torch.full((4, E), 1 / E), ids)
+    update_biases(moe)
+    load = torch.tensor([4., 2, 1, 1, 0, 0, 0, 0])
+    expected = 0.001 * torch.sign(load.mean() - load)
+    assert torch.equal(moe.e_score_correction_bias, expected)
+    assert moe.e_score_correction_bias[0] < 0 < moe.e_score_correction_bias[5]
+    update_biases(moe)                                   # loads cleared: no second move
+    assert torch.equal(moe.e_score_correction_bias, expected)
+    still = _moe(moe_router="sigmoid")                   # γ = 0: the bias stays
+    still.train()
+    still(torch.randn(1, 6, D))
+    update_biases(still)
+    assert torch.equal(still.e_score_correction_bias, torch.zeros(E))
+
+
+@pytest.mark.parametrize("field", ["moe_aux_loss_coef", "moe_bias_update_speed"])
+def test_balancing_settings_must_be_non_negative(field):
+    with pytest.raises(ArgumentError, match=field):
+        ModelArgs(dim=D, n_layers=1, n_heads=4, vocab_size=300, n_experts=E,
+                  n_experts_per_token=2, **{field: -0.1})
