@@ -245,14 +245,18 @@ def test_deepseek2_legacy_whole_attn_kv_b(tmp_path, tokenizer):
         torchllama.load(half, dtype="float32", progress=False)
 
 
-def test_deepseek2_mixture_of_experts_is_refused(tmp_path, tokenizer):
+def test_deepseek2_experts_without_their_tensors_are_named(tmp_path, tokenizer):
+    """A deepseek2 file whose keys say experts (1 dense layer, 8 experts) but whose tensors
+    are a dense model's: the first missing expert tensor is named."""
     model = random_model(dict(MLA, q_lora_rank=None), seed=3)
     path = torchllama.save(model, tokenizer, tmp_path / "m.gguf", to="gguf", progress=False)
-    moe = rewrite(path, tmp_path / "moe.gguf", drop_keys=(
-        "deepseek2.leading_dense_block_count", "deepseek2.expert_count"), set_keys={
-        "deepseek2.leading_dense_block_count": ("add_uint32", 1),
-        "deepseek2.expert_count": ("add_uint32", 8)})
-    with pytest.raises(ModelFileError, match="mixture-of-experts layers"):
+    keys = ("leading_dense_block_count", "expert_count", "expert_used_count",
+            "expert_feed_forward_length")
+    moe = rewrite(path, tmp_path / "moe.gguf", drop_keys=tuple(f"deepseek2.{k}" for k in keys),
+                  set_keys={f"deepseek2.{k}": ("add_uint32", v) for k, v in zip(keys,
+                                                                                (1, 8, 2, 64))})
+    with pytest.raises(ModelFileError, match=r"blk\.1\.ffn_gate_inp\.weight|unexpected tensor "
+                                             r"'blk\.1\.ffn_(gate|down|up)\.weight'"):
         torchllama.load(moe, dtype="float32", progress=False)
 
 

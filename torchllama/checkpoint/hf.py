@@ -27,6 +27,7 @@ from torchllama.tokenizers import load_hf_tokenizer
 
 #: Keys some checkpoints carry that hold no weights (RoPE frequencies, recomputed by us).
 _IGNORED_RE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 #: safetensors dtypes we convert from.
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
@@ -88,6 +89,14 @@ def weight_files(path: Path) -> dict[Path, Optional[list[str]]]:
         f"{path}: no weights found (expected model.safetensors or model.safetensors.index.json)")
 
 
+def _past_last_layer(name: str, family: Family, args: ModelArgs) -> bool:
+    """Whether HF tensor `name` is of a layer past the model's last, which the family skips
+    (`Family.hf_extra_layers_ignored`: DeepSeek-V3's multi-token-prediction module)."""
+    layer = _LAYER_RE.match(name)
+    return family.hf_extra_layers_ignored and layer is not None and \
+        int(layer.group(1)) >= args.n_layers
+
+
 def load_hf_state_dict(files: dict[Path, Optional[list[str]]], family: Family, args: ModelArgs,
                        dtype: torch.dtype, progress: bool = True,
                        source: str = "config.json") -> dict[str, torch.Tensor]:
@@ -129,7 +138,8 @@ def load_hf_state_dict(files: dict[Path, Optional[list[str]]], family: Family, a
                             "but not in this file")
                     bar.update()
                     if _IGNORED_RE.fullmatch(name) or (
-                            family.hf_ignored and family.hf_ignored.fullmatch(name)):
+                            family.hf_ignored and family.hf_ignored.fullmatch(name)) or \
+                            _past_last_layer(name, family, args):
                         continue
                     mapping = by_name.get(name)
                     if mapping is None:

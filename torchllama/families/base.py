@@ -180,6 +180,9 @@ class Family:
             checkpoint carries none (Gemma's GGUF files); None: no built-in format.
         gguf_ignored: GGUF tensors that hold no weights of ours (llama's `rope_freqs`, which
             `args_from_gguf` reads as a hyperparameter), skipped by the weight loader.
+        hf_extra_layers_ignored: HF tensors of layers past the config's layer count
+            (`model.layers.{i}.*`, i ≥ n_layers: DeepSeek-V3's multi-token-prediction module)
+            are skipped rather than refused.
     """
 
     name: str
@@ -196,6 +199,7 @@ class Family:
     hf_ignored: Optional[re.Pattern] = None
     chat_template: Optional[str] = None
     gguf_ignored: Optional[re.Pattern] = None
+    hf_extra_layers_ignored: bool = False
 
     def mappings(self, fmt: str, n_layers: int, ours: Optional[set[str]] = None
                  ) -> list[Mapping]:

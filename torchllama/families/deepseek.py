@@ -6,7 +6,14 @@ layout, ours.
 
 Its mixture of experts (DeepSeek-V3 §2.1.2: sigmoid scores, a correction bias, group-limited
 choice, routed scaling, shared experts; `torchllama.nn.moe`) loads from Hugging Face folders,
-one tensor per expert as saved; GGUF files read and write the dense models only.
+one tensor per expert as saved, and from and to GGUF (llama.cpp's `deepseek2` with its expert
+keys: DeepSeek-V2's softmax router too, V3's sigmoid one with `exp_probs_b` and groups).
+
+DeepSeek-V3's multi-token-prediction module (§2.2; HF: the layer past num_hidden_layers,
+`model.layers.61.*` in its release; llama.cpp's converter leaves it out of GGUF files) is not
+read: a training objective and, at inference, a draft model for speculative decoding; the main
+model's next-token logits do not use it. Loading an HF folder skips those tensors
+(`Family.hf_extra_layers_ignored`).
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ import torch
 
 from torchllama.config import ModelArgs
 from torchllama.errors import MISSING, ArgumentError, ModelFileError, checked_field
-from torchllama.families.base import (Family, Part, Tensors, hf_key, hf_max_positions, hf_rope,
-                                      hf_rope_parameters, unsupported_fields)
+from torchllama.families.base import (Family, Part, Stacked, Tensors, hf_key, hf_max_positions,
+                                      hf_rope, hf_rope_parameters, unsupported_fields)
 
 @dataclass(frozen=True)
 class _KVBPart(Part):
@@ -49,6 +56,7 @@ class _KVBPart(Part):
 _L = "model.layers.{i}."
 _A = "layers.{i}.attention."
 _B = "blk.{i}."
+_MLP = (("w1", "gate_proj", "gate"), ("w2", "down_proj", "down"), ("w3", "up_proj", "up"))
 TENSORS = (
     Tensors("tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight"),
     Tensors("norm.weight", "model.norm.weight", "output_norm.weight"),
@@ -81,16 +89,19 @@ TENSORS = (
             _B + "ffn_up.weight"),
     # the mixture of experts' layers (after first_k_dense_replace): router, its correction
     # bias, each routed expert, the shared experts as one MLP
-    Tensors("layers.{i}.feed_forward.gate.weight", _L + "mlp.gate.weight"),
+    # (GGUF: llama.cpp's ffn_gate_inp, exp_probs_b, 3-D ffn_*_exps expert first, ffn_*_shexp)
+    Tensors("layers.{i}.feed_forward.gate.weight", _L + "mlp.gate.weight",
+            _B + "ffn_gate_inp.weight"),
     Tensors("layers.{i}.feed_forward.e_score_correction_bias",
-            _L + "mlp.gate.e_score_correction_bias"),
+            _L + "mlp.gate.e_score_correction_bias", _B + "exp_probs_b.bias"),
 ) + tuple(
     Tensors(f"layers.{{i}}.feed_forward.experts.{{e}}.{ours}.weight",
-            _L + f"mlp.experts.{{e}}.{theirs}.weight")
-    for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))) + tuple(
+            _L + f"mlp.experts.{{e}}.{theirs}.weight", _B + f"ffn_{gguf}_exps.weight",
+            gguf_layout=Stacked())
+    for ours, theirs, gguf in _MLP) + tuple(
     Tensors(f"layers.{{i}}.feed_forward.shared_experts.{ours}.weight",
-            _L + f"mlp.shared_experts.{theirs}.weight")
-    for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
+            _L + f"mlp.shared_experts.{theirs}.weight", _B + f"ffn_{gguf}_shexp.weight")
+    for ours, theirs, gguf in _MLP)
 
 
 def _moe_args_from_hf(config: dict[str, Any], source: str, n_layers: int) -> dict[str, Any]:
@@ -182,8 +193,41 @@ def deepseek_hf_config(args: ModelArgs) -> dict[str, Any]:
 
 # ---- GGUF (llama.cpp's deepseek2) ---------------------------------------------------------------
 
+#: llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType) → our moe_router.
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _gguf_moe_args(need, n_layers: int, source: str) -> dict[str, Any]:
+    """ModelArgs fields of a deepseek2 GGUF's mixture of experts ({} for a dense model):
+    llama.cpp's keys leading_dense_block_count, expert_count, expert_used_count,
+    expert_feed_forward_length, expert_shared_count, expert_gating_func (1 softmax: V2,
+    its default; 2 sigmoid: V3), expert_weights_norm (default false), expert_weights_scale,
+    expert_group_count / expert_group_used_count (V3's group-limited choice; default 1).
+
+    Raises:
+        ModelFileError: a gating function other than softmax or sigmoid (naming the key).
+    """
+    dense = need("leading_dense_block_count", int, 0)
+    experts = need("expert_count", int, 0)
+    if dense >= n_layers or not experts:
+        return {}
+    gating = need("expert_gating_func", int, 1)
+    if gating not in _GATING:
+        raise ModelFileError(f"{source}: deepseek2.expert_gating_func is {gating}; expected 1 "
+                             "(softmax) or 2 (sigmoid)")
+    return dict(n_experts=experts, first_dense_layers=dense, moe_router=_GATING[gating],
+                n_experts_per_token=need("expert_used_count"),
+                moe_hidden_dim=need("expert_feed_forward_length"),
+                n_shared_experts=need("expert_shared_count", int, 0),
+                moe_norm_topk=need("expert_weights_norm", bool, False),
+                moe_scale=need("expert_weights_scale", float, 1.0),
+                moe_groups=need("expert_group_count", int, 1) or 1,
+                moe_group_topk=need("expert_group_used_count", int, 1) or 1)
+
+
 def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
-    """`ModelArgs` from a GGUF file's `deepseek2.*` metadata, dense models only.
+    """`ModelArgs` from a GGUF file's `deepseek2.*` metadata, its experts too
+    (`_gguf_moe_args`).
 
     Head sizes: files of llama.cpp's absorbed MLA (key_length_mla present) state the per-head
     q/k width as key_length_mla and v as value_length_mla (key_length, value_length are then
@@ -192,8 +236,8 @@ def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str)
     and llama.cpp's deepseek2 leaves q and k unscaled (attention factor 1).
 
     Raises:
-        ModelFileError: mixture-of-experts layers, a missing required key, RoPE scaling other
-            than YaRN, or values that do not form a valid model.
+        ModelFileError: a missing required key, an unknown expert gating function, RoPE
+            scaling other than YaRN, or values that do not form a valid model.
     """
     arch = "deepseek2"
 
@@ -202,12 +246,7 @@ def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str)
                              what="metadata key")
 
     n_layers = need("block_count")
-    dense = need("leading_dense_block_count", int, 0)
-    experts = need("expert_count", int, 0)
-    if dense < n_layers and (experts or any("_exps" in n for n in tensor_names)):
-        raise ModelFileError(
-            f"{source}: mixture-of-experts layers ({arch}.leading_dense_block_count {dense} < "
-            f"{arch}.block_count {n_layers}) are not supported; only dense DeepSeek models load")
+    moe = _gguf_moe_args(need, n_layers, source)
     rope = need("rope.dimension_count")
     if f"{arch}.attention.key_length_mla" in metadata:
         qk, v = need("attention.key_length_mla"), need("attention.value_length_mla")
@@ -244,15 +283,36 @@ def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str)
             tie_embeddings="output.weight" not in tensor_names,
             attention="mla", q_lora_rank=need("attention.q_lora_rank", int, None) or None,
             kv_lora_rank=need("attention.kv_lora_rank"), qk_nope_head_dim=qk - rope,
-            qk_rope_head_dim=rope, v_head_dim=v)
+            qk_rope_head_dim=rope, v_head_dim=v, **moe)
     except ArgumentError as e:
         raise ModelFileError(f"{source}: metadata does not describe a valid model: {e}") from e
 
 
+def _gguf_moe_metadata(writer, args: ModelArgs) -> None:
+    """The expert keys (`_gguf_moe_args`); a dense model: every block a leading dense block
+    and the expert keys llama.cpp requires saying no experts."""
+    import gguf
+
+    moe = bool(args.n_experts)
+    writer.add_leading_dense_block_count(args.first_dense_layers if moe else args.n_layers)
+    writer.add_expert_feed_forward_length(args.expert_hidden_dim if moe else 0)
+    writer.add_expert_count(args.n_experts)
+    writer.add_expert_used_count(args.n_experts_per_token if moe else 0)
+    writer.add_expert_shared_count(args.n_shared_experts)
+    writer.add_expert_weights_scale(args.moe_scale if moe else 1.0)
+    if moe:
+        writer.add_expert_weights_norm(args.moe_norm_topk)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID
+                                      if args.moe_router == "sigmoid" else
+                                      gguf.ExpertGatingFuncType.SOFTMAX)
+        if args.moe_groups > 1:
+            writer.add_uint32(f"{writer.arch}.expert_group_count", args.moe_groups)
+            writer.add_uint32(f"{writer.arch}.expert_group_used_count", args.moe_group_topk)
+
+
 def deepseek_gguf_metadata(writer, args: ModelArgs) -> None:
     """The `deepseek2.*` keys of llama.cpp's converter (absorbed-MLA convention: one KV head
-    of the latent's width), for a dense model: every block is a leading dense block and the
-    expert keys llama.cpp requires say no experts."""
+    of the latent's width), and its experts' (`_gguf_moe_metadata`)."""
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
@@ -262,7 +322,6 @@ def deepseek_gguf_metadata(writer, args: ModelArgs) -> None:
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_vocab_size(args.vocab_size)
-    writer.add_leading_dense_block_count(args.n_layers)
     if args.q_lora_rank:
         writer.add_q_lora_rank(args.q_lora_rank)
     writer.add_kv_lora_rank(args.kv_lora_rank)
@@ -270,11 +329,7 @@ def deepseek_gguf_metadata(writer, args: ModelArgs) -> None:
     writer.add_value_length(args.kv_lora_rank)
     writer.add_key_length_mla(args.qk_nope_head_dim + args.qk_rope_head_dim)
     writer.add_value_length_mla(args.v_head_dim)
-    writer.add_expert_feed_forward_length(0)
-    writer.add_expert_count(0)
-    writer.add_expert_used_count(0)
-    writer.add_expert_shared_count(0)
-    writer.add_expert_weights_scale(1.0)
+    _gguf_moe_metadata(writer, args)
     writer.add_rope_dimension_count(args.qk_rope_head_dim)
     scaling = args.rope_scaling
     if scaling:
@@ -311,8 +366,8 @@ def _deepseek_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
     if fmt == "gguf" and _gguf_rope_unsupported(args):
         return _gguf_rope_unsupported(args)
     moe = ()
-    if args.n_experts and fmt == "hf":
-        if args.moe_router != "sigmoid":
+    if args.n_experts:
+        if fmt == "hf" and args.moe_router != "sigmoid":
             return "DeepSeek-V3's experts are routed by sigmoid scores (moe_router: sigmoid)"
         moe = ("n_experts", "n_experts_per_token", "moe_hidden_dim", "n_shared_experts",
                "moe_router", "moe_norm_topk", "moe_scale", "moe_groups", "moe_group_topk",
@@ -328,5 +383,5 @@ DEEPSEEK_V3 = Family(
     gguf_architecture="deepseek2",
     args_from_hf=deepseek_args_from_hf, hf_config=deepseek_hf_config,
     args_from_gguf=deepseek_args_from_gguf, gguf_metadata=deepseek_gguf_metadata,
-    unsupported=_deepseek_unsupported,
+    unsupported=_deepseek_unsupported, hf_extra_layers_ignored=True,
 )
