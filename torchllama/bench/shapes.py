@@ -14,6 +14,8 @@ Shapes (`SHAPES`; sources: each model's published config.json):
            128 experts of 768, 8 per token, renormalized), 2 of its 48
     mixtral-8x7b-2l   Mixtral 8x7B's layers (`llama` with experts: dim 4096, 32/8 heads, 8
            experts of 14336, 2 per token), 2 of its 32
+    deepseek-v2-lite  DeepSeek-V2-Lite whole (`deepseek2`: MLA without query compression, a
+           dense first layer, 64 experts of 1408, 6 per token, 2 shared; 15.7B parameters)
     tiny   a test shape: dim 256, 2 layers, 4/2 heads, FFN 512, tied
 
 Every file carries SmolLM2's tokenizer (copied from the embedded SmolLM2-135M GGUF), so the
@@ -110,6 +112,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           model="Qwen3-30B-A3B, 2 of 48 layers", preset="qwen3-30b-a3b"),
     Shape("mixtral-8x7b-2l", 4096, 2, 32, 8, 14336, 1000000.0, False, 32768,
           model="Mixtral 8x7B, 2 of 32 layers", preset="mixtral-8x7b"),
+    Shape("deepseek-v2-lite", 2048, 27, 16, 16, 10944, 10000.0, False, 163840, 1e-6,
+          model="DeepSeek-V2-Lite", preset="deepseek-v2-lite"),
 )}
 
 #: --type → (the type of most matrices, GGUF's general.file_type).
@@ -241,10 +245,17 @@ def tensor_plan(shape: Shape, qtype: str) -> list[PlannedTensor]:
         state = Transformer(args).state_dict()
     if args.tie_embeddings:
         state.pop("output.weight", None)
-    plan = []
+    from torchllama.families.base import Part
+
+    plan, written = [], set()
     for m in family_for_args(args, "gguf").mappings("gguf", args.n_layers, set(state)):
+        if not isinstance(m.layout, Part) and all(n in written for n in m.ours):
+            continue                      # held by rows before it (save_gguf writes it once)
+        written.update(m.ours)
         ours = m.ours[0]                  # (several: the experts of a 3-D tensor, expert first)
-        dims = tuple(m.layout.stored_shape(tuple(state[n].shape for n in m.ours)))
+        dims = tuple(m.layout.part_shape(state[ours].shape, args)
+                     if isinstance(m.layout, Part) else   # (DeepSeek's attn_k_b, attn_v_b)
+                     m.layout.stored_shape(tuple(state[n].shape for n in m.ours)))
         plan.append(PlannedTensor(m.theirs, ours, dims, tensor_type(
             ours, dims, qtype, args.n_layers, args.tie_embeddings)))
 
