@@ -4,7 +4,8 @@ tokens over 256 positions, at real widths (Issue 31's agreement target).
 Files: `torchllama bench shapes`' random-weight Q4_0 files (`torchllama.bench.shapes`, SmolLM2's
 vocabulary; the experts' 3-D tensors Q4_0, routers float32): OLMoE-1B-7B whole, Qwen3-30B-A3B
 and Mixtral 8x7B with 2 of their layers (real widths, head sizes and expert counts; fewer
-layers to fit both engines in memory). For each: ours on the file's blocks (`--dtype auto`)
+layers to fit both engines in memory); `--shapes deepseek-v2-lite` adds DeepSeek-V2-Lite whole
+(an 8.8 GB file; llama.cpp knows a model without query compression only by its 27 layers). For each: ours on the file's blocks (`--dtype auto`)
 against llama.cpp (llama-cpp-python, `make bench-peer`, 2 threads): max and mean |Δlogit|,
 top-1 agreement; and, where memory allows (`--float`), the exact float32 computation of the same
 weights (ours, dequantized) against llama.cpp's Q4_0 run: the gap llama.cpp's own int8
