@@ -136,7 +136,7 @@ class MoE(nn.Module):
         weights = weights.gather(1, slot)                                  # (N, k)
         y = self.expert_outputs(h, ids)                                    # (N, k, D)
         # Σ_j g_j · E_j(x), j in increasing e: torch sums dim 1 of a contiguous (N, k, D) one
-        # j after another for each (token, d), the same bits as that loop (tested)
+        # j after another for each (token, d), whatever N (batch invariance: tests/test_moe.py)
         out = (y * weights[..., None]).sum(dim=1)                          # (N, D)
         out = out.to(x.dtype).view(shape)
         if self.shared_experts is not None:
