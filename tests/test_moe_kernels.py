@@ -145,3 +145,29 @@ def test_llama_cpp_computes_our_quantized_moe_files_as_we_do(tmp_path, tokenizer
     delta = np.abs(theirs - ours).max()
     assert delta < 0.08, delta
     assert same.mean() >= 0.98, same.mean()
+
+
+def test_an_expert_wrapped_after_stacking_is_used():
+    """A module put on an expert after stacking (a LoRA wrapper: QLoRA, a served adapter)
+    sends the MoE back to its expert-by-expert path, so the wrapper counts."""
+    model = quantize_model(random_model(MOE), "int4")
+    moe = model.layers[0].feed_forward
+    x = torch.randn(1, 6, SMALL["dim"], generator=torch.Generator().manual_seed(5))
+
+    class Shifted(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h):
+            return self.inner(h) + 1.0
+
+    with torch.inference_mode():
+        before = moe(x)
+        for expert in moe.experts:
+            expert.w2 = Shifted(expert.w2)
+        after = moe(x)
+        stacked, moe.stacked = moe.stacked, None
+        each = moe(x)
+    assert not stacked.serves(moe.experts)
+    assert torch.equal(after, each) and not torch.allclose(after, before)

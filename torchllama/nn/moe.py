@@ -148,7 +148,7 @@ class MoE(nn.Module):
         e = ids[t, j] (N, k): the tokens grouped by expert, each expert's in one product (or,
         where `stacked` is set, every expert's projection in one op)."""
         N, k = ids.shape
-        if self.stacked is not None:                   # llama.cpp's MUL_MAT_ID, three ops
+        if self.stacked is not None and self.stacked.serves(self.experts):  # MUL_MAT_ID
             pairs, flat = torch.arange(N).repeat_interleave(k), ids.reshape(-1)    # (N·k,)
             gate = self.stacked.w1(h, pairs, flat)                         # (N·k, F)
             up = self.stacked.w3(h, pairs, flat)                           # (N·k, F)
