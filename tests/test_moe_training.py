@@ -75,3 +75,52 @@ def test_balancing_settings_must_be_non_negative(field):
     with pytest.raises(ArgumentError, match=field):
         ModelArgs(dim=D, n_layers=1, n_heads=4, vocab_size=300, n_experts=E,
                   n_experts_per_token=2, **{field: -0.1})
+
+
+def test_balance_loss_alone_spreads_an_overloaded_router():
+    """Gradient descent on the balance loss alone (α = 1) moves a router that sends nearly
+    every token to expert 0 toward equal loads: the loss falls to near its balanced value k·α
+    and the busiest expert's share of the N·k choices from ~1/k = 0.5 toward 1/E (oracle:
+    the counts of the choices)."""
+    moe = _moe(moe_aux_loss_coef=1.0)
+    u = torch.randn(D)
+    u = u / u.norm()                                                       # (D,) unit
+    x = torch.randn(256, D) + 3 * u                                        # (N, D)
+    with torch.no_grad():
+        moe.gate.weight[0] = 2 * u                                         # expert 0: logit ~6
+    moe.train()
+    opt = torch.optim.SGD(moe.gate.parameters(), lr=0.05)
+
+    def step() -> tuple[float, float]:
+        _, ids = moe.route(x)                                              # (N, k)
+        loss = balance_loss(moe)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        busiest = torch.bincount(ids.reshape(-1), minlength=E).max() / ids.numel()
+        return loss.item(), busiest.item()
+
+    first = step()
+    for _ in range(40):
+        last = step()
+    assert first[1] > 0.45 and last[1] < 0.2                               # balanced: 1/8
+    assert first[0] > 3 * 2 and last[0] < 2 * 1.0 * 1.1                   # k·α = 2
+
+
+def test_ablation_moe_variant_has_the_baselines_active_parameters():
+    """The ablation's `moe` variant: 8 experts of half the baseline's MLP width (a multiple of
+    32), 2 per token, so each token's experts hold exactly the baseline MLP's parameters; its
+    active non-embedding parameters exceed the baseline's by the routers alone (6 · 8 · 256),
+    within the ±0.3 % the other variants keep, while its total is ~3× larger."""
+    from torchllama.model import parameter_counts
+    from torchllama.train.ablate import ablation_args, non_embedding_params
+
+    base, moe = ablation_args("baseline", 4096, 512), ablation_args("moe", 4096, 512)
+    assert moe.expert_hidden_dim % 32 == 0 and moe.moe_aux_loss_coef == 0.01
+    assert moe.n_experts_per_token * moe.expert_hidden_dim == base.ffn_hidden_dim
+    total, active = parameter_counts(moe)
+    moe_active = non_embedding_params(moe) - (total - active)
+    target = non_embedding_params(base)
+    assert moe_active - target == base.n_layers * moe.n_experts * base.dim     # the routers
+    assert abs(moe_active - target) / target < 0.003
+    assert non_embedding_params(moe) > 3 * target

@@ -838,7 +838,8 @@ def ablate(*, data: str, out: str, steps: int = 100, variants: Optional[list[str
         steps: optimizer steps per variant.
         variants: variant names (default all): baseline, layernorm, post-norm,
             sandwich, qk-norm, relu, gelu, geglu, parallel, sinusoidal, learned, t5-bias,
-            alibi, nope, mha, mqa, mla, baseline-seed2 (the baseline with seed 2: the noise).
+            alibi, nope, mha, mqa, mla, moe, baseline-seed2 (the baseline with seed 2: the
+            noise).
         seq_len: training length in tokens (the models' context is 4× this).
         batch_size: sequences per step.
         lr: peak learning rate.
