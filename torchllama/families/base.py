@@ -226,8 +226,13 @@ class Family:
 
     def their_name(self, fmt: str, our_name: str, n_layers: int) -> str:
         """The name of our parameter `our_name` in format `fmt` (itself if the table has none);
-        for error messages."""
-        for m in self.mappings(fmt, n_layers):
+        for error messages. An expert's (`layers.{i}.feed_forward.experts.{e}.*`): its own
+        tensor or its layer's stacked one (GGUF's `ffn_*_exps`)."""
+        expert = re.search(r"\.experts\.(\d+)\.", our_name)
+        ours = None if expert is None else {   # experts 0..e, which `_expert_mappings` lists
+            our_name.replace(expert.group(0), f".experts.{e}.")
+            for e in range(int(expert.group(1)) + 1)}
+        for m in self.mappings(fmt, n_layers, ours):
             if our_name in m.ours:
                 return m.theirs
         return our_name

@@ -9,15 +9,30 @@ choice, routed scaling, shared experts; `torchllama.nn.moe`) loads from Hugging 
 one tensor per expert as saved, and from and to GGUF (llama.cpp's `deepseek2` with its expert
 keys: DeepSeek-V2's softmax router too, V3's sigmoid one with `exp_probs_b` and groups).
 
+llama.cpp's deepseek2 computes the mixture as we do (`build_moe_ffn`): softmax (V2) or
+sigmoid (V3) scores; `exp_probs_b` added for the choice only; group-limited choice ranking each
+group by the sum of its two best biased scores (DeepSeek-V3's noaux_tc; present in the
+llama.cpp of llama-cpp-python 0.3.36, and tested with groups); the k weights renormalized if
+expert_weights_norm, then × expert_weights_scale; plus the shared experts. Two limits of
+its files: they must hold shared experts (llama.cpp requires `ffn_*_shexp`), so a model
+without is refused for GGUF; and a softmax router with groups (DeepSeek-V2's
+group_limited_greedy, which ranks a group by its best score, llama.cpp by its two best) is
+refused when read, as our softmax router has no groups.
+
 DeepSeek-V3's multi-token-prediction module (§2.2; HF: the layer past num_hidden_layers,
-`model.layers.61.*` in its release; llama.cpp's converter leaves it out of GGUF files) is not
-read: a training objective and, at inference, a draft model for speculative decoding; the main
-model's next-token logits do not use it. Loading an HF folder skips those tensors
-(`Family.hf_extra_layers_ignored`).
+`model.layers.61.*` in its release; GGUF: `blk.{i}.nextn.*`, which llama.cpp's deepseek2
+converter leaves out) is not read: a training objective and, at inference, a draft model for
+speculative decoding; the main model's next-token logits do not use it. Loading an HF folder
+skips those tensors (`Family.hf_extra_layers_ignored`), loading a GGUF file its `nextn`
+tensors (`Family.gguf_ignored`); a file whose block_count also counts the MTP blocks
+(`deepseek2.nextn_predict_layers`) loads the blocks before them. MTP blocks that also hold a
+layer's tensors (attention, experts: as llama.cpp's DeepSeek-V3.2 converter writes them) are
+refused, naming those tensors: the GGUF weight loader cannot skip them yet.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -201,28 +216,72 @@ def _gguf_moe_args(need, n_layers: int, source: str) -> dict[str, Any]:
     """ModelArgs fields of a deepseek2 GGUF's mixture of experts ({} for a dense model):
     llama.cpp's keys leading_dense_block_count, expert_count, expert_used_count,
     expert_feed_forward_length, expert_shared_count, expert_gating_func (1 softmax: V2,
-    its default; 2 sigmoid: V3), expert_weights_norm (default false), expert_weights_scale,
-    expert_group_count / expert_group_used_count (V3's group-limited choice; default 1).
+    llama.cpp's default when absent; 2 sigmoid: V3), expert_weights_norm (default false),
+    expert_weights_scale (default 1), expert_group_count / expert_group_used_count (V3's
+    group-limited choice; default 1, none).
 
     Raises:
-        ModelFileError: a gating function other than softmax or sigmoid (naming the key).
+        ModelFileError: a gating function other than softmax or sigmoid, an expert used count
+            not in 1..expert_count, a group count that does not divide expert_count or is
+            below its used count, or groups with the softmax router (each naming its key).
     """
+    arch = "deepseek2"
     dense = need("leading_dense_block_count", int, 0)
     experts = need("expert_count", int, 0)
     if dense >= n_layers or not experts:
         return {}
     gating = need("expert_gating_func", int, 1)
     if gating not in _GATING:
-        raise ModelFileError(f"{source}: deepseek2.expert_gating_func is {gating}; expected 1 "
+        raise ModelFileError(f"{source}: {arch}.expert_gating_func is {gating}; expected 1 "
                              "(softmax) or 2 (sigmoid)")
+    used = need("expert_used_count")
+    if not 1 <= used <= experts:
+        raise ModelFileError(f"{source}: {arch}.expert_used_count is {used}; expected 1 to "
+                             f"{arch}.expert_count ({experts})")
+    groups = need("expert_group_count", int, 1) or 1
+    group_used = need("expert_group_used_count", int, 1) or 1
+    if groups > 1 and (experts % groups or not 1 <= group_used <= groups):
+        raise ModelFileError(f"{source}: {arch}.expert_group_count ({groups}) must divide "
+                             f"{arch}.expert_count ({experts}) and be ≥ "
+                             f"{arch}.expert_group_used_count ({group_used})")
+    if groups > 1 and _GATING[gating] == "softmax":
+        raise ModelFileError(f"{source}: {arch}.expert_group_count is {groups} with softmax "
+                             "gating (DeepSeek-V2's group-limited choice): not supported "
+                             "(groups are supported with sigmoid gating)")
     return dict(n_experts=experts, first_dense_layers=dense, moe_router=_GATING[gating],
-                n_experts_per_token=need("expert_used_count"),
+                n_experts_per_token=used,
                 moe_hidden_dim=need("expert_feed_forward_length"),
                 n_shared_experts=need("expert_shared_count", int, 0),
                 moe_norm_topk=need("expert_weights_norm", bool, False),
                 moe_scale=need("expert_weights_scale", float, 1.0),
-                moe_groups=need("expert_group_count", int, 1) or 1,
-                moe_group_topk=need("expert_group_used_count", int, 1) or 1)
+                moe_groups=groups, moe_group_topk=group_used if groups > 1 else 1)
+
+
+#: GGUF tensors of a multi-token-prediction block (gguf-py's NEXTN_* names), not read.
+_NEXTN = re.compile(r"blk\.\d+\.nextn\.\w+\.(weight|bias)")
+
+
+def _main_block_count(need, tensor_names, source: str) -> int:
+    """The main model's blocks: block_count less nextn_predict_layers (files that count the
+    MTP blocks in block_count, as llama.cpp's DeepSeek-V3.2 converter writes).
+
+    Raises:
+        ModelFileError: tensors other than `nextn` ones in those MTP blocks (naming them):
+            the weight loader cannot skip them.
+    """
+    blocks, mtp = need("block_count"), need("nextn_predict_layers", int, 0)
+    if not 0 <= mtp < blocks:
+        raise ModelFileError(f"{source}: deepseek2.nextn_predict_layers is {mtp}; expected 0 "
+                             f"to block_count - 1 ({blocks - 1})")
+    n_layers = blocks - mtp
+    extra = sorted(n for n in tensor_names if not _NEXTN.fullmatch(n) and
+                   (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= n_layers)
+    if extra:
+        raise ModelFileError(
+            f"{source}: tensors of the multi-token-prediction block(s) past the main model's "
+            f"{n_layers} (deepseek2.nextn_predict_layers {mtp}) are not supported: "
+            + ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else ""))
+    return n_layers
 
 
 def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str) -> ModelArgs:
@@ -236,8 +295,10 @@ def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str)
     and llama.cpp's deepseek2 leaves q and k unscaled (attention factor 1).
 
     Raises:
-        ModelFileError: a missing required key, an unknown expert gating function, RoPE
-            scaling other than YaRN, or values that do not form a valid model.
+        ModelFileError: a missing required key, expert keys that do not fit
+            (`_gguf_moe_args`), MTP blocks with more than their `nextn` tensors
+            (`_main_block_count`), RoPE scaling other than YaRN, or values that do not form a
+            valid model.
     """
     arch = "deepseek2"
 
@@ -245,7 +306,7 @@ def deepseek_args_from_gguf(metadata: dict[str, Any], tensor_names, source: str)
         return checked_field(metadata, f"{arch}.{key}", kind, source, default,
                              what="metadata key")
 
-    n_layers = need("block_count")
+    n_layers = _main_block_count(need, tensor_names, source)
     moe = _gguf_moe_args(need, n_layers, source)
     rope = need("rope.dimension_count")
     if f"{arch}.attention.key_length_mla" in metadata:
@@ -305,7 +366,7 @@ def _gguf_moe_metadata(writer, args: ModelArgs) -> None:
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID
                                       if args.moe_router == "sigmoid" else
                                       gguf.ExpertGatingFuncType.SOFTMAX)
-        if args.moe_groups > 1:
+        if args.moe_groups > 1 and args.moe_router == "sigmoid":   # (softmax: no groups)
             writer.add_uint32(f"{writer.arch}.expert_group_count", args.moe_groups)
             writer.add_uint32(f"{writer.arch}.expert_group_used_count", args.moe_group_topk)
 
@@ -369,6 +430,8 @@ def _deepseek_unsupported(args: ModelArgs, fmt: str) -> Optional[str]:
     if args.n_experts:
         if fmt == "hf" and args.moe_router != "sigmoid":
             return "DeepSeek-V3's experts are routed by sigmoid scores (moe_router: sigmoid)"
+        if fmt == "gguf" and not args.n_shared_experts:
+            return "llama.cpp's deepseek2 requires shared experts (n_shared_experts ≥ 1)"
         moe = ("n_experts", "n_experts_per_token", "moe_hidden_dim", "n_shared_experts",
                "moe_router", "moe_norm_topk", "moe_scale", "moe_groups", "moe_group_topk",
                "first_dense_layers")
@@ -383,5 +446,5 @@ DEEPSEEK_V3 = Family(
     gguf_architecture="deepseek2",
     args_from_hf=deepseek_args_from_hf, hf_config=deepseek_hf_config,
     args_from_gguf=deepseek_args_from_gguf, gguf_metadata=deepseek_gguf_metadata,
-    unsupported=_deepseek_unsupported, hf_extra_layers_ignored=True,
+    unsupported=_deepseek_unsupported, hf_extra_layers_ignored=True, gguf_ignored=_NEXTN,
 )
