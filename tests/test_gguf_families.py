@@ -66,6 +66,11 @@ CASES = {
     "deepseek2-yarn": (dict(MLA, rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                "beta_fast": 32.0, "beta_slow": 1.0}),
                        "deepseek2", False),
+    # DeepSeek-V3's experts (tests/test_deepseek_moe_gguf.py: V2-Lite's too, and llama.cpp)
+    "deepseek2-moe": (dict(MLA, q_lora_rank=24, n_experts=4, n_experts_per_token=2,
+                           moe_hidden_dim=64, n_shared_experts=1, first_dense_layers=1,
+                           moe_router="sigmoid", moe_groups=2, moe_group_topk=1,
+                           moe_scale=2.5), "deepseek2", False),
     "llama": (SMALL, "llama", True),
     "llama-linear": (dict(SMALL, rope_scaling={"type": "linear", "factor": 3.0}), "llama", True),
     "llama-yarn": (dict(SMALL, rope_scaling=YARN), "llama", True),

@@ -430,6 +430,8 @@ def _count(args: ModelArgs) -> int:
     # deepseek-ai/DeepSeek-V3 without its MTP module: 671,026,419,200 in its files, which also
     # hold the 58 × 256 routers' correction biases (a buffer here, not a parameter)
     ("deepseek-v3", 671_026_419_200 - 58 * 256),
+    # deepseek-ai/DeepSeek-V2-Lite: "15.7B total" (its softmax router has no correction bias)
+    ("deepseek-v2-lite", 15_706_484_224),
 ])
 def test_parameter_counts_of_published_configurations(preset, expected):
     assert _count(get_preset(preset)) == expected
@@ -440,6 +442,8 @@ def test_parameter_counts_of_published_configurations(preset, expected):
     ("qwen3-30b-a3b", 3_353_032_704),   # "3.3B activated" (Qwen3 report)
     ("olmoe-1b-7b", 1_282_017_280),     # "1.3B active" (OLMoE paper)
     ("deepseek-v3", 37_552_282_624),    # "37B activated" (DeepSeek-V3 report)
+    # "2.4B activated" (DeepSeek-V2 report): 2,451,435,008 without the input embeddings
+    ("deepseek-v2-lite", 2_661_150_208),
     ("qwen3-0.6b", 596_049_920),        # dense: all of them
 ])
 def test_active_parameters_of_mixtures_of_experts(preset, active):
