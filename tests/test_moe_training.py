@@ -124,3 +124,19 @@ def test_ablation_moe_variant_has_the_baselines_active_parameters():
     assert moe_active - target == base.n_layers * moe.n_experts * base.dim     # the routers
     assert abs(moe_active - target) / target < 0.003
     assert non_embedding_params(moe) > 3 * target
+
+
+def test_ablation_table_gives_a_mixture_of_experts_active_parameters():
+    """The ablation table's parameters column: total (non-embedding; active) for a mixture of
+    experts, total (non-embedding) for a dense model (results.json of older runs, without the
+    active count, read as dense)."""
+    from torchllama.train.ablate import markdown_table
+
+    row = dict(description="d", val_loss=5.0, val_loss_2x=5.0, val_loss_4x=5.0,
+               tokens_per_s=1000.0, parameters=15_219_968, non_embedding_parameters=14_171_392,
+               kv_bytes_per_token=3072)
+    moe = dict(row, name="moe", active_non_embedding_parameters=4_439_296)
+    old = dict(row, name="old")
+    lines = markdown_table([moe, old], 128).splitlines()
+    assert "| 15,219,968 (14,171,392; 4,439,296 active) |" in lines[2]
+    assert "| 15,219,968 (14,171,392) |" in lines[3]

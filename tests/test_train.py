@@ -593,6 +593,7 @@ def test_ablation_smoke_run_of_two_variants(dataset, tmp_path):
         assert all(math.isfinite(r[k]) for k in ("val_loss", "val_loss_2x", "val_loss_4x"))
         assert r["val_loss"] < math.log(512) + 0.5            # about ln V after 3 steps
     base, alibi = results
+    assert base["active_non_embedding_parameters"] == base["non_embedding_parameters"]  # dense
     assert alibi["kv_bytes_per_token"] == base["kv_bytes_per_token"] == 2 * 6 * 2 * 4 * 32
     table = (out / "ablation.md").read_text().splitlines()
     assert len(table) == 4 and table[3].startswith("| alibi | ALiBi |")

@@ -240,14 +240,17 @@ def _variant_result(name: str, args: ModelArgs, run: Path, train_loss: Optional[
     tokens/s (after 5 warm-up steps) and its KV cache bytes per token."""
     from torchllama.bench.kv_cache_size import kv_bytes_per_token
     from torchllama.checkpoint import load
+    from torchllama.model import parameter_counts
 
     model, _ = load(run, progress=False)
     losses = length_losses(model, val_tokens, [seq_len, 2 * seq_len, 4 * seq_len], eval_tokens)
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     rates = [e["tokens_per_s"] for e in log[min(5, len(log) - 1):]]
     total, non_embedding = count_parameters(args)
+    idle = total - parameter_counts(args)[1]            # experts a token is not sent to
     return {"name": name, "description": VARIANTS[name][0], "seed": seed,
             "parameters": total, "non_embedding_parameters": non_embedding,
+            "active_non_embedding_parameters": non_embedding - idle,
             "hidden_dim": args.ffn_hidden_dim,
             "val_loss": losses[seq_len], "val_loss_2x": losses[2 * seq_len],
             "val_loss_4x": losses[4 * seq_len], "train_loss": train_loss,
@@ -271,13 +274,18 @@ def _write_report(out_dir: Path, settings: dict[str, Any], results: list[dict[st
 
 
 def markdown_table(results: list[dict[str, Any]], seq_len: int) -> str:
-    """The results as a Markdown table, baseline first, with each loss's difference to it."""
+    """The results as a Markdown table, baseline first, with each loss's difference to it
+    (a mixture of experts' parameters: total and active non-embedding)."""
     base = next((r for r in results if r["name"] == "baseline"), None)
 
     def delta(r, key):
         if base is None or r is base:
             return ""
         return f" ({r[key] - base[key]:+.3f})"
+
+    def active(r):
+        n = r.get("active_non_embedding_parameters", r["non_embedding_parameters"])
+        return "" if n == r["non_embedding_parameters"] else f"; {n:,} active"
 
     lines = [f"| variant | what changes | val loss @{seq_len} | @{2 * seq_len} | @{4 * seq_len} "
              "| tokens/s | parameters (non-emb.) | KV bytes/token (bf16) |",
@@ -286,7 +294,7 @@ def markdown_table(results: list[dict[str, Any]], seq_len: int) -> str:
         lines.append(
             f"| {r['name']} | {r['description']} | {r['val_loss']:.3f}{delta(r, 'val_loss')} "
             f"| {r['val_loss_2x']:.3f} | {r['val_loss_4x']:.3f} | {r['tokens_per_s']:,.0f} "
-            f"| {r['parameters']:,} ({r['non_embedding_parameters']:,}) "
+            f"| {r['parameters']:,} ({r['non_embedding_parameters']:,}{active(r)}) "
             f"| {r['kv_bytes_per_token']:,} |")
     return "\n".join(lines)
 
