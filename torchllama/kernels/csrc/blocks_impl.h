@@ -230,6 +230,9 @@ static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in eve
 // Decode tiles (one activation row) prefetch each group's stream PF blocks ahead: the rows
 // stream from memory once per token, and the hardware prefetcher alone leaves bandwidth unused.
 constexpr int64_t PF = 4;
+// Groups of a decode tile (`drive_decode`, `q4_decode_vnni`): 1 or 2 groups a tile stream no
+// faster (measured with a standalone 2-thread bench against a same-process memory sum, Zen 3).
+constexpr int DG = 4;
 
 // Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
 // 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32.
@@ -293,22 +296,21 @@ static inline __m512 scales16(const void* p, int64_t g, int64_t j, int64_t nd) {
       _mm256_castps_pd(scales8<F>(p, g + 1, j, nd)), 1));
 }
 
-template <int TG, int DF, int MF>
-static inline void q4_tile_vnni(const Act& a, int64_t m, const Q4Weight& w, int64_t g0, float* y) {
+template <int TM, int TG, int DF, int MF>
+static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0,
+                                float* y) {
   constexpr int TP = TG / 2;                               // group pairs
   const int64_t nb = w.K / 32, N = w.G * 8;
   const __m512i m4 = _mm512_set1_epi8(15);
-  __m512 acc[TP];
-  for (int t = 0; t < TP; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[TM][TP];
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* x = a.q + m * a.K + 32 * b;
-    __m512i s32[TP];
-    for (int t = 0; t < TP; ++t) s32[t] = _mm512_setzero_si512();
+    __m512i s32[TM][TP];
+    for (int i = 0; i < TM; ++i)
+      for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      int32_t xl, xh;
-      std::memcpy(&xl, x + 4 * c, 4);
-      std::memcpy(&xh, x + 16 + 4 * c, 4);
-      const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+      __m512i lo[TP], hi[TP];                  // the pairs' weights, unpacked once for TM rows
       for (int t = 0; t < TP; ++t) {
         const uint8_t* p0 = w.codes + ((g0 + 2 * t) * nb + b) * 128 + 32 * c;
         const uint8_t* p1 = p0 + nb * 128;                                  // group g + 1
@@ -321,21 +323,51 @@ static inline void q4_tile_vnni(const Act& a, int64_t m, const Q4Weight& w, int6
         const __m512i raw = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
             _mm256_loadu_si256((const __m256i*)p1), 1);
-        s32[t] = _mm512_dpbusd_epi32(s32[t], _mm512_and_si512(raw, m4), vl);   // q[4c..]
-        s32[t] = _mm512_dpbusd_epi32(s32[t], _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
-                                     vh);                                      // q[16+4c..]
+        lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
+      }
+      for (int i = 0; i < TM; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b;
+        int32_t xl, xh;
+        std::memcpy(&xl, x + 4 * c, 4);
+        std::memcpy(&xh, x + 16 + 4 * c, 4);
+        const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+        for (int t = 0; t < TP; ++t)
+          s32[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s32[i][t], lo[t], vl), hi[t], vh);
       }
     }
-    const __m512 dx = _mm512_set1_ps(a.d[m * nb + b]), sx = _mm512_set1_ps(a.s[m * nb + b]);
     for (int t = 0; t < TP; ++t) {
       const __m512 dw = scales16<DF>(w.d, g0 + 2 * t, b, nb);
       const __m512 mw = MF == scale_times_d ? _mm512_mul_ps(dw, _mm512_set1_ps(w.m_mult))
                                             : scales16<MF>(w.m, g0 + 2 * t, b, nb);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[t]), _mm512_mul_ps(dw, dx), acc[t]);
-      acc[t] = _mm512_fmadd_ps(mw, sx, acc[t]);
+      for (int i = 0; i < TM; ++i) {
+        const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * nb + b]);
+        const __m512 sx = _mm512_set1_ps(a.s[(m0 + i) * nb + b]);
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]), _mm512_mul_ps(dw, dx),
+                                    acc[i][t]);
+        acc[i][t] = _mm512_fmadd_ps(mw, sx, acc[i][t]);
+      }
     }
   }
-  for (int t = 0; t < TP; ++t) _mm512_storeu_ps(y + m * N + 8 * (g0 + 2 * t), acc[t]);
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t)
+      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+}
+
+// Decode on VNNI: per tile of DG groups, the activation rows 4, then 2, then 1 at a time (the
+// weights unpacked once per tile of rows); single groups after, AVX2's.
+template <int DF, int MF>
+static inline void q4_decode_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g_begin,
+                                  int64_t g_end) {
+  int64_t g = g_begin;
+  for (; g + DG <= g_end; g += DG) {
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) q4_tile_vnni<4, DG, DF, MF>(a, m, w, g, y);
+    for (; m + 2 <= a.M; m += 2) q4_tile_vnni<2, DG, DF, MF>(a, m, w, g, y);
+    for (; m < a.M; ++m) q4_tile_vnni<1, DG, DF, MF>(a, m, w, g, y);
+  }
+  for (; g < g_end; ++g)
+    for (int64_t m = 0; m < a.M; ++m) q4_tile<1, 1, DF, MF>(a, m, w, g, y);
 }
 #endif
 
@@ -507,10 +539,8 @@ constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG;
 #endif
 constexpr int64_t MC = TL_MC;
 
-// Decode: per tile of DG groups (then single groups), every activation row, so M ≤ 3 rows
-// read each weight tile from memory once. (1 or 2 groups a tile stream no faster: measured
-// with a standalone 2-thread bench against a same-process memory sum, Zen 3.)
-constexpr int DG = 4;
+// Decode (M ≤ 8, TL_DECODE_ROWS): per tile of DG groups (then single groups), every
+// activation row, so the rows read each weight tile from memory once.
 #ifndef TL_DECODE_ROWS
 #define TL_DECODE_ROWS 9
 #endif
@@ -564,9 +594,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   constexpr int PM = TILES[0], PG = TILES[1];
   if (a.M < TL_DECODE_ROWS) {
 #if ISA_LEVEL == 2
-    drive_decode(a.M, g0, g1,
-                 [&](int64_t m, int64_t g) { q4_tile_vnni<DG, DF, MF>(a, m, w, g, y); },
-                 [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); });
+    q4_decode_vnni<DF, MF>(a, w, y, g0, g1);
 #else
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q4_tile<1, DG, DF, MF>(a, m, w, g, y); },
