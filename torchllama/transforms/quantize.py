@@ -1095,8 +1095,9 @@ def stack_experts(model: nn.Module) -> int:
     where they already lie side by side: a GGUF's 3-D `ffn_*_exps`). Returns how many.
 
     Measured on an OLMoE-1B-7B-shaped Q4_0 file (64 experts of 1024, 8 per token; 2 threads,
-    AVX-512): expert by expert 16.5 tok/s at batch 1 and 33.6 at batch 8; stacked, with the
-    VNNI decode tiles, 28.2 and 56.5 (README "Mixture of experts on the kernels")."""
+    AVX-512): expert by expert 16.5 tok/s at batch 1 and 33.6 at batch 8; stacked 27.4 and
+    49.6; with the VNNI decode tiles 26.9 and 70.0 (README "Mixture of experts on the
+    kernels")."""
     from torchllama.nn.moe import MoE
 
     n = 0
