@@ -245,13 +245,12 @@ def tensor_plan(shape: Shape, qtype: str) -> list[PlannedTensor]:
         state = Transformer(args).state_dict()
     if args.tie_embeddings:
         state.pop("output.weight", None)
+    from torchllama.checkpoint.gguf import written_mappings
     from torchllama.families.base import Part
 
-    plan, written = [], set()
-    for m in family_for_args(args, "gguf").mappings("gguf", args.n_layers, set(state)):
-        if not isinstance(m.layout, Part) and all(n in written for n in m.ours):
-            continue                      # held by rows before it (save_gguf writes it once)
-        written.update(m.ours)
+    plan = []
+    for m in written_mappings(family_for_args(args, "gguf").mappings("gguf", args.n_layers,
+                                                                      set(state))):
         ours = m.ours[0]                  # (several: the experts of a 3-D tensor, expert first)
         dims = tuple(m.layout.part_shape(state[ours].shape, args)
                      if isinstance(m.layout, Part) else   # (DeepSeek's attn_k_b, attn_v_b)

@@ -938,6 +938,18 @@ _TOKENIZER_WRITERS = {
 }
 
 
+def written_mappings(mappings: list[Mapping]) -> list[Mapping]:
+    """The mappings a GGUF file is written with: a tensor several rows hold (DeepSeek's wkv_b,
+    as attn_k_b + attn_v_b parts and as a whole attn_kv_b) by the first of them only."""
+    out, written = [], set()
+    for m in mappings:
+        if not isinstance(m.layout, Part) and all(n in written for n in m.ours):
+            continue
+        written.update(m.ours)
+        out.append(m)
+    return out
+
+
 def gguf_tensor_type(shape: torch.Size, qtype: str) -> gguf.GGMLQuantizationType:
     """The tensor type to write a tensor of this shape with: `qtype` for matrices whose rows fit its blocks,
     F32 for norms (1-D) and for rows that do not divide into blocks."""
@@ -996,13 +1008,9 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         state = model.state_dict()
         if args.tie_embeddings:
             state.pop("output.weight", None)
-        mappings = family.mappings("gguf", args.n_layers, set(state))
-        written: set[str] = set()     # a tensor held by several rows is written once
+        mappings = written_mappings(family.mappings("gguf", args.n_layers, set(state)))
         for m in tqdm(mappings, desc="writing GGUF", unit="tensor", disable=not progress,
                       leave=False):
-            if not isinstance(m.layout, Part) and all(n in written for n in m.ours):
-                continue
-            written.update(m.ours)
             tensor = m.layout.save(tuple(state[n].detach() for n in m.ours), args)
             t = gguf_tensor_type(tensor.shape, qtype)
             data = tensor.float().contiguous().numpy()

@@ -74,12 +74,12 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (N, k) float32, expert ids (N, k)) of tokens x (N, D); in training, the
-        balance loss and the experts' loads recorded too (`record`)."""
+        balance loss and the experts' loads recorded too where asked (`record`)."""
         logits = self.gate(x).float()                                      # (N, E)
         if self.router == "softmax":
             probs = torch.softmax(logits, dim=-1)                          # (N, E)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)           # (N, k)
-            if self.training:
+            if self.training and (self.aux_coef or self.bias_speed):
                 self.record(probs, ids)
             if self.norm_topk:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -95,7 +95,7 @@ class MoE(nn.Module):
                                     float("-inf"))
         ids = torch.topk(choice, self.top_k, dim=-1)[1]                    # (N, k)
         weights = scores.gather(1, ids)                                    # (N, k)
-        if self.training:                           # DeepSeek-V3 eq. 18-20: normalized scores
+        if self.training and (self.aux_coef or self.bias_speed):   # (eq. 18-20: normalized)
             self.record(scores / scores.sum(dim=-1, keepdim=True), ids)
         if self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
