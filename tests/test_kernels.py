@@ -545,11 +545,19 @@ GEMMA_LIKE = dict(norm_unit_offset=True, norm_placement="sandwich", qk_norm=True
                   rope_local_theta=10000.0, sliding_window=6, layer_types=["local", "global"])
 
 
+#: A Mixtral / Qwen3-MoE-style mixture of experts (renormalized top-k), and OLMoE's (raw
+#: top-k weights, QK-norm over all heads' dims).
+MIXTRAL_LIKE = dict(n_experts=8, n_experts_per_token=3, moe_hidden_dim=64)
+OLMOE_LIKE = dict(MIXTRAL_LIKE, moe_norm_topk=False, qk_norm=True, qk_norm_span="projection")
+FAMILIES = {"llama": {}, "gemma": GEMMA_LIKE, "mixtral": MIXTRAL_LIKE, "olmoe": OLMOE_LIKE}
+
+
 @pytest.mark.parametrize("scheme, family, kv", [
     ("int4", "llama", "auto"), ("int8", "llama", "auto"), ("int4", "gemma", "auto"),
     ("int8", "gemma", "auto"),                          # auto: float16 (quantized weights)
     ("int4", "llama", "q8_0"), ("int8", "gemma", "q8_0"), ("int8", "llama", "bfloat16"),
-    ("int4", "gemma", "float32"), ("mixed", "llama", "auto"), ("mixed", "gemma", "q8_0")])
+    ("int4", "gemma", "float32"), ("mixed", "llama", "auto"), ("mixed", "gemma", "q8_0"),
+    ("int4", "mixtral", "auto"), ("int8", "olmoe", "q8_0"), ("int4", "olmoe", "float32")])
 def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeypatch):
     """`decoder_layer` (csrc/decoder.cpp) gives the modules' bits: prefill, decode, a left-padded
     batch and a chunk written into another cache row; for a Llama layer and a Gemma-3-style one
@@ -557,16 +565,17 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeyp
     ring cache that decode steps wrap around); and it stores the keys and values as the
     modules' cache does (each kv_cache_dtype), byte for byte. "mixed": Q4 blocks with wv and
     w3 in Q8 blocks (llama.cpp's Q4_K_M mix has wv in Q6_K), so q/k/v and w1/w3 are separate
-    products, stacked in the op's call."""
+    products, stacked in the op's call. "mixtral", "olmoe": a softmax-routed mixture of experts
+    (every expert's projection one `q4_linear_experts` / `q8_linear_experts` call), OLMoE's
+    with QK-norm over all heads."""
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer
     from torchllama.transforms.fuse import FusedTransformerBlock
     from torchllama.transforms.quantize import Q8Blocks, Q8Linear, quantize_model
 
     torch.manual_seed(0)
-    extra = GEMMA_LIKE if family == "gemma" else {}
     model = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                                  max_seq_len=96, **extra))
+                                  max_seq_len=96, **FAMILIES[family]))
     for p in model.parameters():                      # the gains away from 1 + 0
         torch.nn.init.normal_(p, std=0.3 if p.ndim == 1 else 0.05)
     model = quantize_model(model, "int4" if scheme == "mixed" else scheme)
@@ -581,6 +590,7 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeyp
             weights = layer.weights()
             assert weights is not None, layer.layer_id
             assert len(weights[0].wqkv) == (9 if scheme == "mixed" else 3)
+            assert len(weights[0].experts) == (9 if family in ("mixtral", "olmoe") else 0)
     prompt = torch.randint(0, 256, (2, 9))
 
     def run():

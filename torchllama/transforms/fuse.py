@@ -13,8 +13,10 @@ forward otherwise. Learned from torchtitan's `ModelSpec.parallelize_fn` and gpt-
 What the op computes (checked once, at install): a pre-norm or sandwich block of RMSNorms
 (Llama, Mistral, Gemma 2/3) with one eps and gain convention; attention with q/k/v block-weight
 products (one fused product, `transforms.quantize.fuse_projections`, where their types agree),
-RoPE, optionally QK-norm and soft-capping; a gated feed-forward (SwiGLU, or GeGLU with tanh
-GELU) with w1/w3 block products (fused likewise); no biases. What a call needs (checked per call): float32 inference on
+RoPE, optionally QK-norm (per head, or over all heads as OLMoE's) and soft-capping; a gated
+feed-forward (SwiGLU, or GeGLU with tanh GELU) with w1/w3 block products (fused likewise), or a
+softmax-routed mixture of such experts without shared experts (Mixtral, Qwen3-MoE, OLMoE: the
+experts stacked by `stack_experts`, the router float32 or blocks); no biases. What a call needs (checked per call): float32 inference on
 torchllama's kernels, a KV cache the op can write in place (float32, float16, bfloat16 or
 q8_0: the op stores each key and value as the cache does), RoPE rotations, no position
 bias, no attention capture, and RoPE over the whole head (not partial).
@@ -33,7 +35,10 @@ from torchllama.model import Transformer, TransformerBlock
 from torchllama.nn.attention import Attention
 from torchllama.nn.attention_inputs import AttentionInputs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
+from torchllama.nn import linear as linear_module
+from torchllama.nn.linear import Linear
 from torchllama.nn.mlp import ACTIVATIONS, FeedForward
+from torchllama.nn.moe import MoE
 from torchllama.nn.norms import RMSNorm
 
 
@@ -51,7 +56,12 @@ class LayerWeights(NamedTuple):
     wo: list[torch.Tensor]          # (D) rows
     w13: list[torch.Tensor]         # w1, w3 stacked: (2·F) rows, one weight or two
     w2: list[torch.Tensor]          # (D) rows
-    qk_norms: list[torch.Tensor]    # [] or [q_norm, k_norm]: (hd,) each
+    qk_norms: list[torch.Tensor]    # [] or [q_norm, k_norm]: (hd,) each, or (H·hd,)
+                                    # and (KV·hd,) (over all heads: OLMoE)
+    router: list[torch.Tensor] = []     # a mixture of experts' (w13, w2 empty): [W_g (E, D)]
+                                        # float32, or a block weight
+    experts: list[torch.Tensor] = []    # its experts' w1, w3, w2, each stacked (E·F or E·D
+                                        # rows, `transforms.quantize.stack_experts`): 9 tensors
 
 
 class LayerConfig(NamedTuple):
@@ -63,6 +73,10 @@ class LayerConfig(NamedTuple):
     softcap: float                  # attention logit soft-capping (0: none)
     unit_offset: bool               # RMSNorm gains 1 + w (Gemma)
     gelu_tanh: bool                 # GeGLU with tanh GELU instead of SwiGLU
+    n_experts: int = 0              # a mixture of experts' (`torchllama.nn.moe.MoE`) routing
+    top_k: int = 0
+    norm_topk: bool = False
+    moe_scale: float = 1.0
 
 
 class CacheSlots(NamedTuple):
@@ -88,7 +102,8 @@ def decoder_layer(x: torch.Tensor, weights: LayerWeights, config: LayerConfig,
         cache.k_cache, cache.v_cache, cache.row0, cache.write_pos, cache.n_keys, cs,
         inputs.mask, config.n_heads, config.n_kv_heads, config.eps, config.scale,
         config.softcap, config.unit_offset, config.gelu_tanh, cache.row_write_pos,
-        inputs.key_start)
+        inputs.key_start, weights.router, weights.experts, config.n_experts, config.top_k,
+        config.norm_topk, config.moe_scale)
 
 
 def _block_weight(module: Optional[nn.Module]) -> Optional[list[torch.Tensor]]:
@@ -104,20 +119,31 @@ def _norms(block: TransformerBlock) -> list[RMSNorm]:
     return [getattr(block, name) for name in names]
 
 
+def _feed_forward_fits(block: TransformerBlock) -> bool:
+    """A SwiGLU or tanh GeGLU `FeedForward`, or (pre-norm blocks) a softmax-routed `MoE` of
+    such experts without shared experts (Mixtral, Qwen3-MoE, OLMoE)."""
+    ffn = block.feed_forward
+    if type(ffn) is MoE:
+        if ffn.router != "softmax" or ffn.shared_experts is not None or block.placement != "pre":
+            return False
+        ffn = ffn.experts[0]
+    return type(ffn) is FeedForward and (ffn.act is F.silu or
+                                         ffn.act is ACTIVATIONS["geglu_tanh"])
+
+
 def fits(block: TransformerBlock) -> bool:
     """Whether the op computes this block's structure (module docstring), whatever its
     weights: pre-norm or sandwich, RMSNorms alike, `Attention` with full RoPE, a SwiGLU or tanh
-    GeGLU `FeedForward`."""
-    attention, ffn = block.attention, block.feed_forward
+    GeGLU `FeedForward` or a softmax-routed mixture of them (`_feed_forward_fits`)."""
+    attention = block.attention
     if block.placement not in ("pre", "sandwich") or type(attention) is not Attention or \
-            type(ffn) is not FeedForward or not attention.rope or \
-            attention.qk_norm_span != "head":
+            not _feed_forward_fits(block) or not attention.rope or \
+            attention.qk_norm_span not in ("head", "projection"):
         return False
     norms = _norms(block) + ([attention.q_norm, attention.k_norm]
                              if hasattr(attention, "q_norm") else [])
-    return (ffn.act is F.silu or ffn.act is ACTIVATIONS["geglu_tanh"]) and all(
-        type(n) is RMSNorm and n.unit_offset == norms[0].unit_offset and n.eps == norms[0].eps
-        for n in norms)
+    return all(type(n) is RMSNorm and n.unit_offset == norms[0].unit_offset and
+               n.eps == norms[0].eps for n in norms)
 
 
 def _stacked_weight(fused: Optional[nn.Module], parts: list[nn.Module]
@@ -131,25 +157,65 @@ def _stacked_weight(fused: Optional[nn.Module], parts: list[nn.Module]
     return None if any(w is None for w in weights) else [t for w in weights for t in w]
 
 
+def _moe_weights(moe: MoE) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """(router, experts) of the op for a mixture of experts whose experts are stacked block
+    weights (`stack_experts`, still serving: no adapter on an expert) and whose router is a
+    float32 `Linear` on the f32_linear kernel or a block weight, without bias; else None."""
+    if moe.stacked is None or not moe.stacked.serves(moe.experts):
+        return None
+    gate = moe.gate
+    router = [gate.weight] if type(gate) is Linear and gate.bias is None and \
+        gate.weight.dtype == torch.float32 and linear_module.use_kernel else _block_weight(gate)
+    experts = [_block_weight(p.stacked) for p in (moe.stacked.w1, moe.stacked.w3, moe.stacked.w2)]
+    if router is None or any(w is None for w in experts):
+        return None
+    return router, [t for w in experts for t in w]
+
+
+def _feed_forward_weights(ffn: nn.Module) -> Optional[dict]:
+    """The feed-forward's part of `LayerWeights` and `LayerConfig` (as keywords), or None."""
+    if type(ffn) is not MoE:
+        w13, w2 = _stacked_weight(ffn.w13, [ffn.w1, ffn.w3]), _block_weight(ffn.w2)
+        return None if w13 is None or w2 is None else dict(w13=w13, w2=w2)
+    moe = _moe_weights(ffn)
+    if moe is None:
+        return None
+    return dict(w13=[], w2=[], router=moe[0], experts=moe[1], n_experts=ffn.n_experts,
+                top_k=ffn.top_k, norm_topk=ffn.norm_topk, moe_scale=float(ffn.scale))
+
+
 def layer_weights(block: TransformerBlock) -> Optional[tuple[LayerWeights, LayerConfig]]:
     """The op's weights and scalars for this block, or None unless it `fits` and its products
-    are block weights (fused by `fuse_projections` where their types agree; an adapter or
-    float weights: None)."""
+    are block weights (fused by `fuse_projections` where their types agree; a mixture of
+    experts' stacked by `stack_experts`; an adapter or float weights: None)."""
     if not fits(block):
         return None
     attention, ffn = block.attention, block.feed_forward
     products = [_stacked_weight(attention.wqkv, [attention.wq, attention.wk, attention.wv]),
-                _block_weight(attention.wo),
-                _stacked_weight(ffn.w13, [ffn.w1, ffn.w3]), _block_weight(ffn.w2)]
-    if any(w is None for w in products):
+                _block_weight(attention.wo)]
+    ff = _feed_forward_weights(ffn)
+    if any(w is None for w in products) or ff is None:
         return None
+    act = (ffn.experts[0] if type(ffn) is MoE else ffn).act
     norms = _norms(block)
     qk_norms = [attention.q_norm, attention.k_norm] if hasattr(attention, "q_norm") else []
-    weights = LayerWeights([n.weight for n in norms], *products, [n.weight for n in qk_norms])
+    weights = LayerWeights([n.weight for n in norms], *products, ff["w13"], ff["w2"],
+                           [n.weight for n in qk_norms], ff.get("router", []),
+                           ff.get("experts", []))
     config = LayerConfig(attention.n_heads, attention.n_kv_heads, norms[0].eps,
                          attention.scale or attention.head_dim ** -0.5, attention.softcap or 0.0,
-                         norms[0].unit_offset, ffn.act is ACTIVATIONS["geglu_tanh"])
+                         norms[0].unit_offset, act is ACTIVATIONS["geglu_tanh"],
+                         ff.get("n_experts", 0), ff.get("top_k", 0), ff.get("norm_topk", False),
+                         ff.get("moe_scale", 1.0))
     return weights, config
+
+
+def _feed_forward_key(ffn: nn.Module) -> tuple:
+    """What `layer_weights` read of the feed-forward, to compare by identity: its products'
+    modules (an adapter or a new quantization replaces them)."""
+    if type(ffn) is not MoE:
+        return ffn.w13, ffn.w1, ffn.w2, ffn.w3
+    return ffn.gate, ffn.stacked, ffn.stacked is not None and ffn.stacked.serves(ffn.experts)
 
 
 class FusedTransformerBlock(TransformerBlock):
@@ -160,9 +226,9 @@ class FusedTransformerBlock(TransformerBlock):
     def weights(self) -> Optional[tuple[LayerWeights, LayerConfig]]:
         """`layer_weights(self)`, remembered while the products are the same modules (an
         adapter or a new quantization replaces them)."""
-        a, f = self.attention, self.feed_forward
-        key = (a.wqkv, f.w13, a.wq, a.wk, a.wv, a.wo, f.w1, f.w2, f.w3,
-               self.attention_norm.weight)
+        a = self.attention
+        key = (a.wqkv, a.wq, a.wk, a.wv, a.wo, self.attention_norm.weight,
+               *_feed_forward_key(self.feed_forward))
         cached = getattr(self, "_fused_cache", None)
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
             self._fused_cache = cached = (key, layer_weights(self))
@@ -196,6 +262,9 @@ class FusedTransformerBlock(TransformerBlock):
         slots = None
         adapters = getattr(self, "adapters", None)         # `transforms.multi_lora`: a row
         if adapters is not None and adapters.active:       # with an adapter runs readable
+            fused = None
+        ffn = self.feed_forward                            # a MoE recording its routing
+        if type(ffn) is MoE and ffn.training and (ffn.aux_coef or ffn.bias_speed):
             fused = None
         if fused is not None and kernels.layer_ops_apply(x, fused[0].norms[0]):
             slots = self.cache_slots(x, inputs)

@@ -5,16 +5,20 @@
 //
 //   decoder_layer(x (B, T, D) f32, norms [attention_norm, ffn_norm(, post_attention_norm,
 //                 post_ffn_norm)] (D,) each, wqkv, wo, w13, w2, qk_norms [] | [q_norm, k_norm]
-//                 (hd,), k_cache (R, KV, C, hd), v_cache, row0, write_pos, n_keys,
+//                 (hd,) each or (H·hd,), (KV·hd,), k_cache (R, KV, C, hd), v_cache, row0, write_pos, n_keys,
 //                 cs (T | B·T, hd/2, 2), mask, n_heads, n_kv_heads, eps, scale, softcap,
-//                 unit_offset, gelu_tanh, row_write_pos (B,) | None, key_start (B,) | None)
-//                 → (B, T, D)
+//                 unit_offset, gelu_tanh, row_write_pos (B,) | None, key_start (B,) | None,
+//                 router [] | [W_g (E, D)] | block weight, experts [] | w1, w3, w2 stacked,
+//                 n_experts, top_k, norm_topk, moe_scale) → (B, T, D)
 // Pre-norm block (Xiong et al. 2020; Meta's TransformerBlock.forward), SwiGLU (Shazeer 2020):
 //   h = x + Wo·Attn(RoPE(Wq·n), RoPE(Wk·n), Wv·n) with n = RMSNorm(x)
 //   out = h + W2·(SiLU(W1·m) ⊙ W3·m) with m = RMSNorm(h)
 // With the Gemma 2/3 options (gemma_pytorch's GemmaDecoderLayer): "sandwich" norms on each
-// sublayer's output (4 norms), QK-norm (RMSNorm over each head's hd dims, before RoPE),
+// sublayer's output (4 norms), QK-norm (RMSNorm over each head's hd dims, before RoPE; over
+// all heads' H·hd and KV·hd dims where the norms are that long, as OLMoE's),
 // RMSNorm gains (1 + w) (unit_offset), GeGLU with tanh GELU, soft-capped scores (softcap > 0).
+// With a router (Mixtral, Qwen3-MoE, OLMoE): the feed-forward is a softmax-routed mixture of
+// experts (moe_feed_forward; w13 and w2 unused), every expert's projection one MUL_MAT_ID op.
 // Each weight is a block matrix given as [codes, d, m] (Q4) or [codes, d, small] (Q8); wqkv stacks
 // wq, wk, wv and w13 stacks w1, w3 (torchllama.quantize.fuse_projections). The T new keys and
 // values are written into cache rows row0.. at indices write_pos..write_pos+T-1 (as the cache
@@ -61,6 +65,45 @@ static int64_t rows_of(const std::vector<at::Tensor>& w) {
   return rows;
 }
 
+// One projection of each (token, expert) pair r: x2[tokens[r]] times expert experts[r]'s
+// matrix, the experts' matrices stacked in one block weight (3 tensors: MUL_MAT_ID, blocks.cpp).
+static at::Tensor experts_product(const at::Tensor& x2, const at::Tensor& tokens,
+                                  const at::Tensor& experts, int64_t n_experts,
+                                  const std::vector<at::Tensor>& w, size_t i) {
+  if (w.at(i).scalar_type() == at::kByte)
+    return q4_linear_experts(x2, tokens, experts, n_experts, w[i], w[i + 1], w[i + 2]);
+  return q8_linear_experts(x2, tokens, experts, n_experts, w[i], w[i + 1], w[i + 2].item<bool>());
+}
+
+// The mixture-of-experts feed-forward of m2 (N, D) → (N, D): torchllama/nn/moe.py's
+// `MoE.forward` with the softmax router and the stacked products, op for op (the same bits):
+//   p = softmax(m·W_gᵀ) (N, E); (g, e) = TopK(p, k), g / Σ g if norm_topk, × moe_scale;
+//   each token's experts in increasing e; y_j = W2_e·(act(W1_e·m) ⊙ W3_e·m); out = Σ_j g_j·y_j.
+// router: [W_g (E, D) float32] or a block weight; experts: w1, w3, w2 stacked (9 tensors).
+static at::Tensor moe_feed_forward(const at::Tensor& m2, const std::vector<at::Tensor>& router,
+                                   const std::vector<at::Tensor>& experts, int64_t n_experts,
+                                   int64_t top_k, bool norm_topk, double moe_scale,
+                                   bool gelu_tanh) {
+  TORCH_CHECK(experts.size() == 9 && (router.size() == 1 || router.size() == 3) && top_k > 0 &&
+              top_k <= n_experts, "decoder_layer: a mixture of experts needs a router weight, "
+              "the experts' w1, w3, w2 (9 tensors) and 0 < top_k ≤ n_experts");
+  const int64_t N = m2.size(0);
+  const at::Tensor logits = router.size() == 1 ? f32_linear(m2, router[0]) : linear(m2, router);
+  const auto [top, ids] = at::topk(at::softmax(logits, -1), top_k, -1);        // (N, k) each
+  at::Tensor g = norm_topk ? top / top.sum(-1, true) : top;
+  if (moe_scale != 1.0) g = g * moe_scale;
+  const auto [sorted, slot] = at::sort(ids, -1);               // each token's experts in order
+  g = g.gather(1, slot);                                                       // (N, k)
+  const at::Tensor pairs = at::arange(N, ids.options()).repeat_interleave(top_k);  // (N·k,)
+  const at::Tensor flat = sorted.reshape({-1});                                    // (N·k,)
+  const at::Tensor gate = experts_product(m2, pairs, flat, n_experts, experts, 0);  // (N·k, F)
+  const at::Tensor up = experts_product(m2, pairs, flat, n_experts, experts, 3);
+  const at::Tensor act = gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate);
+  const at::Tensor y = experts_product(act * up, at::arange(N * top_k, ids.options()), flat,
+                                       n_experts, experts, 6).view({N, top_k, -1});  // (N, k, D)
+  return (y * g.unsqueeze(-1)).sum(1);                                         // (N, D)
+}
+
 // (B, T, H, hd) queries and (B, T, KV, hd) keys after QK-norm (if any) and RoPE.
 static std::pair<at::Tensor, at::Tensor> queries_keys(
     const at::Tensor& qkv, int64_t H, int64_t KV, const std::vector<at::Tensor>& qk_norms,
@@ -68,6 +111,14 @@ static std::pair<at::Tensor, at::Tensor> queries_keys(
   if (qk_norms.empty()) {                                    // q and k adjacent: one RoPE call
     const at::Tensor qk = rope(qkv.narrow(2, 0, H + KV), cs);               // (B, T, H+KV, hd)
     return {qk.narrow(2, 0, H), qk.narrow(2, H, KV)};
+  }
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(3);
+  if (qk_norms[0].numel() == H * hd && H > 1) {       // over all heads' H·hd dims (OLMoE)
+    const at::Tensor q = rms_norm(qkv.narrow(2, 0, H).reshape({B, T, H * hd}), qk_norms[0], eps,
+                                  unit_offset).view({B, T, H, hd});
+    const at::Tensor k = rms_norm(qkv.narrow(2, H, KV).reshape({B, T, KV * hd}), qk_norms[1],
+                                  eps, unit_offset).view({B, T, KV, hd});
+    return {rope(q, cs), rope(k, cs)};
   }
   const at::Tensor q = rms_norm(qkv.narrow(2, 0, H), qk_norms[0], eps, unit_offset);
   const at::Tensor k = rms_norm(qkv.narrow(2, H, KV), qk_norms[1], eps, unit_offset);
@@ -150,7 +201,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
                          int64_t n_kv_heads, double eps, double scale, double softcap,
                          bool unit_offset, bool gelu_tanh,
                          const std::optional<at::Tensor>& row_write_pos,
-                         const std::optional<at::Tensor>& key_start) {
+                         const std::optional<at::Tensor>& key_start,
+                         const std::vector<at::Tensor>& router,
+                         const std::vector<at::Tensor>& experts, int64_t n_experts,
+                         int64_t top_k, bool norm_topk, double moe_scale) {
   TORCH_CHECK(x.dim() == 3, "decoder_layer: x must be (B, T, D), got ", x.sizes());
   TORCH_CHECK((norms.size() == 2 || norms.size() == 4) &&
               (qk_norms.empty() || qk_norms.size() == 2),
@@ -176,6 +230,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
   const at::Tensor h = x + o;
   // feed-forward: m = RMSNorm(h); h + W2·(act(gate) ⊙ up), [gate, up] = m·W13ᵀ
   const at::Tensor m = rms_norm(h, norms[1], eps, unit_offset);
+  if (!router.empty()) {                                  // a mixture of experts (no sandwich)
+    TORCH_CHECK(norms.size() == 2, "decoder_layer: a mixture of experts with 2 norms expected");
+    return h + moe_feed_forward(m.view({B * T, D}), router, experts, n_experts, top_k,
+                                norm_topk, moe_scale, gelu_tanh).view({B, T, D});
+  }
   const auto gate_up = linear(m.view({B * T, D}), w13).chunk(2, -1);           // (BT, F) each
   const at::Tensor act = gelu_tanh ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
   at::Tensor f = linear(act * gate_up[1], w2).view({B, T, D});
@@ -190,7 +249,8 @@ TORCH_LIBRARY_FRAGMENT(torchllama, m) {
         "Tensor[] w2, Tensor[] qk_norms, Tensor(a!) k_cache, Tensor(b!) v_cache, int row0, "
         "int write_pos, int n_keys, Tensor cs, Tensor? mask, int n_heads, int n_kv_heads, "
         "float eps, float scale, float softcap, bool unit_offset, bool gelu_tanh, "
-        "Tensor? row_write_pos=None, Tensor? key_start=None) -> Tensor");
+        "Tensor? row_write_pos, Tensor? key_start, Tensor[] router, Tensor[] experts, "
+        "int n_experts, int top_k, bool norm_topk, float moe_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {

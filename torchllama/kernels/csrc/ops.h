@@ -11,6 +11,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      bool small);
+at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
+                             const at::Tensor& experts, int64_t n_experts,
+                             const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m);
+at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
+                             const at::Tensor& experts, int64_t n_experts,
+                             const at::Tensor& codes, const at::Tensor& d, bool small);
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cs);
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
