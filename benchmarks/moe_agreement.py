@@ -7,7 +7,9 @@ and Mixtral 8x7B with 2 of their layers (real widths, head sizes and expert coun
 layers to fit both engines in memory); `--shapes deepseek-v2-lite` adds DeepSeek-V2-Lite whole
 (an 8.8 GB file; llama.cpp knows a model without query compression only by its 27 layers). For each: ours on the file's blocks (`--dtype auto`)
 against llama.cpp (llama-cpp-python, `make bench-peer`, 2 threads): max and mean |Δlogit|,
-top-1 agreement; and, where memory allows (`--float`), the exact float32 computation of the same
+top-1 agreement; llama.cpp with flash attention on against off (the same weights and
+activation rounding, another attention summation order: how far llama.cpp moves from itself);
+and, where memory allows (`--float`), the exact float32 computation of the same
 weights (ours, dequantized) against llama.cpp's Q4_0 run: the gap llama.cpp's own int8
 activation rounding leaves, for scale.
 
@@ -34,12 +36,12 @@ def _ours(path: str, dtype: str, ids: list[int]):
     return logits
 
 
-def _theirs(path: str, ids: list[int]):
+def _theirs(path: str, ids: list[int], flash_attn: bool = False):
     import numpy as np
     import llama_cpp
 
     llm = llama_cpp.Llama(path, n_ctx=len(ids) + 16, n_batch=len(ids), logits_all=True,
-                          verbose=False, n_threads=2, n_threads_batch=2)
+                          verbose=False, n_threads=2, n_threads_batch=2, flash_attn=flash_attn)
     llm.eval(ids)
     logits = np.array(llm.scores[:len(ids)])
     llm.close()
@@ -76,6 +78,8 @@ def main() -> None:
         spread = float(theirs.std())
         print(f"{name} (logit std {spread:.3f}): ours Q4_0 vs llama.cpp Q4_0: "
               f"{_compare(ours, theirs)}")
+        print(f"{name}: llama.cpp flash attention on vs off (its own run-to-run floor): "
+              f"{_compare(_theirs(path, ids, flash_attn=True), theirs)}")
         if args.float:
             exact = _ours(path, "float32", ids)
             print(f"{name}: float32 of the same weights vs llama.cpp Q4_0: "

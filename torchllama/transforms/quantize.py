@@ -31,6 +31,7 @@ swapped, `install_quantized`):
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -1079,13 +1080,14 @@ class StackedExperts:
     def __init__(self, w1: ExpertsProduct, w3: ExpertsProduct, w2: ExpertsProduct,
                  experts: nn.ModuleList):
         self.w1, self.w3, self.w2 = w1, w3, w2
-        self.parts = [(e.w1, e.w3, e.w2) for e in experts]
+        self.parts = {name: [e._modules[name] for e in experts] for name in ("w1", "w3", "w2")}
 
     def serves(self, experts: nn.ModuleList) -> bool:
-        """Whether every expert's w1, w3, w2 are still the modules stacked (asked every
-        forward: read from the experts' `_modules` directly, ~40× cheaper than attributes)."""
-        return all(m["w1"] is a and m["w3"] is b and m["w2"] is c
-                   for m, (a, b, c) in zip((e._modules for e in experts), self.parts))
+        """Whether every expert's w1, w3, w2 are still the modules stacked. Asked every
+        forward, so read from the experts' `_modules` at C speed (map, not a generator)."""
+        modules = [e._modules for e in experts]
+        return all(all(map(operator.is_, map(operator.itemgetter(name), modules), stacked))
+                   for name, stacked in self.parts.items())
 
 
 def stack_experts(model: nn.Module) -> int:

@@ -227,27 +227,36 @@ static Q8Weight expert_weight(Q8Weight w, int64_t e, int64_t Ge, const at::Tenso
   return w;
 }
 
-// y (R, N) f32: row r = x[tokens[r]] · W_{experts[r]}ᵀ, W the E experts' (N, K) matrices
-// stacked (E·N rows, packed): llama.cpp's MUL_MAT_ID. x's rows are quantized once; the pairs
-// are grouped by expert (a counting sort, pair order kept within an expert), each expert's
-// rows gathered and multiplied by its groups, and the (expert, row group) work of every expert
-// split over the threads at once. Each output is the kernel's y[m, n] of one activation row and
-// one weight row: the same bits as that expert's own product, whatever else is in the batch.
+// A weight of experts stacked (E·N rows, packed) with its buffers, for `expert_weight`.
+template <typename W>
+struct Stacked { W w; at::Tensor codes, d, m; };
+
+// y (R, ΣN) f32: row r = x[tokens[r]] · W_{experts[r]}ᵀ for each part's W (side by side: w1
+// and w3 of a mixture of experts in one call), W the E experts' (N, K) matrices stacked (E·N
+// rows, packed): llama.cpp's MUL_MAT_ID. x's rows are quantized once; the pairs are grouped by
+// expert (a counting sort, pair order kept within an expert), each expert's rows gathered and
+// multiplied by its groups, and the (part, expert, row group) work of every expert split over
+// the threads at once. Each output is the kernel's y[m, n] of one activation row and one weight
+// row: the same bits as that expert's own product, whatever else is in the batch or the call.
 template <typename W>
 static at::Tensor expert_product(const at::Tensor& x_, const at::Tensor& tokens_,
-                                 const at::Tensor& experts_, int64_t E, const W& w,
-                                 const at::Tensor& codes, const at::Tensor& d,
-                                 const at::Tensor& m, const char* op) {
-  check_x(x_, w.K, op);
-  TORCH_CHECK(E > 0 && w.G % E == 0, op, ": ", w.G, " row groups do not split into ", E,
-              " experts");
+                                 const at::Tensor& experts_, int64_t E,
+                                 const std::vector<Stacked<W>>& parts, const char* op) {
+  const int64_t K = parts.at(0).w.K, nb = K / 32;
+  check_x(x_, K, op);
+  std::vector<int64_t> Ge, col(1, 0);                    // groups an expert, output columns
+  for (const auto& p : parts) {
+    TORCH_CHECK(E > 0 && p.w.G % E == 0 && p.w.K == K, op, ": ", p.w.G, " row groups of ",
+                p.w.K, " columns do not split into ", E, " experts of ", K);
+    Ge.push_back(p.w.G / E);
+    col.push_back(col.back() + 8 * Ge.back());
+  }
   TORCH_CHECK(tokens_.dim() == 1 && experts_.dim() == 1 && tokens_.size(0) == experts_.size(0)
               && tokens_.scalar_type() == at::kLong && experts_.scalar_type() == at::kLong, op,
               ": tokens and experts must be (R,) int64 tensors of one length");
   const at::Tensor x = x_.contiguous(), tokens = tokens_.contiguous(),
                    experts = experts_.contiguous();
-  const int64_t M = x.size(0), K = w.K, nb = K / 32, R = tokens.size(0), Ge = w.G / E,
-                N = 8 * Ge;
+  const int64_t M = x.size(0), R = tokens.size(0);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* ex = experts.data_ptr<int64_t>();
   std::vector<int64_t> start(E + 1, 0), order(R);
@@ -272,39 +281,70 @@ static at::Tensor expert_product(const at::Tensor& x_, const at::Tensor& tokens_
   std::vector<int64_t> used;
   for (int64_t e = 0; e < E; ++e)
     if (start[e + 1] > start[e]) used.push_back(e);
-  at::Tensor ys = at::empty({R, N}, x.options());                    // rows in expert order
-  float* yp = ys.data_ptr<float>();
-  const auto rows = rows_kernel(w);
-  const int64_t per_group = std::max<int64_t>(1, 8 * K * R / std::max<int64_t>(1, used.size()));
+  const int64_t U = int64_t(used.size()), P = int64_t(parts.size());
+  std::vector<int64_t> unit0(1, 0);                      // work units: part p's from unit0[p]
+  std::vector<at::Tensor> ys;                            // part p's rows, in expert order
+  for (int64_t p = 0; p < P; ++p) {
+    unit0.push_back(unit0.back() + U * Ge[p]);
+    ys.push_back(at::empty({R, 8 * Ge[p]}, x.options()));
+  }
+  const auto rows = rows_kernel(parts[0].w);
+  const int64_t per_group = std::max<int64_t>(1, 8 * K * R / std::max<int64_t>(1, U));
   const int64_t grain = std::max<int64_t>(1, (32768 + per_group - 1) / per_group);
-  at::parallel_for(0, int64_t(used.size()) * Ge, grain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, unit0.back(), grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
-      const int64_t e = used[i / Ge], g0 = i % Ge, g1 = std::min(Ge, g0 + (i1 - i));
-      const int64_t s = start[e];
+      const int64_t p = std::upper_bound(unit0.begin(), unit0.end(), i) - unit0.begin() - 1;
+      const int64_t j = i - unit0[p], G = Ge[p], e = used[j / G], g0 = j % G;
+      const int64_t g1 = std::min({G, g0 + (i1 - i)}), s = start[e];
       const Act ae{q.data() + s * K, qd.data() + s * nb, qs.data() + s * nb, start[e + 1] - s, K};
-      rows(ae, expert_weight(w, e, Ge, codes, d, m), yp + s * N, g0, g1);
+      const Stacked<W>& w = parts[p];
+      rows(ae, expert_weight(w.w, e, G, w.codes, w.d, w.m), ys[p].data_ptr<float>() + s * 8 * G,
+           g0, g1);
       i += g1 - g0;
     }
   });
+  const int64_t N = col.back();
   at::Tensor y = at::empty({R, N}, x.options());                     // back in pair order
   float* out = y.data_ptr<float>();
-  for (int64_t i = 0; i < R; ++i)
-    std::memcpy(out + order[i] * N, yp + i * N, sizeof(float) * size_t(N));
+  for (int64_t p = 0; p < P; ++p) {
+    const float* yp = ys[p].data_ptr<float>();
+    const int64_t n = 8 * Ge[p];
+    for (int64_t i = 0; i < R; ++i)
+      std::memcpy(out + order[i] * N + col[p], yp + i * n, sizeof(float) * size_t(n));
+  }
   return y;
 }
 
 at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
                              const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  const Q4Weight w = q4_weight(codes, d, m, "q4_linear_experts");
-  return expert_product(x, tokens, experts, n_experts, w, codes, d, m, "q4_linear_experts");
+  return experts_linear(x, tokens, experts, n_experts, {codes, d, m});
 }
 
 at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
                              const at::Tensor& codes, const at::Tensor& d, bool small) {
-  const Q8Weight w = q8_weight(codes, d, small, "q8_linear_experts");
-  return expert_product(x, tokens, experts, n_experts, w, codes, d, d, "q8_linear_experts");
+  return experts_linear(x, tokens, experts, n_experts,
+                        {codes, d, at::scalar_tensor(small, at::kBool)});
+}
+
+at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& tokens,
+                          const at::Tensor& experts, int64_t n_experts,
+                          const std::vector<at::Tensor>& w) {
+  TORCH_CHECK(!w.empty() && w.size() % 3 == 0, "experts_linear: [codes, d, m] or [codes, d, "
+              "small] per stacked weight expected, got ", w.size(), " tensors");
+  if (w[0].scalar_type() == at::kByte) {
+    std::vector<Stacked<Q4Weight>> parts;
+    for (size_t i = 0; i < w.size(); i += 3)
+      parts.push_back({q4_weight(w[i], w[i + 1], w[i + 2], "q4_linear_experts"), w[i],
+                       w[i + 1], w[i + 2]});
+    return expert_product(x, tokens, experts, n_experts, parts, "q4_linear_experts");
+  }
+  std::vector<Stacked<Q8Weight>> parts;
+  for (size_t i = 0; i < w.size(); i += 3)
+    parts.push_back({q8_weight(w[i], w[i + 1], w[i + 2].item<bool>(), "q8_linear_experts"),
+                     w[i], w[i + 1], w[i + 1]});
+  return expert_product(x, tokens, experts, n_experts, parts, "q8_linear_experts");
 }
 
 // int8 codes (N, K), every one in [−32, 31], straight into the packed 6-bit layout (G, K/32,

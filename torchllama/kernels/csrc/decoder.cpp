@@ -33,6 +33,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -66,13 +67,19 @@ static int64_t rows_of(const std::vector<at::Tensor>& w) {
 }
 
 // One projection of each (token, expert) pair r: x2[tokens[r]] times expert experts[r]'s
-// matrix, the experts' matrices stacked in one block weight (3 tensors: MUL_MAT_ID, blocks.cpp).
+// matrix, the experts' matrices stacked in one block weight (3 tensors: MUL_MAT_ID, blocks.cpp);
+// parts = 2: w[i..i+5] two such weights side by side, in one call where they are of one kind.
 static at::Tensor experts_product(const at::Tensor& x2, const at::Tensor& tokens,
                                   const at::Tensor& experts, int64_t n_experts,
-                                  const std::vector<at::Tensor>& w, size_t i) {
-  if (w.at(i).scalar_type() == at::kByte)
-    return q4_linear_experts(x2, tokens, experts, n_experts, w[i], w[i + 1], w[i + 2]);
-  return q8_linear_experts(x2, tokens, experts, n_experts, w[i], w[i + 1], w[i + 2].item<bool>());
+                                  const std::vector<at::Tensor>& w, size_t i, size_t parts) {
+  const auto part = [&](size_t j) { return std::vector<at::Tensor>(w.begin() + j,
+                                                                   w.begin() + j + 3); };
+  if (parts == 1) return experts_linear(x2, tokens, experts, n_experts, part(i));
+  if (w.at(i).scalar_type() == w.at(i + 3).scalar_type())
+    return experts_linear(x2, tokens, experts, n_experts,
+                          std::vector<at::Tensor>(w.begin() + i, w.begin() + i + 6));
+  return at::cat({experts_linear(x2, tokens, experts, n_experts, part(i)),
+                  experts_linear(x2, tokens, experts, n_experts, part(i + 3))}, 1);
 }
 
 // The mixture-of-experts feed-forward of m2 (N, D) → (N, D): torchllama/nn/moe.py's
@@ -92,16 +99,31 @@ static at::Tensor moe_feed_forward(const at::Tensor& m2, const std::vector<at::T
   const auto [top, ids] = at::topk(at::softmax(logits, -1), top_k, -1);        // (N, k) each
   at::Tensor g = norm_topk ? top / top.sum(-1, true) : top;
   if (moe_scale != 1.0) g = g * moe_scale;
-  const auto [sorted, slot] = at::sort(ids, -1);               // each token's experts in order
-  g = g.gather(1, slot);                                                       // (N, k)
-  const at::Tensor pairs = at::arange(N, ids.options()).repeat_interleave(top_k);  // (N·k,)
-  const at::Tensor flat = sorted.reshape({-1});                                    // (N·k,)
-  const at::Tensor gate = experts_product(m2, pairs, flat, n_experts, experts, 0);  // (N·k, F)
-  const at::Tensor up = experts_product(m2, pairs, flat, n_experts, experts, 3);
-  const at::Tensor act = gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate);
-  const at::Tensor y = experts_product(act * up, at::arange(N * top_k, ids.options()), flat,
-                                       n_experts, experts, 6).view({N, top_k, -1});  // (N, k, D)
-  return (y * g.unsqueeze(-1)).sum(1);                                         // (N, D)
+  // each token's experts in increasing e, their weights with them (ids.sort, weights.gather:
+  // a row's ids are distinct, so one order), and the pairs' tokens: plain loops, exact
+  const at::Tensor id = ids.contiguous(), gc = g.contiguous();
+  at::Tensor flat = at::empty({N * top_k}, id.options()), pairs = at::empty_like(flat),
+             rows = at::empty_like(flat), gs = at::empty_like(gc);               // (N·k,) …
+  const int64_t* ip = id.data_ptr<int64_t>();
+  const float* gp = gc.data_ptr<float>();
+  int64_t *fp = flat.data_ptr<int64_t>(), *pp = pairs.data_ptr<int64_t>(),
+          *rp = rows.data_ptr<int64_t>();
+  float* sp = gs.data_ptr<float>();
+  std::vector<int64_t> slot(static_cast<size_t>(top_k));
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < top_k; ++j) slot[j] = j;
+    std::sort(slot.begin(), slot.end(), [&](int64_t a, int64_t b) {
+      return ip[n * top_k + a] < ip[n * top_k + b]; });
+    for (int64_t j = 0, r = n * top_k; j < top_k; ++j, ++r) {
+      fp[r] = ip[n * top_k + slot[j]], sp[r] = gp[n * top_k + slot[j]], pp[r] = n, rp[r] = r;
+    }
+  }
+  const auto gate_up = experts_product(m2, pairs, flat, n_experts, experts, 0, 2)
+                           .chunk(2, -1);                                     // (N·k, F) each
+  const at::Tensor act = gelu_tanh ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+  const at::Tensor y = experts_product(act * gate_up[1], rows, flat, n_experts, experts, 6, 1)
+                           .view({N, top_k, -1});                             // (N, k, D)
+  return (y * gs.unsqueeze(-1)).sum(1);                                        // (N, D)
 }
 
 // (B, T, H, hd) queries and (B, T, KV, hd) keys after QK-norm (if any) and RoPE.

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <optional>
+#include <vector>
 
 namespace torchllama {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
@@ -17,6 +18,10 @@ at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
 at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
                              const at::Tensor& codes, const at::Tensor& d, bool small);
+// Several stacked weights of one kind side by side ([codes, d, m | small] each): (R, ΣN).
+at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& tokens,
+                          const at::Tensor& experts, int64_t n_experts,
+                          const std::vector<at::Tensor>& w);
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cs);
