@@ -35,7 +35,8 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
         16-lane dot product whatever M, so a row's result is the same bits alone or batched
         (csrc/linear_impl.h; `torchllama.nn.linear.Linear` calls it)
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
-        layer with block weights, the same kernels in one call (csrc/decoder.cpp)
+        layer, or a Mixtral / Qwen3-MoE / OLMoE one (softmax router, stacked experts), with
+        block weights, the same kernels in one call (csrc/decoder.cpp)
     torch.ops.torchllama.isa() → 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 without VNNI
         (its float32 layer ops on AVX-512 F/VL/BW, its block products on AVX2)
     torch.ops.torchllama.kernel_levels(isa) → ["q4_rows=avx2", …] (see kernel_levels())
