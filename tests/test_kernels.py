@@ -260,8 +260,9 @@ wides = [Q4Linear(Q4Blocks.from_float(wide)), Q4Linear(Q4Blocks(q4.codes.repeat(
                                                                  -8 * d9))]
 y = torch.cat([y] + [f(x[:m]).ravel()[None].expand(7, -1) for f in wides for m in (1, 3, 7)], 1)
 x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
-y7 = torch.cat([Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))(x7),
-                Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
+q7 = Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))
+y7 = torch.cat([q7(x7), Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
+y7 = torch.cat([y7.ravel(), q7(x7[:1]).ravel()])  # one row: VNNI's group-by-group decode
 ops = torch.ops.torchllama
 w = torch.randn(256, generator=g)
 q, k, v = (torch.randn(2, s, 5, 48, generator=g).transpose(1, 2) for s in (3, 9, 9))

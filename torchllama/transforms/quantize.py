@@ -1099,8 +1099,9 @@ def stack_experts(model: nn.Module) -> int:
 
     Measured on an OLMoE-1B-7B-shaped Q4_0 file (64 experts of 1024, 8 per token; 2 threads,
     AVX-512): expert by expert 16.5 tok/s at batch 1 and 33.6 at batch 8; stacked 27.4 and
-    49.6; with the VNNI decode tiles 26.9 and 70.0 (README "Mixture of experts on the
-    kernels")."""
+    49.6; with the VNNI decode tiles 26.9 and 70.0; in the one-op layer
+    (`transforms.fuse`, every MoE layer one `decoder_layer` call) 33.8 and 74.0 (README
+    "Mixture of experts on the kernels")."""
     from torchllama.nn.moe import MoE
 
     n = 0
