@@ -16,10 +16,11 @@ products (one fused product, `transforms.quantize.fuse_projections`, where their
 RoPE, optionally QK-norm (per head, or over all heads as OLMoE's) and soft-capping; a gated
 feed-forward (SwiGLU, or GeGLU with tanh GELU) with w1/w3 block products (fused likewise), or a
 softmax-routed mixture of such experts without shared experts (Mixtral, Qwen3-MoE, OLMoE: the
-experts stacked by `stack_experts`, the router float32 or blocks); no biases. What a call needs (checked per call): float32 inference on
-torchllama's kernels, a KV cache the op can write in place (float32, float16, bfloat16 or
-q8_0: the op stores each key and value as the cache does), RoPE rotations, no position
-bias, no attention capture, and RoPE over the whole head (not partial).
+experts stacked by `stack_experts`, the router float32 or blocks); no biases. What a call
+needs (checked per call): float32 inference on torchllama's kernels, a KV cache the op can
+write in place (float32, float16, bfloat16 or q8_0: the op stores each key and value as the
+cache does), RoPE rotations, no position bias, no attention capture, RoPE over the whole head
+(not partial), and no MoE recording its routing for training.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from torch import nn
 
 from torchllama import kernels
 from torchllama.model import Transformer, TransformerBlock
+from torchllama.nn import linear as linear_module
 from torchllama.nn.attention import Attention
 from torchllama.nn.attention_inputs import AttentionInputs
 from torchllama.nn.kv_cache import KVCache, SlidingWindowKVCache
-from torchllama.nn import linear as linear_module
 from torchllama.nn.linear import Linear
 from torchllama.nn.mlp import ACTIVATIONS, FeedForward
 from torchllama.nn.moe import MoE

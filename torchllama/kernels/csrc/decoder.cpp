@@ -5,7 +5,8 @@
 //
 //   decoder_layer(x (B, T, D) f32, norms [attention_norm, ffn_norm(, post_attention_norm,
 //                 post_ffn_norm)] (D,) each, wqkv, wo, w13, w2, qk_norms [] | [q_norm, k_norm]
-//                 (hd,) each or (H·hd,), (KV·hd,), k_cache (R, KV, C, hd), v_cache, row0, write_pos, n_keys,
+//                 (hd,) each or (H·hd,), (KV·hd,), k_cache (R, KV, C, hd), v_cache, row0,
+//                 write_pos, n_keys,
 //                 cs (T | B·T, hd/2, 2), mask, n_heads, n_kv_heads, eps, scale, softcap,
 //                 unit_offset, gelu_tanh, row_write_pos (B,) | None, key_start (B,) | None,
 //                 router [] | [W_g (E, D)] | block weight, experts [] | w1, w3, w2 stacked,
