@@ -242,9 +242,10 @@ constexpr int DG = 4;
 // prefetches: PF blocks on in the same group, or, within PF of its end, the next tile's group
 // (TG groups on) at block b + PF − nb, so the next tile's streams are already in flight (past
 // the buffer's end at the last tile: a prefetch never faults). A group of K = 2048 is only 8 KiB
-// of Q4 codes: 6144 × 2048 Q4_0 products streamed 29 GB/s against 39 at K = 8192, each new
-// stream paying the memory's latency; alternating with and without in one build here, 25.5–26.4
-// → 26.0–27.4 GB/s. (The AVX2 tile, compute-bound on this machine at ~15 GB/s, keeps PF.)
+// of Q4 codes, each new stream paying the memory's latency. Measured at one row before one row
+// went group after group (`q4_row_vnni`): alternating with and without in one build here,
+// 6144 × 2048 Q4_0 25.5–26.4 → 26.0–27.4 GB/s; the tiles of 2–8 rows keep it, not measured
+// there. (The AVX2 tile, compute-bound on this machine at ~15 GB/s, keeps PF.)
 static inline int64_t prefetch_ahead(int64_t b, int64_t nb, int TG, int64_t bytes) {
   return (b + PF < nb ? PF : (TG - 1) * nb + PF) * bytes;
 }
@@ -622,12 +623,17 @@ constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG;
 constexpr int64_t MC = TL_MC;
 
 // Decode (M ≤ 8, TL_DECODE_ROWS): per tile of DG groups (then single groups), every
-// activation row, so the rows read each weight tile from memory once.
+// activation row, so the rows read each weight tile from memory once; one row goes group after
+// group (one sequential stream a thread: see DG).
 #ifndef TL_DECODE_ROWS
 #define TL_DECODE_ROWS 9
 #endif
 template <typename T14, typename T11>
 static inline void drive_decode(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11) {
+  if (M == 1) {                                     // one row: group after group (DG's note)
+    for (int64_t g = g_begin; g < g_end; ++g) t11(0, g);
+    return;
+  }
   int64_t g = g_begin;
   for (; g + DG <= g_end; g += DG)
     for (int64_t m = 0; m < M; ++m) t14(m, g);
@@ -678,10 +684,6 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 #if ISA_LEVEL == 2
     q4_decode_vnni<DF, MF>(a, w, y, g0, g1);
 #else
-    if (a.M == 1) {
-      for (int64_t g = g0; g < g1; ++g) q4_tile<1, 1, DF, MF>(a, 0, w, g, y);
-      return;
-    }
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q4_tile<1, DG, DF, MF>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); });
@@ -717,20 +719,12 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
   constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
   if (a.M < TL_DECODE_ROWS && w.six) {
     const int32_t* sx = sum_buffer.sums(a);
-    if (a.M == 1) {
-      for (int64_t g = g0; g < g1; ++g) six_tile<1, B, DF>(a, 0, w, g, y, sx);
-      return;
-    }
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, sx + m * a.K / 16); },
                  [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
     return;
   }
   if (a.M < TL_DECODE_ROWS) {
-    if (a.M == 1) {
-      for (int64_t g = g0; g < g1; ++g) q8_tile<1, 1, B, DF, SMALL>(a, 0, w, g, y);
-      return;
-    }
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL>(a, m, w, g, y); });
