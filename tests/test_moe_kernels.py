@@ -147,6 +147,17 @@ def test_llama_cpp_computes_our_quantized_moe_files_as_we_do(tmp_path, tokenizer
     assert same.mean() >= 0.98, same.mean()
 
 
+class ShiftedOutput(torch.nn.Module):
+    """A wrapper put on an expert's projection (as a LoRA wrapper is): its output + 1."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(h) + 1.0
+
+
 def test_an_expert_wrapped_after_stacking_is_used():
     """A module put on an expert after stacking (a LoRA wrapper: QLoRA, a served adapter)
     sends the MoE back to its expert-by-expert path, so the wrapper counts."""
@@ -154,20 +165,43 @@ def test_an_expert_wrapped_after_stacking_is_used():
     moe = model.layers[0].feed_forward
     x = torch.randn(1, 6, SMALL["dim"], generator=torch.Generator().manual_seed(5))
 
-    class Shifted(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, h):
-            return self.inner(h) + 1.0
-
     with torch.inference_mode():
         before = moe(x)
         for expert in moe.experts:
-            expert.w2 = Shifted(expert.w2)
+            expert.w2 = ShiftedOutput(expert.w2)
         after = moe(x)
         stacked, moe.stacked = moe.stacked, None
         each = moe(x)
     assert not stacked.serves(moe.experts)
     assert torch.equal(after, each) and not torch.allclose(after, before)
+
+
+def test_a_one_op_layer_notices_a_module_assigned_after_its_first_call(monkeypatch):
+    """The one-op layer remembers its weights (and the stacked experts whether they still
+    serve) while no module was assigned anywhere (`structure.version`); an expert wrapped after
+    the first call is then used: the layer leaves the op for the modules' path."""
+    from torchllama.transforms import fuse, structure
+
+    model = quantize_model(random_model(MOE), "int4")
+    prompt = tokens(6, batch=1)
+    calls = []
+    op = fuse.decoder_layer
+    monkeypatch.setattr(fuse, "decoder_layer", lambda *a: calls.append(1) or op(*a))
+
+    def logits():
+        model.setup_caches(1, 16)
+        with torch.inference_mode():
+            return model(prompt, 0)
+
+    before = logits()
+    assert len(calls) == 2 and all(layer.weights() is not None for layer in model.layers)
+    version = structure.version()
+    for expert in model.layers[1].feed_forward.experts:
+        expert.w2 = ShiftedOutput(expert.w2)
+    assert structure.version() > version
+    after = logits()
+    assert len(calls) == 3 and model.layers[1].weights() is None   # layer 0 only: one op
+    assert not torch.allclose(after, before)
+    for layer in model.layers:
+        layer.feed_forward.stacked = None                           # expert by expert
+    assert torch.equal(after, logits())

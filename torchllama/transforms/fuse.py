@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama import kernels
+from torchllama.transforms import structure
 from torchllama.model import Transformer, TransformerBlock
 from torchllama.nn import linear as linear_module
 from torchllama.nn.attention import Attention
@@ -225,15 +226,22 @@ class FusedTransformerBlock(TransformerBlock):
     forward. Made by `install`, never constructed directly."""
 
     def weights(self) -> Optional[tuple[LayerWeights, LayerConfig]]:
-        """`layer_weights(self)`, remembered while the products are the same modules (an
-        adapter or a new quantization replaces them)."""
+        """`layer_weights(self)`, remembered while no module, parameter or buffer was
+        assigned anywhere (`structure.version`: an adapter or a new quantization replaces
+        modules) and a mixture of experts keeps its `stacked` products; then read again,
+        and kept while the products are the same modules."""
+        now = structure.version()
+        stacked = self._modules["feed_forward"].__dict__.get("stacked")
+        cached = self.__dict__.get("_fused_cache")
+        if cached is not None and cached[0] == now and cached[1] is stacked:
+            return cached[3]
         a = self.attention
         key = (a.wqkv, a.wq, a.wk, a.wv, a.wo, self.attention_norm.weight,
                *_feed_forward_key(self.feed_forward))
-        cached = getattr(self, "_fused_cache", None)
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            self._fused_cache = cached = (key, layer_weights(self))
-        return cached[1]
+        if cached is None or any(a is not b for a, b in zip(cached[2], key)):
+            cached = (now, stacked, key, layer_weights(self))
+        self.__dict__["_fused_cache"] = cached = (now, stacked, *cached[2:])
+        return cached[3]
 
     def cache_slots(self, x: torch.Tensor, inputs: AttentionInputs) -> Optional[CacheSlots]:
         """Where this call's keys and values go, if the op can run it, else None. A query: the

@@ -43,7 +43,7 @@ from torch import nn
 
 from torchllama.errors import ArgumentError
 from torchllama.kernels import huge_pages
-from torchllama.transforms import fuse
+from torchllama.transforms import fuse, structure
 
 #: Group sizes `_weight_int4pack_mm_for_cpu` accepts.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -1081,13 +1081,20 @@ class StackedExperts:
                  experts: nn.ModuleList):
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.parts = {name: [e._modules[name] for e in experts] for name in ("w1", "w3", "w2")}
+        self._answer: Optional[tuple[int, nn.ModuleList, bool]] = None   # (version, experts, …)
 
     def serves(self, experts: nn.ModuleList) -> bool:
         """Whether every expert's w1, w3, w2 are still the modules stacked. Asked every
-        forward, so read from the experts' `_modules` at C speed (map, not a generator)."""
+        forward: the last answer stands while no module was assigned anywhere since
+        (`structure.version`), else the experts' `_modules` are read again (at C speed)."""
+        now = structure.version()
+        if self._answer is not None and self._answer[0] == now and self._answer[1] is experts:
+            return self._answer[2]
         modules = [e._modules for e in experts]
-        return all(all(map(operator.is_, map(operator.itemgetter(name), modules), stacked))
-                   for name, stacked in self.parts.items())
+        answer = all(all(map(operator.is_, map(operator.itemgetter(name), modules), stacked))
+                     for name, stacked in self.parts.items())
+        self._answer = (now, experts, answer)
+        return answer
 
 
 def stack_experts(model: nn.Module) -> int:
