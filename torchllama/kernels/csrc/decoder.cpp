@@ -149,15 +149,14 @@ static std::pair<at::Tensor, at::Tensor> queries_keys(
 }
 
 // One head vector x (n floats) into a cache slot as the cache stores it (torchllama.nn.kv_cache):
-// float32 as is, float16 / bfloat16 rounded to nearest even (c10's conversions, as torch's
-// copy_ rounds), q8_0 as a record: n codes and n/32 scales from quantize_block, the bits of
-// `q8_0_quantize`.
+// float32 as is, float16 / bfloat16 rounded to nearest even (the table's f32_to_f16, c10's
+// conversion: as torch's copy_ rounds), q8_0 as a record: n codes and n/32 scales from
+// quantize_block, the bits of `q8_0_quantize`.
 static void store_head(at::ScalarType type, const float* x, uint8_t* dst, int64_t n) {
   if (type == at::kFloat) {
     std::memcpy(dst, x, size_t(n) * sizeof(float));
   } else if (type == at::kHalf) {
-    at::Half* h = reinterpret_cast<at::Half*>(dst);
-    for (int64_t i = 0; i < n; ++i) h[i] = at::Half(x[i]);
+    table().f32_to_f16(x, reinterpret_cast<uint16_t*>(dst), n);
   } else if (type == at::kBFloat16) {
     at::BFloat16* h = reinterpret_cast<at::BFloat16*>(dst);
     for (int64_t i = 0; i < n; ++i) h[i] = at::BFloat16(x[i]);

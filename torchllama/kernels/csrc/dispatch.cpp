@@ -70,6 +70,7 @@ static void each_entry(Kernels& t, const Kernels& u, F f) {
   f("q8_rows", t.q8_rows, u.q8_rows);
   f("rms_norm_rows", t.rms_norm_rows, u.rms_norm_rows);
   f("rope_head", t.rope_head, u.rope_head);
+  f("f32_to_f16", t.f32_to_f16, u.f32_to_f16);
   f("attend_tiles", t.attend_tiles, u.attend_tiles);
   f("attend_fold", t.attend_fold, u.attend_fold);
   f("linear_rows", t.linear_rows, u.linear_rows);

@@ -7,7 +7,8 @@
 // quants.h declares each kernel with its `_generic` reference, arch/x86/quants.c the SIMD
 // versions and arch-fallback.h maps the ones an architecture lacks to the reference. Here:
 //   arch/scalar.cpp       every kernel, plain C++ (the reference; any x86-64)
-//   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C
+//   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C (f32_to_f16 the last level
+//                         that has it: AVX-512 has nothing to add)
 //   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
 //   arch/avx512_vnni.cpp  the activation quantization, AVX-512 F/VL/BW (the block products
 //                         are AVX2's on such a CPU: not yet written for VNNI)
@@ -93,6 +94,8 @@ struct Kernels {
                         bool unit_offset, int64_t m0, int64_t m1) = nullptr;
   void (*rope_head)(const float* x, const float* cs, float* y, int64_t pairs,
                     int64_t hd) = nullptr;
+  // n float32 numbers as float16 bits, rounded to nearest even (a float16 KV cache's store)
+  void (*f32_to_f16)(const float* x, uint16_t* y, int64_t n) = nullptr;
   void (*attend_tiles)(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int64_t t0,
                        int64_t t1, bool fresh, float* state, float* scratch) = nullptr;
   void (*attend_fold)(float* state, const float* part, int64_t n, int64_t dv) = nullptr;

@@ -36,6 +36,7 @@ const Kernels& avx2_kernels() {
     k.q4_rows = &avx2::q4_rows;
     k.q8_rows = &avx2::q8_rows;
     k.rms_norm_rows = &avx2::rms_norm_rows;
+    k.f32_to_f16 = &avx2::f32_to_f16;
     k.attend_tiles = &avx2::attend_tiles;
     k.attend_fold = &avx2::attend_fold;
     k.linear_rows = &avx2::linear_rows;

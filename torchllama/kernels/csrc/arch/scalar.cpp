@@ -36,6 +36,7 @@ const Kernels& scalar_kernels() {
     k.q8_rows = &scalar::q8_rows;
     k.rms_norm_rows = &scalar::rms_norm_rows;
     k.rope_head = &scalar::rope_head;      // the only level: plain float ops, the same bits
+    k.f32_to_f16 = &scalar::f32_to_f16;
     k.attend_tiles = &scalar::attend_tiles;
     k.attend_fold = &scalar::attend_fold;
     k.linear_rows = &scalar::linear_rows;
