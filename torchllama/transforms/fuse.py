@@ -269,10 +269,10 @@ class FusedTransformerBlock(TransformerBlock):
         # x: (B, T, D) → (B, T, D)
         fused = self.weights()
         slots = None
-        adapters = getattr(self, "adapters", None)         # `transforms.multi_lora`: a row
+        adapters = self.__dict__.get("adapters")           # `transforms.multi_lora`: a row
         if adapters is not None and adapters.active:       # with an adapter runs readable
             fused = None
-        ffn = self.feed_forward                            # a MoE recording its routing
+        ffn = self._modules["feed_forward"]                # a MoE recording its routing
         if type(ffn) is MoE and ffn.training and (ffn.aux_coef or ffn.bias_speed):
             fused = None
         if fused is not None and kernels.layer_ops_apply(x, fused[0].norms[0]):
