@@ -78,6 +78,25 @@ def test_packed_weights_are_on_huge_pages():
     assert torch.equal(pack_rows(codes, 32, 4), expected)
 
 
+@needs_thp
+def test_fused_projections_copied_together_are_on_huge_pages():
+    """Parts packed apart (not side by side in one buffer) are copied into the fused
+    product's buffer, which is streamed as theirs were: on huge pages too (an OLMoE file's
+    q, k, v were fused onto 4 KiB pages)."""
+    from torchllama import kernels
+    from torchllama.transforms.quantize import fuse_rows
+
+    if not kernels.available():
+        pytest.skip("needs torchllama's kernels")
+    g = torch.Generator().manual_seed(1)
+    parts = [Q4Linear(Q4Blocks.from_float(torch.randn(n, 1024, generator=g))) for n in (4096, 2048)]
+    fused = fuse_rows(parts)
+    assert fused.codes.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert mapping_of(fused.codes.data_ptr())["THPeligible"] == "1"
+    x = torch.randn(3, 1024, generator=g)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
 def test_the_environment_turns_them_off():
     code = ("import torch; from torchllama.kernels import huge_pages as h; "
             "t = h.empty((4 << 20,), torch.uint8); "

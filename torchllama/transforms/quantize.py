@@ -960,7 +960,10 @@ def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
             parts.append(tensors[0])
             continue
         joined = _side_by_side(tensors)
-        parts.append(torch.cat(tensors) if joined is None else joined)        # (ΣG, ·, ·)
+        if joined is None:                          # streamed once a token: on huge pages
+            joined = torch.cat(tensors, out=huge_pages.empty(
+                (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype))
+        parts.append(joined)                                                # (ΣG, ·, ·)
     if isinstance(first, Q8Linear):                         # small where every part is
         parts.append(torch.tensor(all(bool(lin.small) for lin in linears)))
     bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
