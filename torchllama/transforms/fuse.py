@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama import kernels
-from torchllama.transforms import structure
 from torchllama.model import Transformer, TransformerBlock
 from torchllama.nn import linear as linear_module
 from torchllama.nn.attention import Attention
@@ -42,6 +41,7 @@ from torchllama.nn.linear import Linear
 from torchllama.nn.mlp import ACTIVATIONS, FeedForward
 from torchllama.nn.moe import MoE
 from torchllama.nn.norms import RMSNorm
+from torchllama.transforms import structure
 
 
 #: The cache storages the op writes and reads (float32, float16, bfloat16, q8_0 records).
@@ -230,18 +230,18 @@ class FusedTransformerBlock(TransformerBlock):
         assigned anywhere (`structure.version`: an adapter or a new quantization replaces
         modules) and a mixture of experts keeps its `stacked` products; then read again,
         and kept while the products are the same modules."""
-        now = structure.version()
+        version = structure.version()
         stacked = self._modules["feed_forward"].__dict__.get("stacked")
-        cached = self.__dict__.get("_fused_cache")
-        if cached is not None and cached[0] == now and cached[1] is stacked:
+        cached = self.__dict__.get("_fused_cache")        # (version, stacked, key, weights)
+        if cached is not None and cached[0] == version and cached[1] is stacked:
             return cached[3]
         a = self.attention
         key = (a.wqkv, a.wq, a.wk, a.wv, a.wo, self.attention_norm.weight,
                *_feed_forward_key(self.feed_forward))
-        if cached is None or any(a is not b for a, b in zip(cached[2], key)):
-            cached = (now, stacked, key, layer_weights(self))
-        self.__dict__["_fused_cache"] = cached = (now, stacked, *cached[2:])
-        return cached[3]
+        same = cached is not None and all(a is b for a, b in zip(cached[2], key))
+        weights = cached[3] if same else layer_weights(self)
+        self.__dict__["_fused_cache"] = (version, stacked, key, weights)
+        return weights
 
     def cache_slots(self, x: torch.Tensor, inputs: AttentionInputs) -> Optional[CacheSlots]:
         """Where this call's keys and values go, if the op can run it, else None. A query: the
