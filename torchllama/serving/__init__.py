@@ -11,8 +11,10 @@
     output        sampled tokens → token events (log-probs, text), stop strings, finished rows
     batch         offline: many prompts through the engine in the caller's thread
                   (generate_batch, `torchllama generate --prompt-file`)
-    protocol      OpenAI's request bodies, errors, answer bodies and stream chunks
-    app           the FastAPI application: handlers, streaming, `torchllama serve`
+    adapters      the LoRA adapters served by name (loaded, unloaded, in use)
+    api/          one module per API surface (chat, completions, embeddings, adapters), each
+                  a translation into the one request path (`api.core`)
+    app           the FastAPI application: its routes, errors, API key, `torchllama serve`
     metrics       Prometheus metrics of the server
 
 Built on `torchllama.generation` (sampling, text streams and stop strings, grammars,

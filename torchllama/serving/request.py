@@ -65,6 +65,13 @@ class Request:
             at the end ('' after a stop string, or without a TextStream).
         adapter: the name of a LoRA adapter loaded on the engine (`Engine.load_adapter`) to
             generate with, or None for the base model.
+        prompt_logprobs: None, or n ≥ 0: score the prompt — each prompt token after the first
+            gets its log-probability and the n most likely alternatives at its position, in
+            `prompt_scores` (set by the engine before the first token or the finish is
+            reported). The prompt is then prefilled whole (no prefix cache reuse), and
+            max_tokens may be 0 (score only, nothing generated).
+        prompt_scores: [(logprob, [(token id, logprob), ...]), ...], one per prompt token
+            from the second on (`prompt_logprobs`).
     """
 
     prompt_ids: list[int]
@@ -78,6 +85,8 @@ class Request:
     text: Optional[TextStream] = None
     tail: str = ""
     adapter: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
+    prompt_scores: list = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
