@@ -151,3 +151,15 @@ def test_no_function_over_80_lines():
     long = {name: n for name, n in function_lengths().items()
             if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS}
     assert long == {}, long
+
+
+def test_api_modules_translate_into_the_one_request_path():
+    """Each API surface is one module of serving/api that imports none of the others (what
+    they share lives in api.core), and only api.core submits to the engine."""
+    graph = import_graph()
+    protocols = {m for m in graph if m.startswith("torchllama.serving.api.")
+                 and m != "torchllama.serving.api.core"}
+    assert {"torchllama.serving.api.chat", "torchllama.serving.api.completions"} <= protocols
+    for module in protocols:
+        assert graph[module] & protocols == set(), (module, graph[module] & protocols)
+        assert "torchllama.serving.engine" not in graph[module], module
