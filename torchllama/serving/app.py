@@ -8,6 +8,8 @@
     POST /v1/embeddings          OpenAI's embeddings             `serving.api.embeddings`
     POST /v1/load_lora_adapter   vLLM's runtime LoRA endpoints   `serving.api.adapters`
     POST /v1/unload_lora_adapter
+    POST /tokenize, /detokenize  vLLM's tokenizer endpoints      `serving.api.tokenization`
+    GET  /tokenizer_info
 
 Each protocol module translates its body into the one request path (`serving.api.core`: a
 `Generation` run on the continuous-batching `torchllama.serving.engine.Engine`) and renders
@@ -27,7 +29,8 @@ from typing import Any, Callable, Optional
 
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.serving.adapters import Adapters
-from torchllama.serving.api import adapters as adapter_api, chat, completions, embeddings
+from torchllama.serving.api import (adapters as adapter_api, chat, completions, embeddings,
+                                    tokenization)
 from torchllama.serving.api.core import APIError, Service, openai_error
 from torchllama.serving.engine import Engine
 from torchllama.serving.metrics import ServerMetrics
@@ -99,6 +102,9 @@ ROUTES: list[tuple[str, str, Callable]] = [
     ("POST", "/v1/embeddings", embeddings.create),
     ("POST", "/v1/load_lora_adapter", adapter_api.load),
     ("POST", "/v1/unload_lora_adapter", adapter_api.unload),
+    ("POST", "/tokenize", tokenization.tokenize),
+    ("POST", "/detokenize", tokenization.detokenize),
+    ("GET", "/tokenizer_info", tokenization.tokenizer_info),
 ]
 
 

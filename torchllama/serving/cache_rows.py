@@ -53,13 +53,14 @@ class CacheRows:
             kind = PrefixCache if self.model.caches.sliding else BlockPrefixCache
             self.prefix_cache = kind(self.model, self.prefix_cache_bytes)
 
-    def claim(self, b: int, prompt_ids: Sequence[int], salt: bytes = b"") -> int:
-        """Give row b to a new prompt: reset it, and put the prompt's cached prefix in it (of
-        the same `salt`: the adapter's name). Returns the prompt tokens already in the row (0
-        without a hit)."""
+    def claim(self, b: int, prompt_ids: Sequence[int], salt: bytes = b"",
+              reuse: bool = True) -> int:
+        """Give row b to a new prompt: reset it, and (`reuse`) put the prompt's cached prefix
+        in it (of the same `salt`: the adapter's name). Returns the prompt tokens already in
+        the row (0 without a hit)."""
         self.model.caches.reset_rows(slice(b, b + 1))
         reused = 0
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and reuse:
             reused = self.prefix_cache.restore(prompt_ids, b, salt)
         self.written(b, reused)
         return reused

@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torchllama.errors import ArgumentError, ContextLengthError, TorchLlamaError
+from torchllama.generation.sampling import token_logprobs
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeDecoder
 from torchllama.nn.kv_cache import check_kv_cache_dtype
 from torchllama.serving.cache_rows import CacheRows
@@ -167,8 +168,9 @@ class Engine:
             raise TorchLlamaError("the engine has been shut down")
         if not request.prompt_ids:
             raise ArgumentError("the prompt is empty (no tokens)")
-        if request.max_tokens < 1:
-            raise ArgumentError(f"max_tokens must be ≥ 1, got {request.max_tokens}")
+        if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
+            raise ArgumentError(f"max_tokens must be ≥ 1 (≥ 0 scoring the prompt), got "
+                                f"{request.max_tokens}")
         if len(request.prompt_ids) >= self.context:
             raise ContextLengthError(
                 f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
@@ -308,7 +310,8 @@ class Engine:
         try:
             generator = request.sampling.make_generator(self.device)
             self._adapter_id(request)
-            reused = self.cache.claim(b, request.prompt_ids, request.salt)
+            reused = self.cache.claim(b, request.prompt_ids, request.salt,
+                                      reuse=request.prompt_logprobs is None)
         except Exception:
             log.exception("admission failed")
             notify(request.on_finish, "error")
@@ -323,15 +326,36 @@ class Engine:
         if row.request.cancelled.is_set():
             self.output.finish(b, "cancelled")
             return 0
+        request = row.request
         tokens = self.scheduler.chunk(b)
-        logits = self.runner.prefill(b, tokens, row.pos,
-                                     self._adapter_id(row.request))             # (1, V)
+        scoring = request.prompt_logprobs is not None
+        logits = self.runner.prefill(b, tokens, row.pos, self._adapter_id(request),
+                                     every=scoring)                    # (1, V) or (n, V)
+        if scoring:
+            self._score_prompt(request, row.pos, logits)
+            logits = logits[-1:]                                                 # (1, V)
         row.pos += len(tokens)
         self.cache.written(b, row.pos)
         if not row.prefilling:
-            self.cache.prefilled(b, row.request.prompt_ids, row.request.salt)
-            self._take(b, logits)
+            self.cache.prefilled(b, request.prompt_ids, request.salt)
+            if request.max_tokens == 0:                   # scored, nothing to generate
+                self.output.finish(b, "length")
+            else:
+                self._take(b, logits)
         return len(tokens)
+
+    @staticmethod
+    def _score_prompt(request: Request, pos: int, logits: torch.Tensor) -> None:
+        """Append to `request.prompt_scores` the log-probabilities of the prompt tokens that
+        the logits (n, V) of its positions pos..pos+n-1 predict (positions pos+1..), with the
+        `prompt_logprobs` most likely alternatives each."""
+        targets = request.prompt_ids[pos + 1:pos + 1 + len(logits)]      # the next tokens
+        if not targets:
+            return
+        chosen, top_ids, top_lp = token_logprobs(logits[:len(targets)], torch.tensor(targets),
+                                                 request.prompt_logprobs)
+        request.prompt_scores += [(lp, list(zip(ids, lps))) for lp, ids, lps in
+                                  zip(chosen.tolist(), top_ids.tolist(), top_lp.tolist())]
 
     # ---- decode ------------------------------------------------------------------------------
 

@@ -55,15 +55,17 @@ class ModelRunner:
             return contextlib.nullcontext()
         return adapter_set.selecting(rows)
 
-    def prefill(self, b: int, tokens: list[int], pos: int, adapter: int = -1) -> torch.Tensor:
+    def prefill(self, b: int, tokens: list[int], pos: int, adapter: int = -1,
+                every: bool = False) -> torch.Tensor:
         """Prefill `tokens` of cache row b at positions pos.. (its slots), with adapter id
-        `adapter` (−1: none). Returns the last token's logits (1, V)."""
+        `adapter` (−1: none). Returns the last token's logits (1, V), or with `every` each
+        token's (n, V) (a prompt being scored)."""
         ids = torch.tensor([tokens], device=self.device)                        # (1, n)
         with self.adapters([adapter]):
-            logits = self.model(ids, pos, last_only=True, cache_rows=slice(b, b + 1))[:, -1]
+            logits = self.model(ids, pos, last_only=not every, cache_rows=slice(b, b + 1))
         self.prefills += 1
         self.prefill_tokens += len(tokens)
-        return logits                                                           # (1, V)
+        return logits[0] if every else logits[:, -1]                    # (n, V) or (1, V)
 
     def decode(self, tokens: list[int], pos: list[int],
                adapters: Optional[list[int]] = None) -> torch.Tensor:

@@ -192,6 +192,7 @@ class Choice:
 
     Attributes:
         index: the choice's index in the answer (prompt·n + j).
+        prompt_index: its prompt's index in the request.
         prompt_ids: its prompt's token ids.
         token_ids, token_events: the tokens generated so far, and their `TokenEvent`s.
         finish_reason: "stop", "length" or "tool_calls" once it ended.
@@ -201,8 +202,8 @@ class Choice:
 
     def __init__(self, index: int, prompt_ids: list[int], tokenizer,
                  loop: asyncio.AbstractEventLoop, metrics: Optional[ServerMetrics] = None,
-                 endpoint: str = "", started: float = 0.0):
-        self.index, self.prompt_ids = index, prompt_ids
+                 endpoint: str = "", started: float = 0.0, prompt_index: int = 0):
+        self.index, self.prompt_ids, self.prompt_index = index, prompt_ids, prompt_index
         self.metrics, self.endpoint = metrics, endpoint
         self.started = started                  # perf_counter() when the request arrived
         self.last_token_at: Optional[float] = None
@@ -575,7 +576,7 @@ class Service:
             thinking = self.thinking(prompt_ids) if gen.chat else None
             for j in range(gen.n):
                 choice = Choice(p * gen.n + j, prompt_ids, self.tokenizer, loop, self.metrics,
-                                gen.endpoint, started)
+                                gen.endpoint, started, prompt_index=p)
                 choice.request = self.request(gen, prompt_ids, limit, j, choice,
                                               constraints[len(choices)], adapter)
                 choice.parser = ToolCallParser() if gen.tools is not None else None
