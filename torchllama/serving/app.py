@@ -8,6 +8,8 @@
     POST /v1/embeddings          OpenAI's embeddings             `serving.api.embeddings`
     POST /v1/load_lora_adapter   vLLM's runtime LoRA endpoints   `serving.api.adapters`
     POST /v1/unload_lora_adapter
+    POST /v1/responses           OpenAI's Responses API          `serving.api.responses`
+    GET, DELETE /v1/responses/{id}
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints      `serving.api.tokenization`
     GET  /tokenizer_info
 
@@ -30,7 +32,7 @@ from typing import Any, Callable, Optional
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.serving.adapters import Adapters
 from torchllama.serving.api import (adapters as adapter_api, chat, completions, embeddings,
-                                    tokenization)
+                                    responses, tokenization)
 from torchllama.serving.api.core import APIError, Service, openai_error
 from torchllama.serving.engine import Engine
 from torchllama.serving.metrics import ServerMetrics
@@ -100,6 +102,9 @@ ROUTES: list[tuple[str, str, Callable]] = [
     ("POST", "/v1/completions", completions.create),
     ("POST", "/v1/chat/completions", chat.create),
     ("POST", "/v1/embeddings", embeddings.create),
+    ("POST", "/v1/responses", responses.create),
+    ("GET", "/v1/responses/{response_id}", responses.retrieve),
+    ("DELETE", "/v1/responses/{response_id}", responses.delete),
     ("POST", "/v1/load_lora_adapter", adapter_api.load),
     ("POST", "/v1/unload_lora_adapter", adapter_api.unload),
     ("POST", "/tokenize", tokenization.tokenize),
@@ -121,7 +126,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft=None,
                draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                kv_cache_dtype: Optional[str] = None,
-               adapters: Optional[dict[str, str]] = None) -> FastAPI:
+               adapters: Optional[dict[str, str]] = None,
+               responses_store: int = responses.DEFAULT_STORE_SIZE) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
@@ -139,6 +145,8 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             `kv_cache_dtype`, which `torchllama.load` sets).
         adapters: LoRA adapters served by name (name → PEFT folder), loaded now; more can be
             loaded and unloaded at run time (/v1/load_lora_adapter).
+        responses_store: Responses API responses kept in memory (`store`, for
+            previous_response_id and GET), least recently used out first (0: none).
 
     Raises:
         ModelFileError: an adapter that is not for this model.
@@ -163,6 +171,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.service = Service(engine, tokenizer, metrics, model_name, served)
+    app.state.responses = responses.Store(responses_store)
     _add_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_APIKey, api_key=api_key)

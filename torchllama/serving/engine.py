@@ -316,6 +316,7 @@ class Engine:
             log.exception("admission failed")
             notify(request.on_finish, "error")
             return None
+        request.cached_tokens = reused
         self.scheduler.place(b, _Row(request, generator, pos=reused))
         return b
 

@@ -72,6 +72,8 @@ class Request:
             max_tokens may be 0 (score only, nothing generated).
         prompt_scores: [(logprob, [(token id, logprob), ...]), ...], one per prompt token
             from the second on (`prompt_logprobs`).
+        cached_tokens: set by the engine when the request gets a row: the prompt tokens taken
+            from the prefix cache (not prefilled).
     """
 
     prompt_ids: list[int]
@@ -87,6 +89,7 @@ class Request:
     adapter: Optional[str] = None
     prompt_logprobs: Optional[int] = None
     prompt_scores: list = field(default_factory=list)
+    cached_tokens: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -93,12 +93,15 @@ class ModelRunner:
     @staticmethod
     def sample(row: _Row, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The row's next token from its logits (1, V): masked by its grammar, if any, then
-        drawn with its sampling settings and generator. Returns (token, the logits it was
-        drawn from: the masked ones). Raises what sampling raises (a request's own settings
-        can fail, e.g. a tiny temperature: inf/NaN)."""
+        drawn with its sampling settings and generator. Returns (token, the raw logits:
+        what its log-probabilities are reported from, as OpenAI's and vLLM's default — a
+        grammar's −inf would make the alternatives it refuses −inf, which JSON cannot
+        carry). Raises what sampling raises (a request's own settings can fail, e.g. a tiny
+        temperature: inf/NaN)."""
         request = row.request
+        masked = logits
         if request.constraint is not None:           # −inf where the grammar says no
-            logits = request.constraint.mask_logits(logits)
-        token = sample(logits, request.sampling, row.generator,
+            masked = request.constraint.mask_logits(logits)
+        token = sample(masked, request.sampling, row.generator,
                        [request.prompt_ids + row.generated], [row.generated])     # (1,)
         return int(token), logits

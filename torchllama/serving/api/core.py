@@ -349,6 +349,14 @@ class Run:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (each prompt's first choice's)."""
+        first: dict[int, int] = {}
+        for c in self.choices:
+            first.setdefault(c.prompt_index, c.request.cached_tokens)
+        return sum(first.values())
+
     def usage(self) -> dict:
         """OpenAI's usage object of chat and completions."""
         out = self.completion_tokens
