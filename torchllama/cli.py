@@ -571,16 +571,18 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
           api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
           draft: Optional[str] = None, draft_tokens: int = 12,
-          adapter: Optional[list[str]] = None, kv_cache_dtype: str = "auto") -> int:
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
-    /v1/chat/completions, /v1/embeddings, /v1/models, /health, /metrics, LoRA adapters loaded
-    and unloaded at run time), batching concurrent requests.
+          adapter: Optional[list[str]] = None, kv_cache_dtype: str = "auto",
+          responses_store: int = 1000, max_body_mb: float = 8.0) -> int:
+    """Serve the model over OpenAI's APIs (/v1/chat/completions, /v1/completions,
+    /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages), vLLM's tokenizer
+    and LoRA endpoints, /health and /metrics, batching concurrent requests.
 
     Args:
         model: checkpoint to serve (default: the embedded SmolLM2-135M-Instruct).
         host: address to bind (loopback by default).
         port: TCP port.
-        api_key: require `Authorization: Bearer KEY` on every request.
+        api_key: require the key on every request (`Authorization: Bearer KEY`, or
+            `x-api-key: KEY` as Anthropic's clients send it).
         dtype: weights: auto (a quantized GGUF keeps its quantization: int4/int8 kernels;
             anything else float32), float32 (exact: GGUF weights dequantized), bfloat16,
             float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
@@ -603,11 +605,17 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             quantized, the default path; else the weights' dtype: --dtype float32 keeps the
             exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
             with a float32 scale: 0.56× float16's bytes).
+        responses_store: Responses API responses kept in memory for previous_response_id
+            and GET /v1/responses/{id}, least recently used out first (0: none; nothing is
+            kept across restarts).
+        max_body_mb: the largest request body, MiB (larger: HTTP 413).
     """
     from torchllama.checkpoint import parse_dtype
     from torchllama.errors import ArgumentError
 
     parse_dtype(dtype)
+    if responses_store < 0 or not max_body_mb > 0:
+        raise ArgumentError("--responses-store must be ≥ 0 and --max-body-mb > 0")
     _check_kv_cache_dtype(kv_cache_dtype)
     if not 0 < port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {port}")
@@ -620,7 +628,8 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
     from torchllama.serving.app import serve as run_server
 
     run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb, draft, draft_tokens, base, kv_cache_dtype, named)
+               prefix_cache_mb, draft, draft_tokens, base, kv_cache_dtype, named,
+               responses_store, max_body_mb)
     return 0
 
 

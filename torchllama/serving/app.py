@@ -10,21 +10,24 @@
     POST /v1/unload_lora_adapter
     POST /v1/responses           OpenAI's Responses API          `serving.api.responses`
     GET, DELETE /v1/responses/{id}
+    POST /v1/messages            Anthropic's Messages API        `serving.api.messages`
+    POST /v1/messages/count_tokens
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints      `serving.api.tokenization`
     GET  /tokenizer_info
 
 Each protocol module translates its body into the one request path (`serving.api.core`: a
 `Generation` run on the continuous-batching `torchllama.serving.engine.Engine`) and renders
 the answer in its own format; none has a generation loop of its own. Errors use the route's
-API's error body (OpenAI's `{"error": {"message", "type", "param", "code"}}`): 400 for invalid
-fields (naming them) and prompts that do not fit, 401 without the API key, 404 for what does
-not exist, 429 when the waiting queue is full, 500 when generation fails for a request (in a
-stream: an error event). A client that goes away, streaming or not, has its generation
-cancelled.
+API's error body (OpenAI's `{"error": {"message", "type", "param", "code"}}`, Anthropic's under
+/v1/messages): 400 for invalid fields (naming them) and prompts that do not fit, 401 without
+the API key, 404 for what does not exist, 413 for a body over the size limit, 429 when the
+waiting queue is full, 500 when generation fails for a request (in a stream: an error event).
+A client that goes away, streaming or not, has its generation cancelled.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,7 +35,7 @@ from typing import Any, Callable, Optional
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.serving.adapters import Adapters
 from torchllama.serving.api import (adapters as adapter_api, chat, completions, embeddings,
-                                    responses, tokenization)
+                                    messages, responses, tokenization)
 from torchllama.serving.api.core import APIError, Service, openai_error
 from torchllama.serving.engine import Engine
 from torchllama.serving.metrics import ServerMetrics
@@ -48,23 +51,91 @@ except ImportError as e:  # pragma: no cover - fastapi is a dependency of the pa
         from e
 
 
-class _APIKey:
-    """ASGI middleware: every HTTP request but /health needs `Authorization: Bearer <key>`,
-    else 401. A plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which passes every
-    streamed chunk through an extra in-memory stream (a quarter of the event loop's time with 8
-    streams)."""
+#: path prefix → the error response of the API served there (OpenAI's everywhere else)
+ERROR_SHAPES: list[tuple[str, Callable]] = [("/v1/messages", messages.error_response)]
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+def error_response(path: str, status: int, message: str, param: Optional[str] = None,
+                   kind: str = "invalid_request_error", headers: Optional[dict] = None):
+    """The error in the body of the API that `path` belongs to."""
+    for prefix, render in ERROR_SHAPES:
+        if path.startswith(prefix):
+            return render(status, message, param, kind, headers)
+    return openai_error(status, message, param, kind, headers)
+
+
+#: the largest request body by default, MiB (`serve --max-body-mb`)
+DEFAULT_MAX_BODY_MB = 8.0
+
+
+class _Guard:
+    """ASGI middleware: the API key and the body size limit.
+
+    With API keys, every HTTP request but /health needs one, as `Authorization: Bearer KEY`
+    (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in constant time
+    (`hmac.compare_digest`), else 401. A body larger than `max_body` bytes is a 413 naming the
+    limit, before the app reads it (by its Content-Length, or counted as a chunked body
+    arrives). A plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which passes every
+    streamed chunk through an extra in-memory stream (a quarter of the event loop's time with
+    8 streams).
+    """
+
+    def __init__(self, app, api_keys: list[str], max_body: Optional[int]):
+        self.app, self.max_body = app, max_body
+        self.keys = [k.encode() for k in api_keys]
+
+    def authorized(self, headers: dict) -> bool:
+        bearer = headers.get(b"authorization", b"")
+        given = [bearer[7:]] if bearer[:7].lower() == b"bearer " else []
+        given += [headers[b"x-api-key"]] if b"x-api-key" in headers else []
+        return any(hmac.compare_digest(g, k) for g in given for k in self.keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health" and \
-                dict(scope["headers"]).get(b"authorization") != self.expected:
-            response = openai_error(401, "invalid or missing API key (Authorization: "
-                                    "Bearer ...)", kind="authentication_error")
-            await response(scope, receive, send)
-            return
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        if self.keys and path != "/health" and not self.authorized(headers):
+            response = error_response(path, 401, "invalid or missing API key (Authorization: "
+                                      "Bearer KEY, or x-api-key: KEY)",
+                                      kind="authentication_error")
+            return await response(scope, receive, send)
+        if self.max_body is not None:
+            receive = await self._bounded(scope, headers, receive)
+            if receive is None:
+                response = error_response(
+                    path, 413, f"the request body is larger than this server's limit of "
+                    f"{self.max_body} bytes (serve --max-body-mb)", kind="invalid_request_error")
+                return await response(scope, _nothing, send)
         await self.app(scope, receive, send)
+
+    async def _bounded(self, scope, headers: dict, receive):
+        """`receive` for a body within the limit (a chunked body read here and replayed), or
+        None for one beyond it."""
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            return receive if not declared.isdigit() or int(declared) <= self.max_body \
+                else None                      # (uvicorn holds a body to its length)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive
+        buffered, size = [], 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body:
+                return None
+            if not message.get("more_body"):
+                break
+
+        async def replay():
+            return buffered.pop(0) if buffered else await receive()
+        return replay
+
+
+async def _nothing():                          # (a refused body is not read)
+    return {"type": "http.disconnect"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,6 +175,8 @@ ROUTES: list[tuple[str, str, Callable]] = [
     ("POST", "/v1/embeddings", embeddings.create),
     ("POST", "/v1/responses", responses.create),
     ("GET", "/v1/responses/{response_id}", responses.retrieve),
+    ("POST", "/v1/messages", messages.create),
+    ("POST", "/v1/messages/count_tokens", messages.count_tokens),
     ("DELETE", "/v1/responses/{response_id}", responses.delete),
     ("POST", "/v1/load_lora_adapter", adapter_api.load),
     ("POST", "/v1/unload_lora_adapter", adapter_api.unload),
@@ -127,13 +200,15 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                kv_cache_dtype: Optional[str] = None,
                adapters: Optional[dict[str, str]] = None,
-               responses_store: int = responses.DEFAULT_STORE_SIZE) -> FastAPI:
+               responses_store: int = responses.DEFAULT_STORE_SIZE,
+               max_body_mb: Optional[float] = DEFAULT_MAX_BODY_MB) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
         model, tokenizer: what `torchllama.load` returns.
         model_name: the id reported by /v1/models and in responses.
-        api_key: when set, requests need `Authorization: Bearer <api_key>` (else 401).
+        api_key: when set, requests need it (`Authorization: Bearer KEY` or `x-api-key: KEY`;
+            else 401).
         max_batch_size: requests decoded together.
         max_queue: requests that may wait for a free row (beyond: 429).
         prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
@@ -147,6 +222,7 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             loaded and unloaded at run time (/v1/load_lora_adapter).
         responses_store: Responses API responses kept in memory (`store`, for
             previous_response_id and GET), least recently used out first (0: none).
+        max_body_mb: the largest request body, MiB (beyond: 413; None: no limit).
 
     Raises:
         ModelFileError: an adapter that is not for this model.
@@ -173,27 +249,28 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
     app.state.service = Service(engine, tokenizer, metrics, model_name, served)
     app.state.responses = responses.Store(responses_store)
     _add_error_handlers(app)
-    if api_key is not None:
-        app.add_middleware(_APIKey, api_key=api_key)
+    if api_key is not None or max_body_mb is not None:
+        app.add_middleware(_Guard, api_keys=[api_key] if api_key is not None else [],
+                           max_body=None if max_body_mb is None else int(max_body_mb * 2**20))
     for method, path, handler in ROUTES:
         app.add_api_route(path, handler, methods=[method])
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Invalid bodies and `APIError`s answered with OpenAI's error body."""
+    """Invalid bodies and `APIError`s answered with the route's API's error body."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = (".".join(loc) or None) if first.get("type") != "json_invalid" else None
-        return openai_error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
-                            param)
+        return error_response(request.url.path, 400,
+                              f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return openai_error(exc.status, exc.message, exc.param, exc.kind)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
 
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
@@ -201,7 +278,9 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
           max_queue: int = 64, prefill_chunk: int = 512,
           prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
           draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None,
-          kv_cache_dtype: str = "auto", adapters: Optional[dict[str, str]] = None) -> None:
+          kv_cache_dtype: str = "auto", adapters: Optional[dict[str, str]] = None,
+          responses_store: int = responses.DEFAULT_STORE_SIZE,
+          max_body_mb: Optional[float] = DEFAULT_MAX_BODY_MB) -> None:
     """Load a checkpoint (with a LoRA adapter applied unmerged for every request, named
     adapters served per request, and a draft: `torchllama.generation.speculative.make_drafter`)
     and serve it with uvicorn until interrupted (arguments: `create_app`)."""
@@ -215,7 +294,8 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk,
                      prefix_cache_mb, draft=drafter, draft_tokens=draft_tokens,
-                     adapters=adapters)
+                     adapters=adapters, responses_store=responses_store,
+                     max_body_mb=max_body_mb)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

@@ -722,6 +722,22 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
     return None
 
 
+def one_constraint(fmt: Optional[tuple[str, Any]], body: Any,
+                   param: str = "response_format") -> Optional[tuple[str, Any]]:
+    """The one output constraint of a body: its JSON format (`fmt`, parsed), or its `grammar`
+    or `regex` extension (a Lark/GBNF grammar, a regular expression), or None.
+
+    Raises:
+        APIError: 400 (param) for more than one.
+    """
+    found = [fmt] if fmt is not None else []
+    found += [(kind, getattr(body, kind)) for kind in ("grammar", "regex")
+              if getattr(body, kind, None) is not None]
+    if len(found) > 1:
+        raise APIError(400, f"give one of {param} (JSON), grammar and regex", param)
+    return found[0] if found else None
+
+
 def body_constraint(body: SamplingBody) -> Optional[tuple[str, Any]]:
     """(kind, spec) of a chat or completion body's output constraint (response_format,
     grammar, regex), or None.
@@ -729,18 +745,7 @@ def body_constraint(body: SamplingBody) -> Optional[tuple[str, Any]]:
     Raises:
         APIError: 400 for a malformed response_format or more than one constraint.
     """
-    found = []
-    fmt = response_format_constraint(body.response_format)
-    if fmt is not None:
-        found.append(fmt)
-    if body.grammar is not None:
-        found.append(("grammar", body.grammar))
-    if body.regex is not None:
-        found.append(("regex", body.regex))
-    if len(found) > 1:
-        raise APIError(400, "give one of response_format (JSON), grammar and regex",
-                       "response_format")
-    return found[0] if found else None
+    return one_constraint(response_format_constraint(body.response_format), body)
 
 
 def chat_token(choice: Choice, event: TokenEvent) -> dict:

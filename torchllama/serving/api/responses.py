@@ -51,8 +51,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, Service,
-                                         chat_token, response_format_constraint, sampling,
-                                         stop_strings)
+                                         chat_token, one_constraint,
+                                         response_format_constraint, sampling, stop_strings)
 from torchllama.serving.tools import ToolCall, ToolError, tools_of
 
 #: responses kept for previous_response_id and GET by default (`serve --responses-store`)
@@ -244,7 +244,8 @@ def generation(body: ResponsesBody, service: Service,
         raise APIError(400, str(e).replace(".function", ""), param) from None
     if tools is not None and not tools.active:
         tools = None
-    constraint = _constraint(body)
+    constraint = one_constraint(response_format_constraint(
+        (body.text or {}).get("format"), "text.format", flat=True), body, "text.format")
     if tools is not None and constraint is not None:
         raise APIError(400, "tools: give either tools or one of text.format (JSON), grammar "
                             "and regex", "tools")
@@ -264,22 +265,6 @@ def generation(body: ResponsesBody, service: Service,
         constraint=constraint, tools=tools, chat=True, model=body.model, endpoint="responses",
         prompt_param="input", constraint_param="text.format",
         tool_param="tools[{i}].parameters")
-
-
-def _constraint(body: ResponsesBody) -> Optional[tuple[str, Any]]:
-    """The body's output constraint: text.format (JSON), or the grammar or regex extension.
-
-    Raises:
-        APIError: 400 for a malformed text.format or more than one constraint.
-    """
-    found = [response_format_constraint((body.text or {}).get("format"), "text.format",
-                                        flat=True)]
-    found += [(kind, getattr(body, kind)) for kind in ("grammar", "regex")
-              if getattr(body, kind) is not None]
-    found = [c for c in found if c is not None]
-    if len(found) > 1:
-        raise APIError(400, "give one of text.format (JSON), grammar and regex", "text.format")
-    return found[0] if found else None
 
 
 def _input_items(body: ResponsesBody) -> list[dict]:
