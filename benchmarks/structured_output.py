@@ -6,11 +6,15 @@ port (`bench.serve.serve_in_thread`, as `torchllama bench --serve` does), sends
 --per-schema requests per schema with the `openai` client (temperatures cycling 0.7, 0.8, 0.9,
 1.0; one seed each), and prints per schema: finished "stop", valid JSON against the schema
 (`jsonschema`), finished "length" (ran to max_tokens), and the largest share of whitespace in
-one answer. Every object gets "additionalProperties": false, as OpenAI's strict mode requires
-(--loose leaves it out: then an answer may add keys until max_tokens). Issue 30's target: every request finishes "stop" with valid JSON, no whitespace
-runaway (grammar.JSON_WHITESPACE bounds it).
+one answer. --objects: every object says "additionalProperties": false (closed, the default,
+as OpenAI's strict mode requires), nothing (unsaid: the server closes objects that list their
+properties, `grammar.closed_schema`), or true (open: JSON Schema's own default, what the
+server did before; then an answer may add keys until max_tokens). Validity is checked against
+the closed schemas. Issue 30's target: every request finishes "stop" with valid JSON, no
+whitespace runaway (grammar.JSON_WHITESPACE bounds it).
 
-    .venv/bin/python benchmarks/structured_output.py [--model PATH] [--per-schema 10] [--max-tokens 200]
+    .venv/bin/python benchmarks/structured_output.py [--model PATH] [--per-schema 10]
+        [--max-tokens 200] [--objects closed|unsaid|open]
 """
 
 from __future__ import annotations
@@ -51,31 +55,21 @@ SCHEMAS = {
 }
 
 
-def strict(schema):
-    """The schema with "additionalProperties": false on every object (OpenAI's strict mode
-    requires it; without it the grammar admits any further key, and a sampled answer may go on
-    inventing keys until max_tokens)."""
-    if isinstance(schema, dict):
-        out = {k: strict(v) for k, v in schema.items()}
-        if out.get("type") == "object":
-            out.setdefault("additionalProperties", False)
-        return out
-    return [strict(v) for v in schema] if isinstance(schema, list) else schema
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--per-schema", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--show", action="store_true", help="print every answer cut at max_tokens")
-    ap.add_argument("--loose", action="store_true",
-                    help="leave additionalProperties as the schemas say (default: false, strict)")
+    ap.add_argument("--objects", choices=("closed", "unsaid", "open"), default="closed",
+                    help="how objects speak of other keys: false (closed), nothing (unsaid: "
+                         "the server closes them), true (open)")
     args = ap.parse_args()
     import jsonschema
     from openai import OpenAI
 
     from torchllama.bench.serve import serve_in_thread
+    from torchllama.bench.tool_sets import with_objects
     from torchllama.checkpoint import resolve_model_path
     from torchllama.serving.app import create_app, load_for_engine
 
@@ -86,7 +80,8 @@ def main() -> None:
         totals = [0, 0, 0]
         print(f"{'schema':10}{'stop':>6}{'valid':>7}{'length':>8}{'max ws share':>14}")
         for name, (schema, ask) in SCHEMAS.items():
-            schema = schema if args.loose else strict(schema)
+            schema = with_objects(schema, "closed")
+            sent = with_objects(schema, args.objects)
             stop = valid = length = 0
             worst = 0.0
             for i in range(args.per_schema):
@@ -94,7 +89,7 @@ def main() -> None:
                     model="m", messages=[{"role": "user", "content": ask}],
                     max_tokens=args.max_tokens, temperature=(0.7, 0.8, 0.9, 1.0)[i % 4],
                     seed=i, response_format={"type": "json_schema",
-                                             "json_schema": {"name": name, "schema": schema}})
+                                             "json_schema": {"name": name, "schema": sent}})
                 text, reason = r.choices[0].message.content, r.choices[0].finish_reason
                 worst = max(worst, sum(c.isspace() for c in text) / max(len(text), 1))
                 stop += reason == "stop"

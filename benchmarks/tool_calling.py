@@ -14,9 +14,13 @@ free loopback port (`bench.serve.serve_in_thread`), and with the `openai` client
    those calls validate.
 3. The grammar's cost per token (`bench.load.grammar_mask_cost`): the "required" grammar
    (calls) and the "auto" grammar (free text before any marker).
-Issue 30's target: 100% parse and validate, streamed = non-streamed.
+Issue 30's target: 100% parse and validate, streamed = non-streamed. --objects unsaid sends
+ordinary schemas (no object says "additionalProperties"), which the server closes by default
+(`grammar.closed_schema`); --objects open says "additionalProperties": true everywhere (JSON
+Schema's own default, the server's behaviour before it closed objects): issue 46's measure.
 
     .venv/bin/python benchmarks/tool_calling.py [--model PATH|gemma3-270m] [--per-set 10]
+        [--max-tokens 256] [--objects closed|unsaid|open]
 """
 
 from __future__ import annotations
@@ -42,21 +46,26 @@ def streamed(client, **kwargs) -> tuple[list[tuple[str, str]], str, str]:
     return [tuple(calls[i]) for i in sorted(calls)], content, reason
 
 
-def required_and_named(client, per_set: int, max_tokens: int) -> list[int]:
+def required_and_named(client, per_set: int, max_tokens: int,
+                       objects: str = "closed") -> list[int]:
     """[requests, complete calls, valid ones, calls cut by max_tokens, streamed answers equal
-    to the whole ones]. Odd requests set parallel_tool_calls false (one call)."""
-    from torchllama.bench.tool_sets import TOOL_SETS, check_call
+    to the whole ones]. Odd requests set parallel_tool_calls false (one call). The schemas
+    are sent with their objects written as `objects` says (`tool_sets.OBJECT_MODES`); a call
+    is valid if it validates against the schema as `tool_sets` writes it (closed objects: an
+    invented key is invalid)."""
+    from torchllama.bench.tool_sets import TOOL_SETS, check_call, tool_set_with_objects
 
     totals = [0] * 5
     print(f"{'tool set':10}{'requests':>9}{'calls':>7}{'valid':>7}{'cut':>5}{'stream=whole':>14}")
     for tool_set in TOOL_SETS:
+        sent = tool_set_with_objects(tool_set, objects)
         names = [t["function"]["name"] for t in tool_set.tools]
         row = [0] * 5
         for i in range(per_set):
             pick = i % (len(names) + 1)                   # "required", then each by name
             choice = "required" if pick == 0 else {"type": "function",
                                                    "function": {"name": names[pick - 1]}}
-            kwargs = dict(model="m", tools=tool_set.tools, tool_choice=choice,
+            kwargs = dict(model="m", tools=sent.tools, tool_choice=choice,
                           messages=[{"role": "user",
                                      "content": tool_set.questions[i % len(tool_set.questions)]}],
                           max_tokens=max_tokens, temperature=(0.7, 0.8, 0.9, 1.0)[i % 4], seed=i,
@@ -116,6 +125,9 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--per-set", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--objects", choices=("closed", "unsaid", "open"), default="closed",
+                    help="how the schemas' objects speak of other keys: closed (false, as "
+                         "written), unsaid (nothing: the server closes them), open (true)")
     args = ap.parse_args()
     from openai import OpenAI
 
@@ -131,7 +143,7 @@ def main() -> None:
     with serve_in_thread(create_app(model, tokenizer, Path(path).name)) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         if args.per_set:
-            required_and_named(client, args.per_set, args.max_tokens)
+            required_and_named(client, args.per_set, args.max_tokens, args.objects)
         auto_rate(client, args.max_tokens)
     for label, spec in (("required (calls)", TOOLS_REQUIRED), ("auto (free text)", TOOLS_AUTO)):
         median, p99, first = grammar_mask_cost(tokenizer, spec=spec)

@@ -273,3 +273,76 @@ def test_bad_tool_requests_are_400_naming_the_field(client, kwargs, param):
         client.chat.completions.create(model="m", max_tokens=4,
                                        messages=[{"role": "user", "content": "hi"}], **kwargs)
     assert e.value.body["param"] == param
+
+
+# --------------------------------------------------------------------------------------------
+# Objects a schema leaves open, and strict functions
+# --------------------------------------------------------------------------------------------
+
+PLOT = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40},
+    "points": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+        "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+        "required": ["x", "y"]}},
+    "style": {"type": "object"},                                  # any object, on purpose
+    "labels": {"type": "object", "properties": {"x": {"type": "string"}},
+               "additionalProperties": True}},                    # open, on purpose
+    "required": ["title", "points"]}
+
+
+def test_closed_schema_closes_objects_that_list_their_properties():
+    from torchllama.generation.grammar import closed_schema
+
+    closed = closed_schema({**PLOT, "$defs": {"p": {"properties": {"q": {}}}},
+                            "properties": {**PLOT["properties"],
+                                           "properties": {"type": "string"}}})
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["points"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["style"]      # lists none
+    assert closed["properties"]["labels"]["additionalProperties"] is True   # says so
+    assert closed["properties"]["properties"] == {"type": "string"}         # a property's name
+    assert closed["required"] == ["title", "points"] and "additionalProperties" not in PLOT
+    strict = closed_schema(PLOT, require_all=True)
+    assert strict["required"] == ["title", "points", "style", "labels"]
+    assert strict["properties"]["labels"] == {"type": "object", "properties": {
+        "x": {"type": "string"}}, "additionalProperties": False, "required": ["x"]}
+
+
+def test_forced_calls_on_schemas_that_leave_objects_open_end_inside_max_tokens(client):
+    """The issue's plot tool: sampled at temperature 1, its points' items used to grow
+    invented keys until max_tokens cut the call. Closed by default, every call ends and has
+    only the keys the schema lists where it lists them."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from torchllama.generation.grammar import closed_schema
+
+    tools = [{"type": "function", "function": {"name": "plot", "description": "Plot points",
+                                               "parameters": PLOT}}]
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Plot (1, 2), (3, 5) and (4, 4)."}],
+        tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+        temperature=1.0, seed=5, n=8)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.tool_calls
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), closed_schema(PLOT))
+
+
+def test_a_strict_function_gets_every_property(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    from torchllama.generation.grammar import closed_schema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "unit": {"type": "string",
+                                                        "enum": ["c", "f"]}},
+              "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                               "parameters": schema}}]
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=1.0,
+        seed=1, n=4)
+    for choice in r.choices:
+        arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+        assert set(arguments) == {"city", "unit"}
+        jsonschema.validate(arguments, closed_schema(schema, require_all=True))

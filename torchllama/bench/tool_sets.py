@@ -105,6 +105,36 @@ TOOL_SETS = [
 ]
 
 
+#: How a benchmark writes its schemas' objects: "closed" as written here (every object says
+#: "additionalProperties": false), "unsaid" (no object says anything of other keys: ordinary
+#: schemas, which the server closes by default, `grammar.closed_schema`), "open" (every object
+#: says "additionalProperties": true: JSON Schema's own default, what the server did before).
+OBJECT_MODES = ("closed", "unsaid", "open")
+
+
+def with_objects(schema, mode: str):
+    """A copy of a schema whose objects say of other keys what `mode` says (OBJECT_MODES)."""
+    if isinstance(schema, list):
+        return [with_objects(s, mode) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: with_objects(v, mode) if k != "additionalProperties" else v
+           for k, v in schema.items()}
+    if "properties" in out:
+        out.pop("additionalProperties", None)
+        if mode != "unsaid":
+            out["additionalProperties"] = mode == "closed"
+    return out
+
+
+def tool_set_with_objects(tool_set: ToolSet, mode: str) -> ToolSet:
+    """The tool set with its parameter schemas' objects written as `mode` says."""
+    tools = [{"type": "function", "function": {
+        **t["function"], "parameters": with_objects(t["function"]["parameters"], mode)}}
+        for t in tool_set.tools]
+    return ToolSet(tool_set.name, tools, tool_set.questions)
+
+
 def check_call(tool_set: ToolSet, call) -> dict:
     """The arguments of a returned call (an openai `ChatCompletionMessageToolCall` or OpenAI's
     dict), parsed and validated against the function's schema.

@@ -38,17 +38,64 @@ class GrammarError(ArgumentError):
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
+#: JSON schema keywords whose value is a schema, a list of schemas, or a map to schemas
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def closed_schema(schema: Any, require_all: bool = False) -> Any:
+    """A copy of a JSON schema in which every object that lists its properties (or
+    patternProperties) and says nothing of others takes no others: `"additionalProperties":
+    false` where the schema has no `additionalProperties` (nor `unevaluatedProperties`).
+
+    JSON Schema's own default admits any further key, and a small model sampling a schema that
+    leaves objects open keeps inventing keys (`"style": {"type": "object", "properties": …`)
+    until max_tokens cuts the document. Closing them is what OpenAI's strict mode requires and
+    what xgrammar's strict mode (vLLM's default structured-output backend) assumes. An object
+    that says `"additionalProperties": true` (or gives a schema for them) stays open, and so
+    does one that lists no properties (`{"type": "object"}`: any object).
+
+    With `require_all` (OpenAI's `strict: true` functions and formats) every object also
+    requires every property it lists and takes no others, as OpenAI defines strict mode.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(s, require_all) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: closed_schema(v, require_all) for k, v in value.items()}
+        elif (key in _SUBSCHEMA_LISTS and isinstance(value, list)) or \
+                (key in _SUBSCHEMA and isinstance(value, dict)):
+            out[key] = closed_schema(value, require_all)
+        else:
+            out[key] = value
+    if "properties" in out or "patternProperties" in out:
+        if require_all or ("additionalProperties" not in out and
+                           "unevaluatedProperties" not in out):
+            out["additionalProperties"] = False
+        if require_all and isinstance(out.get("properties"), dict):
+            out["required"] = list(out["properties"])
+    return out
+
+
 def _json_grammar(schema: dict) -> str:
-    """llguidance's grammar of a JSON schema with `JSON_WHITESPACE` between tokens."""
+    """llguidance's grammar of a JSON schema (its objects closed: `closed_schema`) with
+    `JSON_WHITESPACE` between tokens."""
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        closed_schema(schema), defaults={"whitespace_pattern": JSON_WHITESPACE})
 
 
 def grammar_of(kind: str, spec: Any) -> str:
     """The llguidance grammar of a constraint. JSON (json_schema, json_object) allows only
-    `JSON_WHITESPACE` between its tokens.
+    `JSON_WHITESPACE` between its tokens; a schema's objects that list their properties take
+    no others unless they say so (`closed_schema`).
 
     Args:
         kind: "json_schema" (spec: a JSON schema as a dict or a JSON string), "json_object"

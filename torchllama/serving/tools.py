@@ -18,8 +18,10 @@ How the tools reach the prompt (`chat_messages`):
 
 What the model may write (`tool_grammar`, a Lark grammar for llguidance):
 - "required" / a named function: only calls (of that function), the arguments by each tool's
-  parameter schema (JSON with `JSON_WHITESPACE`), one or more (one with parallel_tool_calls
-  false).
+  parameter schema (JSON with `JSON_WHITESPACE`; objects that list their properties take no
+  other keys unless the schema says `additionalProperties`, and a `strict: true` function
+  requires every property: `grammar.closed_schema`), one or more (one with
+  parallel_tool_calls false).
 - "auto": free text (never containing the marker), or text up to the marker "<tool_call>" and
   then calls as above. The grammar is lazy in effect (llama.cpp's trigger words): nothing is
   refused before the marker but the marker's completion rules.
@@ -42,7 +44,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from torchllama.generation.grammar import JSON_WHITESPACE
+from torchllama.generation.grammar import JSON_WHITESPACE, closed_schema
 
 #: The marker that opens a call, and the text around a call's JSON.
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -72,7 +74,9 @@ class Tools:
     """A request's tools and what it asks of them.
 
     Attributes:
-        functions: name → the parameters' JSON schema, in the request's order.
+        functions: name → the parameters' JSON schema, in the request's order (objects that
+            list their properties closed, `grammar.closed_schema`; a `strict: true` function's
+            also requiring every property, as OpenAI's strict function calling).
         specs: the request's tool objects ({"type": "function", "function": {...}}).
         choice: "auto", "none", "required", or a function's name.
         parallel: more than one call allowed (`parallel_tool_calls`).
@@ -119,7 +123,7 @@ def tools_of(tools: Optional[list], tool_choice: Any, parallel: Optional[bool]) 
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters: a JSON schema object is required",
                             f"tools[{i}].function.parameters")
-        functions[name] = params
+        functions[name] = closed_schema(params, require_all=fn.get("strict") is True)
     return Tools(functions, list(tools), _choice_of(tool_choice, functions),
                  True if parallel is None else bool(parallel))
 

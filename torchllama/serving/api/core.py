@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from torchllama.errors import ArgumentError, TorchLlamaError
-from torchllama.generation.grammar import GrammarError, Grammars
+from torchllama.generation.grammar import GrammarError, Grammars, closed_schema
 from torchllama.generation.sampling import SamplingParams
 from torchllama.generation.session import encode_chat
 from torchllama.generation.text import TextStream
@@ -700,7 +700,10 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
                                flat: bool = False) -> Optional[tuple[str, Any]]:
     """(kind, spec) of OpenAI's `response_format` (chat: {"type": "json_schema",
     "json_schema": {"schema": ...}}) or, `flat`, the Responses API's `text.format` ({"type":
-    "json_schema", "schema": ...}); None for text.
+    "json_schema", "schema": ...}); None for text. With `strict: true` every object of the
+    schema requires all its properties and takes no others (`grammar.closed_schema`, as
+    OpenAI's strict mode); without, objects that list their properties are closed all the
+    same when the grammar is compiled.
 
     Raises:
         APIError: 400 (param) for a malformed format.
@@ -711,11 +714,12 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
     if kind == "json_object":
         return "json_object", None
     if kind == "json_schema":
-        schema = fmt.get("schema") if flat else (fmt.get("json_schema") or {}).get("schema")
+        spec = fmt if flat else (fmt.get("json_schema") or {})
+        schema = spec.get("schema")
         if not isinstance(schema, dict):
             where = f"{param}.schema" if flat else f"{param}.json_schema.schema"
             raise APIError(400, f"{where}: a JSON schema object is required", param)
-        return "json_schema", schema
+        return "json_schema", closed_schema(schema, require_all=spec.get("strict") is True)
     if kind != "text":
         raise APIError(400, f"{param}.type must be text, json_object or json_schema, got "
                             f"{kind!r}", param)
