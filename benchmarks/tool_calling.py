@@ -46,8 +46,8 @@ def streamed(client, **kwargs) -> tuple[list[tuple[str, str]], str, str]:
     return [tuple(calls[i]) for i in sorted(calls)], content, reason
 
 
-def required_and_named(client, per_set: int, max_tokens: int,
-                       objects: str = "closed") -> list[int]:
+def required_and_named(client, per_set: int, max_tokens: int, objects: str = "closed",
+                       tool_sets=None) -> list[int]:
     """[requests, complete calls, valid ones, calls cut by max_tokens, streamed answers equal
     to the whole ones]. Odd requests set parallel_tool_calls false (one call). The schemas
     are sent with their objects written as `objects` says (`tool_sets.OBJECT_MODES`); a call
@@ -56,11 +56,12 @@ def required_and_named(client, per_set: int, max_tokens: int,
     from torchllama.bench.tool_sets import TOOL_SETS, check_call, tool_set_with_objects
 
     totals = [0] * 5
-    print(f"{'tool set':10}{'requests':>9}{'calls':>7}{'valid':>7}{'cut':>5}{'stream=whole':>14}")
-    for tool_set in TOOL_SETS:
+    print(f"{'tool set':10}{'requests':>9}{'calls':>7}{'valid':>7}{'cut':>5}{'stream=whole':>14}"
+          f"  (cut: with parallel_tool_calls / without)")
+    for tool_set in tool_sets or TOOL_SETS:
         sent = tool_set_with_objects(tool_set, objects)
         names = [t["function"]["name"] for t in tool_set.tools]
-        row = [0] * 5
+        row, cut_single = [0] * 5, 0
         for i in range(per_set):
             pick = i % (len(names) + 1)                   # "required", then each by name
             choice = "required" if pick == 0 else {"type": "function",
@@ -76,6 +77,7 @@ def required_and_named(client, per_set: int, max_tokens: int,
             row[0] += 1
             row[1] += len(calls) - cut
             row[3] += cut
+            cut_single += cut and i % 2 == 1
             for call in calls[:len(calls) - cut]:
                 try:
                     check_call(tool_set, call)
@@ -85,8 +87,8 @@ def required_and_named(client, per_set: int, max_tokens: int,
             stream_calls, _, reason = streamed(client, **kwargs)
             row[4] += (stream_calls == [(c.function.name, c.function.arguments) for c in calls]
                        and reason == whole.finish_reason)
-        print(f"{tool_set.name:10}{row[0]:>9}{row[1]:>7}{row[2]:>7}{row[3]:>5}{row[4]:>14}",
-              flush=True)
+        print(f"{tool_set.name:10}{row[0]:>9}{row[1]:>7}{row[2]:>7}{row[3]:>5}{row[4]:>14}"
+              f"  ({row[3] - cut_single} / {cut_single})", flush=True)
         totals = [a + b for a, b in zip(totals, row)]
     print(f"{'all':10}{totals[0]:>9}{totals[1]:>7}{totals[2]:>7}{totals[3]:>5}{totals[4]:>14}")
     return totals
@@ -144,6 +146,9 @@ def main() -> None:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         if args.per_set:
             required_and_named(client, args.per_set, args.max_tokens, args.objects)
+            from torchllama.bench.tool_sets import PLOT
+            print(f"issue 46's plot tool, {args.per_set} requests:")
+            required_and_named(client, args.per_set, args.max_tokens, args.objects, [PLOT])
         auto_rate(client, args.max_tokens)
     for label, spec in (("required (calls)", TOOLS_REQUIRED), ("auto (free text)", TOOLS_AUTO)):
         median, p99, first = grammar_mask_cost(tokenizer, spec=spec)

@@ -69,6 +69,9 @@ def test_create_and_stream_give_the_chat_completions_text(client, openai_client)
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.content[0].text == m.content[0].text and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == m.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        chat.usage.prompt_tokens
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     system_blocks = client.messages.create(**{**kwargs, "system": [{"type": "text",
@@ -174,6 +177,16 @@ def test_the_api_key_as_x_api_key_or_bearer(served):
         with pytest.raises(openai.AuthenticationError) as e:    # OpenAI's shape elsewhere
             c.models.list()
     assert e.value.body["type"] == "authentication_error"
+    import urllib.error
+    import urllib.request
+
+    for path in ("/tokenize", "/v1/messages/count_tokens", "/tokenizer_info"):
+        data = None if path == "/tokenizer_info" else b'{"prompt": "hi"}'
+        with pytest.raises(urllib.error.HTTPError) as e:          # behind the key like the rest
+            urllib.request.urlopen(urllib.request.Request(
+                url + path, data, {"Content-Type": "application/json",
+                                   "x-api-key": "wrong"}), timeout=30)
+        assert e.value.code == 401, path
 
 
 REASONING = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "

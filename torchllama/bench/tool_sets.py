@@ -105,6 +105,16 @@ TOOL_SETS = [
 ]
 
 
+#: The plot tool of issue 46: its points' items list x and y and say nothing of other keys; at
+#: temperature 1 a small model forced to call it kept adding keys to them until max_tokens.
+PLOT = ToolSet("plot", [_fn("plot", "Plot points on a chart", {
+    "title": {"type": "string", "maxLength": 40},
+    "points": {"type": "array", "minItems": 1, "maxItems": 6, "items": {
+        "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+        "required": ["x", "y"], "additionalProperties": False}}}, ["title", "points"])],
+    ["Plot (1, 2), (3, 5) and (4, 4).", "Chart my weight: 70 in May, 68 in June, 67 in July."])
+
+
 #: How a benchmark writes its schemas' objects: "closed" as written here (every object says
 #: "additionalProperties": false), "unsaid" (no object says anything of other keys: ordinary
 #: schemas, which the server closes by default, `grammar.closed_schema`), "open" (every object

@@ -12,8 +12,9 @@
     batch         offline: many prompts through the engine in the caller's thread
                   (generate_batch, `torchllama generate --prompt-file`)
     adapters      the LoRA adapters served by name (loaded, unloaded, in use)
-    api/          one module per API surface (chat, completions, embeddings, adapters), each
-                  a translation into the one request path (`api.core`)
+    api/          one module per API surface (chat, completions, responses, messages,
+                  embeddings, tokenization, adapters), each a translation into the one request
+                  path (`api.core`)
     app           the FastAPI application: its routes, errors, API key, `torchllama serve`
     metrics       Prometheus metrics of the server
 

@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (`GET /metrics`, through `prometheus-client`).
 
     torchllama_requests_total{endpoint, finish_reason}   requests answered (endpoint:
-                                                           completions, chat, embeddings)
+                                                           completions, chat, responses,
+                                                           messages, embeddings)
     torchllama_prompt_tokens_total                         prompt tokens received
     torchllama_generation_tokens_total                     tokens generated
     torchllama_requests_running / _waiting                 rows in use / requests queued (now)

@@ -20,8 +20,10 @@ What the model may write (`tool_grammar`, a Lark grammar for llguidance):
 - "required" / a named function: only calls (of that function), the arguments by each tool's
   parameter schema (JSON with `JSON_WHITESPACE`; objects that list their properties take no
   other keys unless the schema says `additionalProperties`, and a `strict: true` function
-  requires every property: `grammar.closed_schema`), one or more (one with
-  parallel_tool_calls false).
+  requires every property: `grammar.closed_schema`); with "required" one or more calls (one
+  with parallel_tool_calls false), with a named function one call (more only with
+  parallel_tool_calls true: vLLM's named function calling writes one, and small models
+  forced to a function otherwise repeat the call until max_tokens).
 - "auto": free text (never containing the marker), or text up to the marker "<tool_call>" and
   then calls as above. The grammar is lazy in effect (llama.cpp's trigger words): nothing is
   refused before the marker but the marker's completion rules.
@@ -79,7 +81,8 @@ class Tools:
             also requiring every property, as OpenAI's strict function calling).
         specs: the request's tool objects ({"type": "function", "function": {...}}).
         choice: "auto", "none", "required", or a function's name.
-        parallel: more than one call allowed (`parallel_tool_calls`).
+        parallel: more than one call allowed (`parallel_tool_calls`; by default yes, but for
+            a named function).
     """
 
     functions: dict[str, dict]
@@ -124,8 +127,10 @@ def tools_of(tools: Optional[list], tool_choice: Any, parallel: Optional[bool]) 
             raise ToolError(f"tools[{i}].function.parameters: a JSON schema object is required",
                             f"tools[{i}].function.parameters")
         functions[name] = closed_schema(params, require_all=fn.get("strict") is True)
-    return Tools(functions, list(tools), _choice_of(tool_choice, functions),
-                 True if parallel is None else bool(parallel))
+    choice = _choice_of(tool_choice, functions)
+    if parallel is None:
+        parallel = choice in ("auto", "none", "required")
+    return Tools(functions, list(tools), choice, bool(parallel))
 
 
 def _choice_of(tool_choice: Any, functions: dict) -> str:

@@ -385,5 +385,5 @@ async def stream(run: Run) -> AsyncIterator[str]:
     reason, sequence = _stop(choice)
     yield _sse({"type": "message_delta", "delta": {"stop_reason": reason,
                                                    "stop_sequence": sequence},
-                "usage": {"output_tokens": run.completion_tokens}})
+                "usage": _usage(run)})           # (cumulative: the cache reads known now)
     yield _sse({"type": "message_stop"})

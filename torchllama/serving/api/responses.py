@@ -281,8 +281,10 @@ async def create(body: ResponsesBody, http: HTTPRequest):
     if body.previous_response_id is not None:
         previous, before = store.get(body.previous_response_id, "previous_response_id")
         conversation = before + previous["output"] + conversation
-    run = await service.start(generation(body, service, conversation), "resp_")
-    view = _View(body, run, service)
+    gen = generation(body, service, conversation)
+    run = await service.start(gen, "resp_")
+    view = _View(body, run, service, gen.tools.parallel if gen.tools is not None
+                 else body.parallel_tool_calls is not False)
     if not body.stream:
         response = view.response("completed", _output_items(
             run.choices[0], (await run.whole(http))[0], view.logprobs))
@@ -349,8 +351,8 @@ class _View:
     """What a response object says besides its output: the request's settings, its status,
     its usage."""
 
-    def __init__(self, body: ResponsesBody, run: Run, service: Service):
-        self.body, self.run, self.service = body, run, service
+    def __init__(self, body: ResponsesBody, run: Run, service: Service, parallel: bool):
+        self.body, self.run, self.service, self.parallel = body, run, service, parallel
         self.created = int(time.time())
         self.logprobs = "message.output_text.logprobs" in (body.include or [])
 
@@ -368,7 +370,7 @@ class _View:
             "background": False, "error": error, "incomplete_details": incomplete,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": run.model, "output": output,
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "parallel_tool_calls": self.parallel,
             "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning or {"effort": None, "summary": None},
             "store": body.store, "temperature": 1.0 if body.temperature is None
