@@ -346,3 +346,14 @@ def test_a_strict_function_gets_every_property(client):
         arguments = json.loads(choice.message.tool_calls[0].function.arguments)
         assert set(arguments) == {"city", "unit"}
         jsonschema.validate(arguments, closed_schema(schema, require_all=True))
+
+
+def test_the_benchmarks_write_objects_closed_unsaid_or_open():
+    from torchllama.bench.tool_sets import PLOT, with_objects
+
+    schema = PLOT.tools[0]["function"]["parameters"]
+    for mode, says in (("closed", False), ("unsaid", None), ("open", True)):
+        written = with_objects(schema, mode)
+        for obj in (written, written["properties"]["points"]["items"]):
+            assert obj.get("additionalProperties") is says, mode
+    assert with_objects(schema, "closed") == schema          # as tool_sets writes it

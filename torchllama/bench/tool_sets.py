@@ -133,7 +133,7 @@ def with_objects(schema, mode: str):
     if "properties" in out:
         out.pop("additionalProperties", None)
         if mode != "unsaid":
-            out["additionalProperties"] = mode == "closed"
+            out["additionalProperties"] = mode == "open"
     return out
 
 

@@ -14,7 +14,6 @@ and its chunk object).
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import Request as HTTPRequest
@@ -23,8 +22,12 @@ from pydantic import BaseModel, Field
 
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, SamplingBody,
                                          Service, Update, body_constraint, body_sampling,
-                                         chat_token, openai_error_event, stop_strings)
+                                         chat_token, openai_chunk, openai_error_event,
+                                         stop_strings)
 from torchllama.serving.tools import ToolError, tools_of
+
+#: the object of a streamed answer's chunks
+KIND = "chat.completion.chunk"
 
 
 class FunctionCall(BaseModel):
@@ -158,17 +161,10 @@ def whole(run: Run, outputs: list[Output], logprobs: bool) -> dict:
             "model": run.model, "choices": choices, "usage": run.usage()}
 
 
-def chunk(run: Run, payloads: list[dict], extra: Optional[dict] = None) -> str:
-    """One server-sent event of a streamed answer."""
-    data = {"id": run.rid, "object": "chat.completion.chunk", "created": run.created,
-            "model": run.model, "choices": payloads, **(extra or {})}
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 async def stream(run: Run, logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
     """The chunks: every choice's role first, then their deltas as they come, each choice's
     finish reason, the usage (if asked), [DONE]."""
-    yield chunk(run, [{"index": c.index, "finish_reason": None,
+    yield openai_chunk(run, KIND, [{"index": c.index, "finish_reason": None,
                        "delta": {"role": "assistant", "content": ""}} for c in run.choices])
     async with contextlib.aclosing(run.updates()) as updates:
         async for choice, update in updates:
@@ -176,12 +172,12 @@ async def stream(run: Run, logprobs: bool, include_usage: bool) -> AsyncIterator
                 yield openai_error_event(choice.error)
                 return
             for payload in deltas(choice, update, logprobs):
-                yield chunk(run, [payload])
+                yield openai_chunk(run, KIND, [payload])
             if update.final:
-                yield chunk(run, [{"index": choice.index, "finish_reason": choice.finish_reason,
-                                   "delta": {}}])
+                yield openai_chunk(run, KIND, [{"index": choice.index, "delta": {},
+                                                "finish_reason": choice.finish_reason}])
     if include_usage:
-        yield chunk(run, [], {"usage": run.usage()})
+        yield openai_chunk(run, KIND, [], {"usage": run.usage()})
     yield "data: [DONE]\n\n"
 
 

@@ -22,7 +22,6 @@ with prompt log-probabilities.
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request as HTTPRequest
@@ -32,8 +31,12 @@ from pydantic import Field
 from torchllama.generation.session import encode_prompt
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, SamplingBody,
                                          Service, body_constraint, body_sampling,
-                                         openai_error_event, stop_strings)
+                                         openai_chunk, openai_error_event,
+                                         stop_strings)
 from torchllama.serving.request import TokenEvent
+
+#: the object of a streamed answer's chunks
+KIND = "text_completion"
 
 
 class CompletionBody(SamplingBody):
@@ -164,13 +167,6 @@ def whole(run: Run, outputs: list[Output], logprobs: Optional[int], echo: _Echo)
             "model": run.model, "choices": choices, "usage": run.usage()}
 
 
-def chunk(run: Run, payloads: list[dict], extra: Optional[dict] = None) -> str:
-    """One server-sent event of a streamed answer."""
-    data = {"id": run.rid, "object": "text_completion", "created": run.created,
-            "model": run.model, "choices": payloads, **(extra or {})}
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 async def stream(run: Run, logprobs: Optional[int], include_usage: bool,
                  echo: _Echo) -> AsyncIterator[str]:
     """The chunks: each choice's echoed prompt (if asked) before its first text, its text as
@@ -182,19 +178,19 @@ async def stream(run: Run, logprobs: Optional[int], include_usage: bool,
                 yield openai_error_event(choice.error)
                 return
             if echo.on and choice.index not in offsets:
-                yield chunk(run, [_echoed(choice, echo, logprobs, offsets)])
+                yield openai_chunk(run, KIND, [_echoed(choice, echo, logprobs, offsets)])
             if update.final:
-                yield chunk(run, [{"index": choice.index, "finish_reason": choice.finish_reason,
-                                   "text": ""}])
+                yield openai_chunk(run, KIND, [{"index": choice.index, "text": "",
+                                                "finish_reason": choice.finish_reason}])
             elif update.text or update.event is not None:
                 payload = {"index": choice.index, "finish_reason": None, "text": update.text}
                 if logprobs is not None and update.event is not None:
                     start = offsets.get(choice.index, 0)
                     payload["logprobs"] = logprobs_of(choice, [update.event], start)
                     offsets[choice.index] = start + len(choice.token_text(update.event.token_id))
-                yield chunk(run, [payload])
+                yield openai_chunk(run, KIND, [payload])
     if include_usage:
-        yield chunk(run, [], {"usage": run.usage()})
+        yield openai_chunk(run, KIND, [], {"usage": run.usage()})
     yield "data: [DONE]\n\n"
 
 

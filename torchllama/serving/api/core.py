@@ -752,6 +752,14 @@ def body_constraint(body: SamplingBody) -> Optional[tuple[str, Any]]:
     return one_constraint(response_format_constraint(body.response_format), body)
 
 
+def openai_chunk(run: Run, kind: str, payloads: list[dict],
+                 extra: Optional[dict] = None) -> str:
+    """One server-sent event of a streamed chat or text completion (`kind`: its object)."""
+    data = {"id": run.rid, "object": kind, "created": run.created, "model": run.model,
+            "choices": payloads, **(extra or {})}
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 def chat_token(choice: Choice, event: TokenEvent) -> dict:
     """One token of OpenAI's chat `logprobs.content` list (also the Responses API's
     `output_text.logprobs`)."""

@@ -10,8 +10,8 @@ thinking template drops earlier turns' reasoning). `tools` (`input_schema`), `to
 (`auto`, `any`, `tool` with its name, `none`; `disable_parallel_tool_use`), a tool's `strict`,
 `stop_sequences`, `max_tokens` (required), `output_config.format` (a JSON schema the answer
 follows), `temperature` (0–1), `top_p`, `top_k` (which Anthropic's current SDK sends only
-through `extra_body`), and the chat API's `grammar` and `regex` extensions; `thinking` of type "disabled" sets a thinking template's
-`enable_thinking` false, any other type true.
+through `extra_body`), and the chat API's `grammar` and `regex` extensions; `thinking` of type
+"disabled" sets a thinking template's `enable_thinking` false, any other type true.
 
 The answer's `content`: a `thinking` block (a thinking template's reasoning; its `signature`
 empty: nothing is signed here), a `text` block (unless the answer is only tool calls), then one
