@@ -32,6 +32,12 @@ batching already shares each step's weight traffic between the requests, which i
 speculation buys a lone request. Either way a request gets its exact output distribution (the
 same tokens at temperature 0). Requests with a grammar decode plainly.
 
+Scoring a prompt (`Request.prompt_logprobs`, what lm-evaluation-harness's loglikelihood asks
+through /v1/completions' echo): its chunks are prefilled with every position's logits, and
+each position's log-softmax gives the next prompt token's log-probability (and the most likely
+alternatives) in `Request.prompt_scores`; such a prompt is prefilled whole (a prefix taken from
+the cache would have no logits), and with max_tokens 0 it ends when its prefill does.
+
 Prefix cache (`torchllama.serving.prefix_cache`): when a prompt's prefill completes and when its
 request ends, its row's keys and values are kept by blocks of tokens (within a memory budget,
 least recently used first out); a later prompt that starts with the same tokens gets those
