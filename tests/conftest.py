@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -44,6 +45,27 @@ def smollm2_path() -> Path | None:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.is_file() else None
+
+
+#: A thinking model's chat template (ChatML with a <think> pair: `template_thinks`), and a regex
+#: that forces SmolLM2's answer into a thinking model's shape: reasoning, then the answer.
+THINKING_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+                     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if "
+                     "add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+                     "<think></think>")
+THINKING_REGEX = "<think>\n[a-z ]{3,30}\n</think>\n\n[A-Z][a-z ]{2,20}"
+
+
+@contextlib.contextmanager
+def thinking_template(app, tokenizer):
+    """A served app's tokenizer with `THINKING_TEMPLATE` while the block runs."""
+    service = app.state.service
+    original = tokenizer.chat_template
+    tokenizer.chat_template, service.thinks = THINKING_TEMPLATE, True
+    try:
+        yield
+    finally:
+        tokenizer.chat_template, service.thinks = original, False
 
 
 @pytest.fixture(scope="session")

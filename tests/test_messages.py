@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from conftest import THINKING_REGEX, thinking_template
+
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
@@ -189,25 +191,13 @@ def test_the_api_key_as_x_api_key_or_bearer(served):
         assert e.value.code == 401, path
 
 
-REASONING = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-             "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if "
-             "add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}<think></think>")
-
-
 def test_a_thinking_template_gives_a_thinking_block(served, client):
-    tokenizer, service = served[2], served[1].state.service
-    original = tokenizer.chat_template
-    tokenizer.chat_template, service.thinks = REASONING, True
-    try:
-        kwargs = dict(model=MODEL, max_tokens=60, messages=[{"role": "user",
-                                                             "content": "Say hi."}],
-                      extra_body={"temperature": 0, "regex":
-                                  "<think>\n[a-z ]{3,30}\n</think>\n\n[A-Z][a-z ]{2,20}"})
+    kwargs = dict(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Say hi."}],
+                  extra_body={"temperature": 0, "regex": THINKING_REGEX})
+    with thinking_template(served[1], served[2]):
         m = client.messages.create(**kwargs)
         with client.messages.stream(**kwargs) as stream:
             final = stream.get_final_message()
-    finally:
-        tokenizer.chat_template, service.thinks = original, False
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking.strip() and "<" not in m.content[0].thinking
     assert [b.type for b in final.content] == ["thinking", "text"]

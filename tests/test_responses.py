@@ -16,6 +16,8 @@ import json
 
 import pytest
 
+from conftest import THINKING_REGEX, thinking_template
+
 openai = pytest.importorskip("openai")
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -222,26 +224,15 @@ def test_agents_sdk_runs_a_function_tool_and_finishes(served):
     assert calls == ["Oslo", "Lyon"] and isinstance(streamed.final_output, str)
 
 
-REASONING = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-             "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if "
-             "add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}<think></think>")
-
-
 def test_a_thinking_template_gives_a_reasoning_item(served, client):
     """A thinking template (it writes <think> and </think>), the output forced into a
     thinking model's shape by the regex extension: a reasoning item, then the message."""
-    tokenizer = served[2]
-    original = tokenizer.chat_template
-    service = served[1].state.service
-    tokenizer.chat_template, service.thinks = REASONING, True
-    try:
-        kwargs = dict(model=MODEL, input="Say hi.", max_output_tokens=60, temperature=0,
-                      extra_body={"regex": "<think>\n[a-z ]{3,30}\n</think>\n\n[A-Z][a-z ]{2,20}"})
+    kwargs = dict(model=MODEL, input="Say hi.", max_output_tokens=60, temperature=0,
+                  extra_body={"regex": THINKING_REGEX})
+    with thinking_template(served[1], served[2]):
         r = client.responses.create(**kwargs)
         with client.responses.stream(**kwargs) as stream:
             final = stream.get_final_response()
-    finally:
-        tokenizer.chat_template, service.thinks = original, False
     assert [i.type for i in r.output] == ["reasoning", "message"]
     thought = r.output[0].content[0].text
     assert thought.strip() and "<" not in thought and r.output_text[0].isupper()
