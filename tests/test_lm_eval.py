@@ -4,8 +4,10 @@ with its HF tokenizer and with its `remote` tokenizer (/tokenize, /detokenize, /
 compared document by document with lm-eval's own `hf` backend on transformers' load of the
 same GGUF: every loglikelihood within 1e-3, the same accuracy, the same continuations.
 
-The tasks are local (no dataset hub): a multiple-choice "which line comes next" task and a
-greedy "continue the line" task, built from Shakespeare's plays (the Makefile's corpus).
+The tasks are local (no dataset hub), built from Shakespeare's plays (the Makefile's corpus): a
+multiple-choice "which line comes next" task, a greedy "continue the line" task and a
+perplexity task (loglikelihood_rolling over whole passages; both backends start a window with
+the same prefix token).
 Slow (lm-eval and its `datasets` import, transformers' load, three evaluations): `make
 test-slow`.
 """
@@ -29,7 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / ".cache" / "shakespeare"
 KEY = "lm-eval-key"
 MODEL = "SmolLM2-135M-Instruct"
-N_CHOICE_DOCS, N_GENERATE_DOCS = 32, 12
+N_CHOICE_DOCS, N_GENERATE_DOCS, N_PASSAGES = 32, 12, 6
+METRICS = {"shakespeare_next_line": "acc,none", "shakespeare_continue_line": "exact_match,none",
+           "shakespeare_perplexity": "word_perplexity,none"}
 
 
 def verse_runs(path: Path) -> list[list[str]]:
@@ -64,6 +68,9 @@ def build_tasks(folder: Path) -> list[str]:
     gen = [{"context": "\n".join(r[:2]), "target": r[2]}
            for r in runs[N_CHOICE_DOCS:N_CHOICE_DOCS + N_GENERATE_DOCS]]
     (folder / "continue_line.jsonl").write_text("\n".join(json.dumps(d) for d in gen) + "\n")
+    start = N_CHOICE_DOCS + N_GENERATE_DOCS
+    passages = [{"text": "\n".join(r)} for r in runs[start:start + N_PASSAGES]]
+    (folder / "perplexity.jsonl").write_text("\n".join(json.dumps(d) for d in passages) + "\n")
     common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {file}\n" \
              "test_split: test\n"
     (folder / "next_line.yaml").write_text(
@@ -77,7 +84,11 @@ def build_tasks(folder: Path) -> list[str]:
         "output_type: generate_until\ndoc_to_text: \"{{context}}\\n\"\ndoc_to_target: target\n"
         "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 16\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n")
-    return ["shakespeare_next_line", "shakespeare_continue_line"]
+    (folder / "perplexity.yaml").write_text(
+        "task: shakespeare_perplexity\n" + common.format(file=folder / "perplexity.jsonl") +
+        "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n")
+    return list(METRICS)
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +144,18 @@ def evaluate(tasks, model: str, model_args: dict) -> dict:
                           batch_size=8, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
     results = {}
     for name in names:
-        metric = "acc,none" if name.endswith("next_line") else "exact_match,none"
-        results[name] = (out["results"][name][metric],
+        results[name] = (out["results"][name][METRICS[name]],
                          {s["doc_id"]: s["resps"] for s in out["samples"][name]})
     return results
 
 
 @pytest.fixture(scope="module")
-def hf_results(tasks, smollm2_gguf):
+def hf_results(tasks, smollm2_gguf, hf_smollm2_tokenizer):
+    # (a rolling window starts with a prefix token: both backends are given the same one)
     return evaluate(tasks, "hf", {"pretrained": str(smollm2_gguf.parent),
                                   "gguf_file": smollm2_gguf.name, "dtype": "float32",
-                                  "device": "cpu"})
+                                  "device": "cpu",
+                                  "prefix_token_id": hf_smollm2_tokenizer.eos_token_id})
 
 
 @pytest.mark.parametrize("backend", ["huggingface", "remote"])
@@ -152,14 +164,15 @@ def test_lm_eval_through_the_server_equals_its_hf_backend(tasks, server, hf_resu
                                                           tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)               # what local-completions sends
     args = {"model": MODEL, "base_url": f"{server}/v1/completions", "max_retries": 1,
-            "tokenizer_backend": backend, "auth_token": KEY, "max_length": 2048}
+            "tokenizer_backend": backend, "auth_token": KEY, "max_length": 2048,
+            "custom_prefix_token_id": hf_smollm2_tokenizer.eos_token_id}
     if backend == "huggingface":                            # the GGUF's tokenizer, saved
         hf_smollm2_tokenizer.save_pretrained(tmp_path / "tokenizer")
         args["tokenizer"] = str(tmp_path / "tokenizer")
     ours = evaluate(tasks, "local-completions", args)
     for name, (metric, docs) in hf_results.items():
         got_metric, got_docs = ours[name]
-        assert got_metric == metric, (name, got_metric, metric)
+        assert got_metric == pytest.approx(metric, rel=1e-4), (name, got_metric, metric)
         assert set(got_docs) == set(docs)
         for doc_id, resps in docs.items():
             got = got_docs[doc_id]
@@ -167,5 +180,7 @@ def test_lm_eval_through_the_server_equals_its_hf_backend(tasks, server, hf_resu
                 for (g, _), (r, _) in zip((x[0] for x in got), (x[0] for x in resps)):
                     assert abs(float(g) - float(r)) <= 1e-3, (doc_id, g, r)
                 assert [x[0][1] for x in got] == [x[0][1] for x in resps]
+            elif name.endswith("perplexity"):              # [[loglikelihood of the passage]]
+                assert abs(float(got[0][0]) - float(resps[0][0])) <= 1e-3, (doc_id, got, resps)
             else:                                           # [[continuation]]
                 assert got == resps, doc_id
