@@ -6,6 +6,8 @@ gives positive figures. Speed is printed, never asserted."""
 
 from __future__ import annotations
 
+import json
+
 import sys
 
 import pytest
@@ -115,12 +117,20 @@ def test_table_has_ratio_column_and_batch_speedup_row():
     assert lines[4].split()[-2:] == ["4.00x", "4.00x"]
 
 
-def test_bench_cli_no_hf_alias_and_bad_values(tiny_gguf, capsys):
+def test_bench_cli_no_hf_alias_and_bad_values(tiny_gguf, capsys, tmp_path):
     common = ["bench", "decode", "--model", str(tiny_gguf), "--prompt-tokens", "8",
-              "--new-tokens", "2", "--repeats", "1", "--batch", "2"]
+              "--new-tokens", "2", "--repeats", "1", "--batch", "2", "--results",
+              str(tmp_path)]
     assert main(common + ["--no-hf"]) == 0                 # the old spelling of --peer none
     out = capsys.readouterr().out
     assert "decode tok/s (batch 2, 2)" in out and "transformers" not in out
+    (written,) = tmp_path.glob("*.json")                   # the results file: data
+    data = json.loads(written.read_text())
+    assert f"results written to {written}" in out and data["benchmark"] == "decode"
+    assert data["command"].startswith("torchllama bench decode") and data["machine"]["cores"]
+    (run,) = data["runs"]
+    assert [f["name"] for f in run["figures"]] == ["prefill 8", "decode b1", "decode b2"]
+    assert all(f["ours"] > 0 and f["peer"] is None for f in run["figures"])
     assert main(common + ["--no-hf", "--peer", "llama.cpp"]) == 1
     assert "--no-hf" in capsys.readouterr().err
     assert main(common + ["--peer", "llama"]) == 1

@@ -115,8 +115,13 @@ def test_bench_shapes_cli_runs_on_the_tiny_shape(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["bench", "shapes", "--shape", "tiny", "--type", "q4_k_m", "--peer", "none",
                  "--prefill", "8,16", "--context", "24", "--batch", "1,2", "--runs", "1",
-                 "--new-tokens", "4", "--threads", "1", "--json", str(out)]) == 0
+                 "--new-tokens", "4", "--threads", "1", "--json", str(out), "--results",
+                 str(tmp_path / "results")]) == 0
     text = capsys.readouterr().out
+    (written,) = (tmp_path / "results").glob("*.json")
+    figures = json.loads(written.read_text())["runs"][0]["figures"]
+    assert [f["name"] for f in figures] == ["prefill 8", "prefill 16", "decode b1 @24",
+                                            "decode b2 @24", "load", "peak RSS after loading"]
     assert "CPU capability" in text and "torchllama kernels" in text
     row = next(line for line in text.splitlines() if line.startswith("| TINY Q4_K_M"))
     assert len(row.split("|")) == 2 + 1 + 2 + 2 + 2          # model, 2 prefill, 2 decode, load, RSS
@@ -172,7 +177,7 @@ def test_bench_shapes_with_llama_cpp(tmp_path, capsys):
     assert main(["bench", "shapes", "--shape", "tiny", "--type", "q4_k_m", "--peer",
                  "llama.cpp", "--prefill", "16", "--context", "40", "--batch", "1,2",
                  "--runs", "1", "--new-tokens", "4", "--threads", "1", "--json",
-                 str(out)]) == 0
+                 str(out), "--results", "none"]) == 0
     engines = json.loads(out.read_text())["results"][0]["engines"]
     peer, ours = engines["llama.cpp"], engines["torchllama"]
     assert "error" not in peer and "error" not in ours, engines

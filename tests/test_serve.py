@@ -537,16 +537,18 @@ def test_a_failing_request_does_not_stop_the_engine(server, client):
     assert r.usage.completion_tokens == 3
 
 
-def test_bench_serve_cli(server, capsys):
+def test_bench_serve_cli(server, capsys, tmp_path):
     from torchllama.cli import main
 
     assert main(["bench", "serve", "--url", server.url, "--api-key", KEY,
-                 "--new-tokens", "4"]) == 0
+                 "--new-tokens", "4", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
     assert [row[0] for row in rows] == ["1", "4", "8"]
     assert all(0 < int(row[1]) <= 8 * 4 and row[4].endswith("x") for row in rows)
     assert "median TTFT" in out
+    (written,) = tmp_path.glob("*.json")
+    assert len(json.loads(written.read_text())["runs"][0]["figures"]) == 6
     with pytest.raises(SystemExit) as exit_info:                  # --url is bench serve's
         main(["bench", "decode", "--url", server.url])
     assert exit_info.value.code == 2 and "--url" in capsys.readouterr().err

@@ -357,7 +357,7 @@ def _stream_answer(session, tokenizer, prompt_ids, max_new_tokens, sampling, rea
 def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens: int = 512,
                  new_tokens: int = 128, repeats: int = 5, peer: str = "transformers",
                  batch: int = 8, no_hf: bool = False, compile: bool = False,
-                 kv_cache_dtype: str = "auto") -> int:
+                 kv_cache_dtype: str = "auto", results: str = "benchmarks/results") -> int:
     """Prefill, decode and batched-decode tokens/s of torchllama and, side by side in the same
     run, a peer on the same file: HF transformers (when installed) or llama.cpp (--peer
     llama.cpp, through llama-cpp-python: `make bench-peer` builds it).
@@ -380,24 +380,28 @@ def bench_decode(model: Optional[str] = None, dtype: str = "auto", prompt_tokens
             quantized, the default path; else the weights' dtype: --dtype float32 keeps the
             exact float32 cache), float32, float16, bfloat16 or q8_0 (int8 per 32 numbers
             with a float32 scale: 0.56× float16's bytes).
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
-    from torchllama.bench.decode import run_bench
+    from torchllama.bench.decode import result_runs, run_bench
     from torchllama.errors import ArgumentError
 
     _check_at_least_one(prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
     _check_kv_cache_dtype(kv_cache_dtype)
     if no_hf and peer not in ("transformers", "none"):
         raise ArgumentError(f"--no-hf means --peer none; it does not go with --peer {peer}")
-    run_bench(model, dtype, prompt_tokens, new_tokens, repeats,
-              peer="none" if no_hf else peer, batch=batch, compile=compile,
-              kv_cache_dtype=kv_cache_dtype)
+    peer = "none" if no_hf else peer
+    measured = run_bench(model, dtype, prompt_tokens, new_tokens, repeats, peer=peer,
+                         batch=batch, compile=compile, kv_cache_dtype=kv_cache_dtype)
+    _save_results("decode", result_runs(measured, f"{_model_label(model)} ({dtype})",
+                                        prompt_tokens, batch), results, peer)
     return 0
 
 
 def bench_shapes(shape: Optional[list[str]] = None, type: Optional[list[str]] = None,
                  prefill: str = "128,512,2048", context: str = "512,4096", batch: str = "1,8",
                  threads: int = 2, peer: str = "llama.cpp", runs: int = 3, new_tokens: int = 32,
-                 json: Optional[str] = None) -> int:
+                 json: Optional[str] = None, results: str = "benchmarks/results") -> int:
     """Prefill, decode, load time and peak RSS at real sizes: random-weight GGUFs of Llama
     shapes (written once into $TORCHLLAMA_CACHE/shapes, SmolLM2's tokenizer), each engine
     loading in a process of its own, then both in one process with their runs interleaved,
@@ -415,20 +419,23 @@ def bench_shapes(shape: Optional[list[str]] = None, type: Optional[list[str]] = 
         runs: timed runs per figure after a warm-up (the best is shown).
         new_tokens: greedy decode steps per run.
         json: also write every run's figures to this new JSON file.
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
-    from torchllama.bench.shapes_bench import (ShapesConfig, parse_sizes, run_shapes_bench,
-                                               split_names)
+    from torchllama.bench.shapes_bench import (ShapesConfig, parse_sizes, result_runs,
+                                               run_shapes_bench, split_names)
 
     cfg = ShapesConfig(parse_sizes(prefill, "prefill"), parse_sizes(context, "context"),
                        parse_sizes(batch, "batch"), threads, runs, new_tokens)
-    run_shapes_bench(split_names(shape or ["1b"]), split_names(type or ["q4_0"]), cfg, peer,
-                     json)
+    measured = run_shapes_bench(split_names(shape or ["1b"]), split_names(type or ["q4_0"]),
+                                cfg, peer, json)
+    _save_results("shapes", result_runs(measured, cfg), results, peer)
     return 0
 
 
 def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
                 model: Optional[str] = None, dtype: str = "auto", new_tokens: int = 128,
-                kv_cache_dtype: str = "auto") -> int:
+                kv_cache_dtype: str = "auto", results: str = "benchmarks/results") -> int:
     """An OpenAI-compatible server's generated tokens/s at 1, 4 and 8 concurrent requests (8
     prompts per level, temperature 0, streaming completions) and the median time to first
     token.
@@ -443,10 +450,12 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
         new_tokens: the max_tokens of every request.
         kv_cache_dtype: without --url, what the served model's KV cache stores (as
             `serve --kv-cache-dtype`).
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
     import http.client
 
-    from torchllama.bench.serve import run_serve_bench
+    from torchllama.bench.serve import result_runs, run_serve_bench
     from torchllama.errors import ArgumentError
 
     _check_at_least_one(new_tokens=new_tokens)
@@ -454,15 +463,18 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
     if url is not None and not url.startswith(("http://", "https://")):
         raise ArgumentError(f"--url must start with http:// or https://, got {url!r}")
     try:
-        run_serve_bench(url, api_key, new_tokens, model, dtype, kv_cache_dtype=kv_cache_dtype)
+        measured = run_serve_bench(url, api_key, new_tokens, model, dtype,
+                                   kv_cache_dtype=kv_cache_dtype)
     except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
         raise ArgumentError(f"bench serve: {e}") from e
+    label = url if url is not None else f"{_model_label(model)} ({dtype})"
+    _save_results("serve", result_runs(measured, label), results, None)
     return 0
 
 
 def bench_load(model: Optional[str] = None, dtype: str = "auto", clients: int = 64,
                requests: int = 10, drop: float = 0.1, new_tokens: int = 128, batch: int = 8,
-               peer: str = "llama.cpp") -> int:
+               peer: str = "llama.cpp", results: str = "benchmarks/results") -> int:
     """A load test of our server, served in this process: --clients clients each sending
     --requests chat requests (shared system prompts, follow-up turns of their conversation,
     tool calls, streaming or not, --drop of them dropped mid-stream, up to --new-tokens tokens
@@ -480,18 +492,24 @@ def bench_load(model: Optional[str] = None, dtype: str = "auto", clients: int = 
         new_tokens: the most tokens of each answer (≥ 8).
         batch: sequences our server decodes together.
         peer: llama.cpp (its server, where installed, on the same GGUF file) or none.
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
-    from torchllama.bench.load import run_load_bench
+    from torchllama.bench.load import result_runs, run_load_bench
     from torchllama.errors import ArgumentError
 
     if peer not in ("llama.cpp", "none"):
         raise ArgumentError(f"--peer {peer!r}: use llama.cpp or none")
-    run_load_bench(model, dtype, clients, requests, drop, new_tokens, batch, peer=peer)
+    measured = run_load_bench(model, dtype, clients, requests, drop, new_tokens, batch,
+                              peer=peer)
+    _save_results("load", result_runs(measured, f"{_model_label(model)} ({dtype}), {clients} "
+                                      f"clients × {requests}"), results, peer)
     return 0
 
 
 def bench_speculative(model: Optional[str] = None, new_tokens: int = 128, repeats: int = 5,
-                      draft: str = "int4", draft_tokens: int = 12) -> int:
+                      draft: str = "int4", draft_tokens: int = 12,
+                      results: str = "benchmarks/results") -> int:
     """Greedy decode tok/s of the float32 model plain, drafted by --draft and by prompt lookup,
     on an open answer and on a summary quoting its input.
 
@@ -502,18 +520,22 @@ def bench_speculative(model: Optional[str] = None, new_tokens: int = 128, repeat
         repeats: measurements per figure (the median is shown).
         draft: the draft model: int4, int8, auto or a path.
         draft_tokens: the most tokens drafted per step.
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
-    from torchllama.bench.speculative import run_speculative_bench
+    from torchllama.bench.speculative import result_runs, run_speculative_bench
 
     _check_at_least_one(new_tokens=new_tokens, repeats=repeats)
     _check_draft(draft, draft_tokens)
-    run_speculative_bench(model, new_tokens, repeats, draft, draft_tokens)
+    measured = run_speculative_bench(model, new_tokens, repeats, draft, draft_tokens)
+    _save_results("speculative", result_runs(measured, _model_label(model)), results, None)
     return 0
 
 
 def bench_train(preset: str = "shakespeare-small", dtype: str = "float32", batch_size: int = 8,
                 seq_len: int = 256, steps: int = 5, repeats: int = 5, peer: str = "transformers",
-                device: str = "cpu", compile: bool = False) -> int:
+                device: str = "cpu", compile: bool = False,
+                results: str = "benchmarks/results") -> int:
     """Training tokens/s (forward, loss, backward, AdamW) of a preset vs transformers'
     LlamaForCausalLM of the same config and weights.
 
@@ -527,15 +549,41 @@ def bench_train(preset: str = "shakespeare-small", dtype: str = "float32", batch
         peer: transformers (side by side) or none.
         device: cpu or cuda.
         compile: torch.compile both models.
+        results: a folder for the results file (JSON: machine, versions, command, every
+            figure beside the peer's; `torchllama.bench.results`), or none.
     """
-    from torchllama.bench.train import run_train_bench
+    from torchllama.bench.train import result_runs, run_train_bench
     from torchllama.errors import ArgumentError
 
     if peer not in ("transformers", "none"):
         raise ArgumentError(f"--peer {peer!r}: use transformers or none")
-    run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats,
-                    with_hf=peer == "transformers", device=device, compile=compile)
+    measured = run_train_bench(preset, batch_size, seq_len, dtype, steps, repeats,
+                               with_hf=peer == "transformers", device=device, compile=compile)
+    _save_results("train", result_runs(measured), results, None)
     return 0
+
+
+def _model_label(model: Optional[str]) -> str:
+    """A checkpoint's name for a results file (the embedded model's by default)."""
+    from pathlib import Path
+
+    return Path(model).name if model else "SmolLM2-135M-Instruct"
+
+
+def _save_results(benchmark: str, runs: list, folder: Optional[str], peer: Optional[str]) -> None:
+    """Write a bench command's results file (`torchllama.bench.results.save`)."""
+    from torchllama.bench.results import save
+
+    version = None
+    if peer == "llama.cpp" and any(r.peer for r in runs):
+        from torchllama.bench.peer import peer_version
+
+        version = peer_version()
+    elif peer == "transformers" and any(r.peer for r in runs):
+        import transformers
+
+        version = f"transformers {transformers.__version__}"
+    save(benchmark, runs, folder, version, argv=_ARGV)
 
 
 def _check_at_least_one(**values: int) -> None:
@@ -1082,8 +1130,13 @@ def _add_group(subparsers, name: str, commands: dict[str, Callable[..., int]]) -
         _add_command(nested, sub, fn)
 
 
+#: the arguments of the running command (a results file records them)
+_ARGV: list[str] = []
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `torchllama` command. Returns the exit status."""
+    _ARGV[:] = sys.argv[1:] if argv is None else argv
     args = vars(build_parser().parse_args(argv))
     command = args.pop("_command")
     debug = args.pop("debug")

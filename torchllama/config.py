@@ -403,6 +403,7 @@ class ModelArgs:
     def gated_mlp(self) -> bool:
         return self.mlp in GATED_MLPS
 
+    # --8<-- [start:ffn-hidden]
     @property
     def ffn_hidden_dim(self) -> int:
         """MLP hidden size.
@@ -421,6 +422,7 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+    # --8<-- [end:ffn-hidden]
 
     def layer_specs(self) -> list[LayerSpec]:
         """One `LayerSpec` per layer: global or local attention, window, RoPE base and scaling

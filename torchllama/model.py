@@ -59,6 +59,7 @@ class TransformerBlock(nn.Module):
             self.post_attention_norm = make_norm(args, args.dim)
             self.post_ffn_norm = make_norm(args, args.dim)
 
+    # --8<-- [start:block]
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         # x: (B, T, D) → (B, T, D)
         if self.placement == "pre":
@@ -72,6 +73,7 @@ class TransformerBlock(nn.Module):
             return self.ffn_norm(h + self.feed_forward(h))
         n = self.attention_norm(x)                                         # parallel
         return x + self.attention(n, inputs) + self.feed_forward(n)
+    # --8<-- [end:block]
 
 
 class Transformer(nn.Module):
@@ -205,6 +207,7 @@ class Transformer(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
 
+    # --8<-- [start:forward]
     def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, *,
                 last_only: bool = False,
                 pad: Optional[torch.Tensor] = None, cache_rows: Optional[slice] = None,
@@ -262,7 +265,9 @@ class Transformer(nn.Module):
         if targets is not None:                              # training: fused output + loss
             return self.loss(h, targets)
         return self.logits(h)
+    # --8<-- [end:forward]
 
+    # --8<-- [start:logits]
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection of final-normed hidden states h (..., dim) → float32 logits
         (..., vocab_size), soft-capped where the model says so (Gemma 2: c·tanh(logits/c))."""
@@ -271,6 +276,7 @@ class Transformer(nn.Module):
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         return logits
+    # --8<-- [end:logits]
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the logits of final-normed h (B, T, dim) against targets (B, T)
@@ -281,6 +287,7 @@ class Transformer(nn.Module):
         return linear_cross_entropy(h.flatten(0, 1), weight,                  # (B·T, D)
                                     targets.flatten(), softcap=self.args.final_logit_softcap)
 
+    # --8<-- [start:embed]
     def _embed(self, tokens: torch.Tensor, start_pos: int, end: int,
                pad: Optional[torch.Tensor], row_pos: Optional[list[int]]) -> torch.Tensor:
         """Token embeddings (B, T) → (B, T, D), scaled by √dim (Gemma) and plus absolute
@@ -293,6 +300,7 @@ class Transformer(nn.Module):
                 else torch.tensor(row_pos, device=tokens.device).clamp(min=0)[:, None]
             h = h + self.pos_embeddings(positions)
         return h
+    # --8<-- [end:embed]
 
     def _attention_inputs(self, device: torch.device, B: int, start_pos: int, end: int,
                           pad: Optional[torch.Tensor], cache_rows: Optional[slice],

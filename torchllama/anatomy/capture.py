@@ -40,6 +40,7 @@ class AttentionCapture:
         return torch.stack([calls[-1] for calls in self.per_layer])
 
 
+# --8<-- [start:capture]
 @contextmanager
 def capture_attention(model: Transformer) -> Iterator[AttentionCapture]:
     """Record the attention probabilities softmax(q·kᵀ·scale + bias + mask) of every layer, per
@@ -65,6 +66,7 @@ def capture_attention(model: Transformer) -> Iterator[AttentionCapture]:
     finally:
         for module in modules:
             module.capture = None
+# --8<-- [end:capture]
 
 
 @torch.no_grad()

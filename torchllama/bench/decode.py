@@ -377,3 +377,22 @@ def format_table(results: list[Throughput], prompt_tokens: int, new_tokens: int,
         lines.append(f"{f'batch {batch} / batch 1':{width}}" + "".join(
             f"{r.batch_decode_tok_s / r.decode_tok_s:13.2f}x" for r in results))
     return lines
+
+
+def result_runs(results: list[Throughput], model: str, prompt_tokens: int, batch: int):
+    """The figures of `run_bench` as `torchllama.bench.results` runs (one: ours beside the
+    peer)."""
+    from torchllama.bench.results import Figure, Run
+
+    ours = results[0]
+    peer = results[1] if len(results) > 1 else None
+    rows = [(f"prefill {prompt_tokens}", "prefill_tok_s"), ("decode b1", "decode_tok_s")]
+    if batch > 1:
+        rows.append((f"decode b{batch}", "batch_decode_tok_s"))
+    figures = [Figure(name, "tok/s", getattr(ours, key),
+                      getattr(peer, key) if peer is not None else None) for name, key in rows]
+    setting = {"llama.cpp": "flash attention on and off, the faster of each figure",
+               "transformers": "the same weights in float32 (quantized files dequantized)"}
+    return [Run(model, figures, peer.name if peer else None,
+                setting.get(peer.name) if peer else None)]
+

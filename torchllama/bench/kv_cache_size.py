@@ -37,6 +37,7 @@ class LayerCache:
     tokens: int
 
 
+# --8<-- [start:kv-layers]
 def layer_caches(args: ModelArgs, seq_len: int) -> list[LayerCache]:
     """The model's layers grouped by what their KV caches hold, for a sequence of seq_len."""
     if args.attention == "mla":
@@ -49,14 +50,17 @@ def layer_caches(args: ModelArgs, seq_len: int) -> list[LayerCache]:
         tokens = min(spec.window, seq_len) if spec.kind == "local" else seq_len
         groups.setdefault(kind, LayerCache([], kind, per_token, tokens)).layers.append(i)
     return list(groups.values())
+# --8<-- [end:kv-layers]
 
 
+# --8<-- [start:kv-bytes]
 def kv_cache_bytes(args: ModelArgs, seq_len: int, batch_size: int = 1,
                    dtype: str = "bfloat16") -> int:
     """Total KV cache bytes of the model for batch_size sequences of seq_len tokens."""
     size = DTYPE_BYTES[dtype]
     return round(sum(len(g.layers) * g.elements_per_token * g.tokens * batch_size * size
                      for g in layer_caches(args, seq_len)))
+# --8<-- [end:kv-bytes]
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype: str = "bfloat16") -> int:

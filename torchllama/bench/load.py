@@ -509,3 +509,28 @@ def run_load_bench(model_path: Optional[str] = None, dtype: str = "auto", client
              f"{with_cache * 1e3:.0f} ms with the cache, {without * 1e3:.0f} ms without "
              f"({without / with_cache:.1f}× lower)")
     return results
+
+
+def result_runs(results: list[LoadResult], model: str):
+    """The figures of `run_load_bench` as `torchllama.bench.results` runs: ours beside the
+    llama.cpp server's where it ran (tokens/s, p50/p99 time to first token and inter-token
+    latency)."""
+    from torchllama.bench.results import Figure, Run
+
+    def figures_of(r: LoadResult) -> list[tuple[str, str, float, bool]]:
+        done = [o for o in r.outcomes if o.error is None]
+        ttft = [o.ttft for o in done if o.ttft is not None and not o.dropped]
+        itl = [x for o in done for x in o.itl]
+        return [("throughput", "tok/s", sum(o.tokens for o in done) / r.seconds, True),
+                ("TTFT p50", "ms", r.percentile(ttft, 0.5) * 1e3, False),
+                ("TTFT p99", "ms", r.percentile(ttft, 0.99) * 1e3, False),
+                ("ITL p50", "ms", r.percentile(itl, 0.5) * 1e3, False),
+                ("ITL p99", "ms", r.percentile(itl, 0.99) * 1e3, False)]
+
+    ours = figures_of(results[0])
+    peer = figures_of(results[1]) if len(results) > 1 else None
+    figures = [Figure(name, unit, value, peer[i][2] if peer else None, better)
+               for i, (name, unit, value, better) in enumerate(ours)]
+    return [Run(model, figures, results[1].name if peer else None,
+                "its server (llama_cpp.server), the same file and threads" if peer else None)]
+

@@ -195,3 +195,20 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         print_fn(f"{r.concurrency:11d}{r.tokens:8d}{r.seconds:9.2f}{r.tok_s:9.1f}"
                  f"{r.tok_s / base if base else 0.0:8.2f}x{r.ttft_median_s * 1000:10.0f} ms")
     return results
+
+
+def result_runs(results: list[ServeResult], model: str):
+    """The figures of `run_serve_bench` as `torchllama.bench.results` runs: tokens/s and
+    median time to first token at each concurrency (no peer: each level's tokens/s ÷ one
+    request's is in the figure's name)."""
+    from torchllama.bench.results import Figure, Run
+
+    one = results[0].tok_s if results else 0.0
+    figures = []
+    for r in results:
+        scale = f" ({r.tok_s / one:.2f}× one)" if one and r.concurrency > 1 else ""
+        figures += [Figure(f"{r.concurrency} concurrent{scale}", "tok/s", r.tok_s),
+                    Figure(f"median TTFT at {r.concurrency}", "ms", r.ttft_median_s * 1e3,
+                           higher_is_better=False)]
+    return [Run(model, figures)]
+

@@ -501,5 +501,30 @@ def _write_json(path: Path, results: list[ModelResult], cfg: ShapesConfig,
         tmp.write_text(json.dumps(data, indent=1))
 
 
+
+def result_runs(results: list[ModelResult], cfg: ShapesConfig):
+    """The summary table's figures as `torchllama.bench.results` runs, one per file: each
+    throughput figure (llama.cpp's faster setting), the load seconds and the peak RSS."""
+    from torchllama.bench.results import Figure, Run
+
+    runs = []
+    for r in results:
+        ours, peer = r.engines.get("torchllama", {}), r.engines.get("llama.cpp")
+        if "error" in ours:
+            continue
+        peer = peer if peer and "error" not in peer else None
+        best_ours, best_peer = fastest(ours), fastest(peer) if peer else None
+        figures = [Figure(title, "tok/s", best_ours[kind][key],
+                          best_peer[kind].get(key) if best_peer else None)
+                   for kind, key, title in _figure_columns(cfg) if key in best_ours[kind]]
+        figures += [Figure("load", "s", ours["load_s"], peer and peer.get("load_s"), False),
+                    Figure("peak RSS after loading", "GB", ours["rss_load_gb"],
+                           peer and peer.get("rss_load_gb"), False)]
+        runs.append(Run(r.label, figures, "llama.cpp" if peer else None,
+                        "flash attention on and off, the faster of each figure" if peer
+                        else None, {"threads": cfg.threads, "runs": cfg.runs,
+                                    "new_tokens": cfg.new_tokens}))
+    return runs
+
 if __name__ == "__main__":
     sys.exit(child_main(sys.argv[1:]))

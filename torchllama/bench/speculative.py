@@ -157,3 +157,22 @@ def format_speculative_table(results: list[SpeculativeResult]) -> list[str]:
                      f"{b.total_s / r.total_s:8.2f}x{accepted:>10}{r.tokens_per_pass:10.2f}"
                      f"{'yes' if r.same_tokens else 'NO':>13}")
     return lines
+
+
+def result_runs(results: list[SpeculativeResult], model: str):
+    """The figures of `run_speculative_bench` as `torchllama.bench.results` runs, one per
+    prompt: each method's decode tokens/s beside plain decoding's (the "peer": the ratio is
+    the speed-up)."""
+    from torchllama.bench.results import Figure, Run
+
+    runs = []
+    for prompt in dict.fromkeys(r.prompt for r in results):
+        rows = [r for r in results if r.prompt == prompt]
+        plain = next((r for r in rows if r.method.startswith("plain")), None)
+        figures = [Figure(f"{r.method} decode", "tok/s", r.decode_tok_s,
+                          plain.decode_tok_s if plain else None)
+                   for r in rows if r is not plain]
+        runs.append(Run(f"{model}: {prompt}", figures, "plain decoding" if plain else None,
+                        "the same float32 model, greedy (the same tokens)"))
+    return runs
+

@@ -226,3 +226,18 @@ def _report(result: dict, args: ModelArgs, ours, rates: dict[str, float],
         result["ratio"] = rates["torchllama"] / rates["transformers"]
         write(f"{'ratio':14}{result['ratio']:9.2f}x")
     return result
+
+
+def result_runs(result: dict):
+    """The figures of `run_train_bench` as `torchllama.bench.results` runs."""
+    from torchllama.bench.results import Figure, Run
+
+    peer = "transformers" if "transformers_tok_s" in result else None
+    figures = [Figure("training", "tok/s", result["torchllama_tok_s"],
+                      result.get("transformers_tok_s")),
+               Figure("optimizer step", "ms", result["torchllama_ms_per_step"],
+                      result.get("transformers_ms_per_step"), False)]
+    return [Run(f"{result['preset']} ({result['dtype']}, batch {result['batch_size']} × "
+                f"{result['seq_len']})", figures, peer,
+                "LlamaForCausalLM of the same config and weights" if peer else None)]
+

@@ -359,6 +359,7 @@ def apply_frequency_presence_penalties(logits: torch.Tensor,
 # Logits warpers: temperature and truncation (only when sampling, temperature > 0)
 # --------------------------------------------------------------------------------------------
 
+# --8<-- [start:temperature]
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """l / T (softmax(l / T): T < 1 sharpens, T > 1 flattens).
 
@@ -370,8 +371,10 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if not (_is_real(temperature) and 0 < temperature < math.inf):
         raise ArgumentError(f"temperature must be > 0 and finite here, got {temperature!r}")
     return logits / temperature                                                  # (B, V)
+# --8<-- [end:temperature]
 
 
+# --8<-- [start:top-k]
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Set every logit below the k-th largest of its row to -inf (ties at the k-th are kept),
     as HF's `TopKLogitsWarper` (Fan et al. 2018, top-k sampling).
@@ -382,8 +385,10 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]        # (B, 1) k-th largest
     return logits.masked_fill(logits < kth, float("-inf"))      # (B, V)
+# --8<-- [end:top-k]
 
 
+# --8<-- [start:nucleus]
 def _nucleus_drop(probs_sort: torch.Tensor, p: float) -> torch.Tensor:
     """Meta's nucleus rule on descending-sorted probabilities: drop a token when the mass
     *before* it already exceeds p (llama/generation.py, `sample_top_p`).
@@ -392,6 +397,7 @@ def _nucleus_drop(probs_sort: torch.Tensor, p: float) -> torch.Tensor:
     """
     probs_sum = torch.cumsum(probs_sort, dim=-1)                   # (B, V)
     return probs_sum - probs_sort > p                              # mass before token > p
+# --8<-- [end:nucleus]
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
@@ -574,6 +580,7 @@ def _sample_nucleus_prefix(probs: torch.Tensor, top_p: float, min_p: float,
     return torch.gather(top_idx, -1, choice).squeeze(-1)                  # (B,)
 
 
+# --8<-- [start:sample-top-p]
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None
                  ) -> torch.Tensor:
     """Nucleus sampling exactly as Meta's `sample_top_p` (llama/generation.py).
@@ -595,8 +602,10 @@ def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Genera
     probs_sort = probs_sort / probs_sort.sum(dim=-1, keepdim=True)        # renormalise
     choice = torch.multinomial(probs_sort, num_samples=1, generator=generator)  # (B, 1)
     return torch.gather(probs_idx, -1, choice).squeeze(-1)                # (B,)
+# --8<-- [end:sample-top-p]
 
 
+# --8<-- [start:sample]
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: Optional[torch.Generator] = None,
            context_ids: Optional[TokenIds] = None,
@@ -629,6 +638,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     logits = top_k_filter(apply_temperature(logits, params.temperature), params.top_k)  # (B, V)
     probs = torch.softmax(logits, dim=-1)                                     # (B, V)
     return _sample_probs(probs, params.top_p, params.min_p, generator)        # (B,)
+# --8<-- [end:sample]
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int = 0

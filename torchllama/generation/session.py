@@ -412,10 +412,12 @@ def llama2_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return ids
 
 
+# --8<-- [start:with-bos]
 def _with_bos(tokenizer, ids: list[int]) -> list[int]:
     if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         return [tokenizer.bos_id] + ids
     return ids
+# --8<-- [end:with-bos]
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int = 256, *,

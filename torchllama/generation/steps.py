@@ -12,14 +12,17 @@ import warnings
 import torch
 
 
+# --8<-- [start:prefill]
 def prefill(model, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
     """Run the prompt through the model once, filling the KV cache from start_pos.
 
     Shapes: tokens (B, T) int64 → logits of the token after the last one, (B, V) float32.
     """
     return model(tokens, start_pos, last_only=True)[:, -1]             # (B, V)
+# --8<-- [end:prefill]
 
 
+# --8<-- [start:decode-one-token]
 def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
     """One decode step: feed the last sampled token at position pos.
 
@@ -36,3 +39,4 @@ def decode_one_token(model, token: torch.Tensor, pos: int) -> torch.Tensor:
                           stacklevel=2)
             model.compiled_decode = None
     return model(token, pos)[:, -1]                                     # (B, V)
+# --8<-- [end:decode-one-token]

@@ -43,6 +43,7 @@ class StreamDecoder:
         self.prefix_offset = 0                  # start of the left context window
         self.read_offset = len(self.ids)        # tokens before this are already emitted
 
+    # --8<-- [start:stream-decoder]
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ('' while a character is incomplete)."""
         self.ids.append(token_id)
@@ -53,6 +54,7 @@ class StreamDecoder:
             self.read_offset = len(self.ids)
             return new_text[len(prefix_text):]
         return ""
+    # --8<-- [end:stream-decoder]
 
     def flush(self) -> str:
         """Text still held back at the end (e.g. an incomplete character)."""

@@ -31,6 +31,7 @@ from torchllama.nn.position import apply_rotary_emb, yarn_mscale
 WINDOW_CACHE_MARGIN = 64
 
 
+# --8<-- [start:repeat-kv]
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Share each key/value head among n_rep query heads (grouped-query attention, Ainslie et al.
     2023): (B, KV, S, hd) → (B, KV·n_rep, S, hd), head h of the output is KV head h // n_rep.
@@ -46,6 +47,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return (x[:, :, None, :, :]                 # (B, KV, 1, S, hd)
             .expand(B, KV, n_rep, S, hd)        # (B, KV, n_rep, S, hd), no copy yet
             .reshape(B, KV * n_rep, S, hd))     # (B, H, S, hd)
+# --8<-- [end:repeat-kv]
 
 
 def attention_dtype(x: torch.Tensor) -> torch.dtype:
@@ -58,6 +60,7 @@ def attention_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# --8<-- [start:attend]
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, *,
            scale: Optional[float] = None, softcap: Optional[float] = None,
            capture: Optional[list] = None) -> torch.Tensor:
@@ -123,6 +126,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
         if capture is not None:
             capture.append(probs.detach())
         return probs.to(q.dtype) @ repeat_kv(v, n_rep)                    # (B, H, T, dv)
+# --8<-- [end:attend]
 
 
 def make_kv_cache(spec: LayerSpec, max_batch_size: int, max_seq_len: int, n_heads: int,
@@ -183,6 +187,7 @@ class Attention(nn.Module):
         return make_kv_cache(self.spec, max_batch_size, max_seq_len, self.n_kv_heads,
                              self.head_dim, self.head_dim, dtype, device)
 
+    # --8<-- [start:attention-forward]
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """
         Args:
@@ -225,8 +230,10 @@ class Attention(nn.Module):
                      softcap=self.softcap, capture=self.capture)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
         return self.wo(out)                                           # (B, T, D)
+    # --8<-- [end:attention-forward]
 
 
+# --8<-- [start:mla]
 class MultiHeadLatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, Liu et al. 2024, §2.1; DeepSeek-V3), with
     DeepSeek's parameter names (inference/model.py `MLA`).
@@ -313,6 +320,7 @@ class MultiHeadLatentAttention(nn.Module):
         out = attend(q.contiguous(), k, v.to(dtype), inputs, scale=self.scale,  # (B, H, T, dv)
                      softcap=self.softcap, capture=self.capture)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * dv).to(x.dtype))  # (B, T, D)
+# --8<-- [end:mla]
 
 
 def make_attention(args: ModelArgs, spec: LayerSpec) -> nn.Module:

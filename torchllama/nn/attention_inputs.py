@@ -147,6 +147,7 @@ class AttentionInputs:
         return cls(max(row_pos), freqs_cis, mask, bias, cache_rows, key_start, row_pos, index)
 
 
+# --8<-- [start:causal-mask]
 def _causal_mask(q_slot: torch.Tensor, k_slot: torch.Tensor,
                  window: Optional[int]) -> torch.Tensor:
     """Query at slot q may attend key slot s iff s was written (s ≥ 0), s ≤ q, and, in a local
@@ -156,8 +157,10 @@ def _causal_mask(q_slot: torch.Tensor, k_slot: torch.Tensor,
     if window is not None:
         mask &= k_slot > q_slot - window
     return mask
+# --8<-- [end:causal-mask]
 
 
+# --8<-- [start:padding-mask]
 def _skip_padding(mask: torch.Tensor, q_slot: torch.Tensor, k_slot: torch.Tensor,
                   pad: torch.Tensor) -> torch.Tensor:
     """The (T, S) mask for left-padded rows, (B, 1, T, S): row b's first pad[b] slots hold
@@ -166,3 +169,4 @@ def _skip_padding(mask: torch.Tensor, q_slot: torch.Tensor, k_slot: torch.Tensor
     real = k_slot[None, None, :] >= pad[:, None, None]                  # (B, 1, S)
     itself = k_slot[None, None, :] == q_slot[None, :, None]             # (1, T, S)
     return ((mask[None] & real) | itself)[:, None]                      # (B, 1, T, S)
+# --8<-- [end:padding-mask]

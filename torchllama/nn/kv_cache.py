@@ -196,6 +196,7 @@ class KVCache(nn.Module):
         """Slots a row can address (the context this cache serves)."""
         return self.k_cache.shape[2]
 
+    # --8<-- [start:kv-update]
     def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor,
                rows: Optional[slice] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write xk (B, KV, T, k_dim) and xv (B, KV, T, v_dim) at slots start_pos..start_pos+T-1
@@ -212,6 +213,7 @@ class KVCache(nn.Module):
         self.k_cache[rows, :, start_pos:end] = self.store(xk)  # (B, KV, T, ·) → (…, S_max, ·)
         self.v_cache[rows, :, start_pos:end] = self.store(xv)
         return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]  # (B, KV, S, hd)
+    # --8<-- [end:kv-update]
 
     def in_place_slots(self, start_pos: int, T: int) -> Optional[tuple[int, int]]:
         """For an op that writes T new keys and values into the buffers itself

@@ -29,6 +29,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# --8<-- [start:swiglu]
 class FeedForward(nn.Module):
     """Gated feed-forward network (Shazeer 2020, eq. 6 for SwiGLU):
     FFN(x) = W2 · (act(W1·x) ⊙ W3·x). Meta's names: w1 gate, w3 up, w2 down.
@@ -56,8 +57,10 @@ class FeedForward(nn.Module):
         else:
             gate, up = self.w1(x), self.w3(x)
         return self.w2(self.act(gate) * up)
+# --8<-- [end:swiglu]
 
 
+# --8<-- [start:mlp]
 class MLP(nn.Module):
     """Plain two-layer feed-forward network (Vaswani et al. 2017, eq. 2): W2 · act(W1·x).
 
@@ -77,6 +80,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, D) → (B, T, F) → (B, T, D)
         return self.w2(self.act(self.w1(x)))
+# --8<-- [end:mlp]
 
 
 def make_mlp(args) -> nn.Module:

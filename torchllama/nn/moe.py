@@ -39,6 +39,7 @@ from torchllama.nn.linear import Linear
 from torchllama.nn.mlp import FeedForward
 
 
+# --8<-- [start:moe]
 class MoE(nn.Module):
     """A mixture-of-experts feed-forward block (see the module docstring).
 
@@ -160,6 +161,7 @@ class MoE(nn.Module):
             tokens, slot = torch.where(ids == e)                           # (n,), (n,)
             y[tokens, slot] = self.experts[e](h.index_select(0, tokens)[None])[0].float()
         return y
+# --8<-- [end:moe]
 
 
 def balance_loss(model: nn.Module) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from torch import nn
 from torchllama import kernels
 
 
+# --8<-- [start:rmsnorm]
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, eq. 4): x / RMS(x) · g.
 
@@ -45,8 +46,10 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (x32 * rms_inv * (1.0 + self.weight.float())).type_as(x)   # (..., D)
         return (x32 * rms_inv).type_as(x) * self.weight                    # (..., D)
+# --8<-- [end:rmsnorm]
 
 
+# --8<-- [start:layernorm]
 class LayerNorm(nn.Module):
     """Layer normalization (Ba et al. 2016, eq. 3-4): (x − μ) / sqrt(σ² + eps) · γ + β, with μ
     and σ² the mean and (biased) variance over the last dimension; β optional (GPT-2 has it,
@@ -69,6 +72,7 @@ class LayerNorm(nn.Module):
         bias = self.bias.float() if self.bias is not None else None
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias,
                             self.eps).type_as(x)                           # (..., D)
+# --8<-- [end:layernorm]
 
 
 def make_norm(args, dim: int) -> nn.Module:

@@ -114,6 +114,7 @@ def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
     return yarn_mscale(s)
 
 
+# --8<-- [start:rope-freqs]
 def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0,
                          scaling: Optional[dict[str, Any]] = None) -> torch.Tensor:
     """RoPE's rotations e^{i·m·θ_i} for positions m = 0..end-1, as Meta precomputes them
@@ -136,8 +137,10 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0,
     positions = torch.arange(end, dtype=torch.float32, device="cpu")        # m (end,)
     angles = torch.outer(positions, inv_freq)                               # m·θ_i (end, hd/2)
     return torch.polar(torch.full_like(angles, factor), angles)             # (end, hd/2) c64
+# --8<-- [end:rope-freqs]
 
 
+# --8<-- [start:rope-apply]
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of every head vector by their position's angles.
@@ -182,6 +185,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
     pairs = torch.view_as_complex(x.float().reshape(B, T, H, hd // 2, 2))   # (B, T, H, hd/2) c64
     rotated = pairs * freqs_cis.view(-1, T, 1, hd // 2)                    # broadcast (B) and H
     return torch.view_as_real(rotated).flatten(3).to(dtype or x.dtype)     # (B, T, H, hd)
+# --8<-- [end:rope-apply]
 
 
 class RotaryEmbedding:
@@ -288,6 +292,7 @@ class LearnedPositions(nn.Embedding):
 # --------------------------------------------------------------------------------------------
 
 
+# --8<-- [start:alibi]
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi's head slopes (Press et al. 2022 §3 and the authors' `get_slopes`): for n a power of
     two, the geometric sequence 2^(−8/n), 2^(−16/n), …, 2^(−8); otherwise the slopes of the
@@ -306,6 +311,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
         closest = 2 ** math.floor(math.log2(n_heads))
         slopes = power_of_2(closest) + power_of_2(2 * closest)[0::2][: n_heads - closest]
     return torch.tensor(slopes, dtype=torch.float32, device="cpu")
+# --8<-- [end:alibi]
 
 
 class ALiBi(nn.Module):

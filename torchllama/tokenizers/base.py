@@ -132,6 +132,7 @@ class Tokenizer(ABC):
 
     # ---- encoding / decoding -------------------------------------------------------------------
 
+    # --8<-- [start:encode]
     def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False) -> list[int]:
         """Token ids of ``text``.
 
@@ -158,6 +159,7 @@ class Tokenizer(ABC):
                 raise ArgumentError(f"{self.source}: the tokenizer has no EOS token (eos=True)")
             ids.append(self.eos_id)
         return ids
+    # --8<-- [end:encode]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; control tokens (BOS, EOS, ``<|im_end|>``...) are skipped.

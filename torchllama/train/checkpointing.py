@@ -106,6 +106,7 @@ def publish_checkpoint(run_dir: Path, tmp: Path, final: Path, keep: int) -> None
         shutil.rmtree(old, ignore_errors=True)
 
 
+# --8<-- [start:save-checkpoint]
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], tokenizer, ctx: DistContext, *, fsdp: bool,
                     keep: int) -> Path:
@@ -159,6 +160,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         publish_checkpoint(run_dir, tmp, final, keep)
     barrier()
     return final
+# --8<-- [end:save-checkpoint]
 
 
 def read_train_state(ckpt: Path) -> dict[str, Any]:

@@ -122,6 +122,7 @@ class Trainer:
             if keep_old else []
         write_text(self.log_path, "".join(json.dumps(e) + "\n" for e in kept))
 
+    # --8<-- [start:train-step]
     def train_step(self) -> dict:
         """One optimizer step at the schedule's learning rate; returns its log entry.
 
@@ -144,6 +145,7 @@ class Trainer:
         seconds = time.perf_counter() - t0
         self.step += 1
         return self.log_entry(loss, lr, grad_norm, seconds)
+    # --8<-- [end:train-step]
 
     def clip_gradients(self) -> float:
         """Clip the global gradient L2 norm to grad_clip (0: no clipping); returns the norm

@@ -1,0 +1,50 @@
+"""Benchmark results as data (`torchllama.bench.results`): the file a bench command writes and
+the benchmarks page rendered from the committed files (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchllama.bench.results import (Figure, Run, document, load_results, render, save,
+                                      write)
+
+
+def test_a_results_file_round_trips_and_renders_by_machine(tmp_path):
+    runs = [Run("SmolLM2 (auto)", [Figure("decode b1", "tok/s", 200.0, 160.0),
+                                   Figure("load", "s", 2.0, 1.0, higher_is_better=False)],
+                "llama.cpp", "flash attention on and off, the faster")]
+    first = document("decode", runs, "llama-cpp-python 0.3.36", argv=["bench", "decode"])
+    second = document("decode", [Run("SmolLM2 (auto)", [Figure("decode b1", "tok/s", 210.0,
+                                                               140.0)], "llama.cpp")])
+    second["date"] = "2999-01-01T00:00:00+00:00"                  # (written later)
+    paths = [write(first, tmp_path), write(second, tmp_path)]
+    assert paths[0] != paths[1] and all(p.suffix == ".json" for p in paths)
+    docs = load_results(tmp_path)
+    assert [d["runs"] for d in docs] == [first["runs"], second["runs"]]
+    page = render(docs)
+    machine = first["machine"]
+    assert f"## {machine['cpu']}, {machine['cores']} cores" in page
+    assert "| decode b1 (tok/s) | 200.0 | 160.0 | **1.25×** |" in page
+    assert "| load (s) | 2.00 | 1.00 | **0.50×** |" in page            # lower is better
+    assert "`torchllama bench decode`" in page
+    assert "| decode | SmolLM2 (auto) | decode b1 | 2 | 1.25× – 1.50× |" in page   # noise band
+
+
+def test_save_none_writes_nothing_and_bad_files_are_named(tmp_path, capsys):
+    assert save("serve", [], "none") is None and not list(tmp_path.iterdir())
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="other.json"):
+        load_results(tmp_path)
+    assert "No results" in render([])
+
+
+def test_the_committed_results_render():
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    docs = load_results(folder)
+    assert docs, "benchmarks/results/ holds the results the benchmarks page shows"
+    page = render(docs)
+    assert "llama.cpp" in page and "×" in page
