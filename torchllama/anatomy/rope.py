@@ -893,8 +893,7 @@ def extrapolation_look_for(m: Extrapolation) -> str:
         f"loss within L; compare also the cost within L, where the scalings change what the "
         f"model was trained on. This section is opt-in (`--only extrapolation`): on SmolLM2 "
         f"(L = 8,192) each method is one forward over 16,384 tokens, minutes on 2 CPU cores "
-        f"(float32 by default; bfloat16 measured barely faster on CPU: 11.0 vs 11.8 s for 2,048 "
-        f"tokens).")
+        f"(float32 by default; bfloat16 is barely faster on a CPU).")
 
 
 def extrapolation_prose(m: Extrapolation) -> Prose:

@@ -245,3 +245,53 @@ def render(docs: list[dict]) -> str:
                         *_table(doc, run), ""]
         out += _noise(group) + [""]
     return "\n".join(out)
+
+
+def summary(docs: list[dict]) -> str:
+    """The README's speed table: for each (benchmark, model) measured against a peer, the
+    latest run's ratios, one row each (ours ÷ the peer; > 1: ours is faster)."""
+    latest: dict[tuple, tuple[dict, dict]] = {}
+    for doc in docs:                                       # oldest first: the last one wins
+        for run in doc["runs"]:
+            if run.get("peer"):
+                latest[(doc["benchmark"], run["model"], run["peer"])] = (doc, run)
+    lines = ["| model | against | ours ÷ theirs |", "|---|---|---|"]
+    for (_, model, peer), (doc, run) in latest.items():
+        cells = []
+        for f in run["figures"]:
+            ratio = Figure(**f).ratio
+            if ratio is not None and f["unit"] == "tok/s":
+                cells.append(f"{f['name']} **{ratio:.2f}×**")
+        lines.append(f"| {model} | {peer} | {' · '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- speed-summary:start -->", "<!-- speed-summary:end -->"
+
+
+def update_readme(readme: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Put `summary` of the results in `folder` between the README's speed-summary markers
+    (atomically); returns whether the file changed.
+
+    Raises:
+        ValueError: the README has no markers.
+    """
+    from torchllama.checkpoint.common import atomic_output
+
+    path = Path(readme)
+    text = path.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{path}: no {START} … {END} markers")
+    head, rest = text.split(START, 1)
+    new = head + START + "\n" + summary(load_results(folder)) + END + rest.split(END, 1)[1]
+    if new == text:
+        return False
+    with atomic_output(path, folder=False, force=True) as tmp:   # (the README is rewritten)
+        tmp.write_text(new)
+    return True
+
+
+if __name__ == "__main__":          # python -m torchllama.bench.results README.md [folder]
+    changed = update_readme(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else DEFAULT_FOLDER)
+    print(f"{sys.argv[1]}: {'updated' if changed else 'already current'}")
+

@@ -162,10 +162,10 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     The model is created on the meta device (no memory), the tensors are checked against its
     parameter names and shapes, then assigned (`load_state_dict(strict=True, assign=True)`).
     A tied model may omit `output.weight`. float32 weights stay row-major where torchllama's
-    kernels run float32 inference (`torch.ops.torchllama.f32_linear`, batch-invariant: SmolLM2
-    decode 20.0 ms/token row-major vs 22.5 column-major, a 9-token forward 33 vs 49 ms, one
-    thread); without them they get the column-major layout that is faster with MKL (see
-    `torchllama.transforms.layout.set_weight_layout`), converted tensor by tensor.
+    kernels run float32 inference (`torch.ops.torchllama.f32_linear`, batch-invariant, and
+    faster on row-major weights); without them they get the column-major layout that is
+    faster with MKL (see `torchllama.transforms.layout.set_weight_layout`), converted tensor by
+    tensor.
 
     Weights given quantized (`torchllama.transforms.quantize.Q4Blocks` / `Q8Blocks` / ...), or as
     quantized modules already built from them, replace their modules by quantized ones

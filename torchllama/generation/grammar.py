@@ -6,7 +6,7 @@ sampling, so what comes out always matches it: a JSON schema (OpenAI's `response
 expression, or a context-free grammar (Lark, or llama.cpp's GBNF). The grammar engine is
 Microsoft's `llguidance` (Rust, via its Python wheel): it computes the allowed tokens of a
 vocabulary from its token bytes (`Tokenizer.token_bytes`) in tens of microseconds a token. (Chosen
-over xgrammar, measured side by side: see the README's "Structured output".)
+over xgrammar, measured side by side: see the serving guide's "Structured output".)
 
 A generation ends when the grammar is complete: the model samples an end token (allowed only
 where the grammar may end) or the grammar allows nothing more. Cut short by max_tokens, the

@@ -545,8 +545,8 @@ def _sample_nucleus_prefix(probs: torch.Tensor, top_p: float, min_p: float,
     be sure to pick the same token (the caller then sorts).
 
     Meta's rule keeps a prefix of the descending order: the nucleus. `torch.topk` of k ≪ V
-    gives that prefix in O(V) (sorting all V = 49,152 probabilities took ≈ 4-6 ms a token on
-    this project's CPU, more than a decode step). The draw then repeats `torch.multinomial`'s
+    gives that prefix in O(V) (sorting all V probabilities can cost more than a decode step of
+    a small model: `torchllama bench decode` measures the sampling with the step). The draw then repeats `torch.multinomial`'s
     own arithmetic on CPU for one sample (Gumbel-max with exponentials: argmax_j p_j / q_j,
     q ~ Exp(1) drawn for all V columns in order, so the generator advances as before):
     dropped columns are 0 / q = 0 and never win, so the argmax over the prefix is the same.

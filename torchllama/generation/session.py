@@ -55,8 +55,8 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
             (`runs_one_op_layers`). Without it such a model stays eager, with one warning:
             each layer is already one call, so Inductor has nothing to fuse, and the layer's
             integer arguments (cache positions) recompile the graph per position until
-            torch._dynamo's limit (SmolLM2 `auto`: eager 223 tok/s, compiled 150, plus 30-60 s
-            of compiling).
+            torch._dynamo's limit: slower than eager, after a long compile (`torchllama bench
+            decode --compile` measures both).
 
     Returns:
         Seconds spent compiling and warming up (0 without warmup, or when not compiled).

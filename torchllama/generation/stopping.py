@@ -2,7 +2,7 @@
 
 A stop string ("\\nUser:", "</answer>") can arrive split over many decoded pieces, or sit in the
 middle of one. `StopStrings` takes the text pieces as they come (from
-`torchllama.generation.session.StreamDecoder.push`) and returns the part that is safe to show now: it
+`torchllama.generation.text.StreamDecoder.push`) and returns the part that is safe to show now: it
 holds back any suffix that could still grow into a stop string, releases it once it cannot, and
 when a stop string completes returns only the text before it and marks itself stopped.
 

@@ -2,11 +2,9 @@
 
 A decode step reads every weight once: the 1B shape's 630 MB at batch 1. On 4 KiB pages that
 stream crosses a page every 32 Q4 blocks, and the CPU's hardware prefetchers stop at page
-boundaries (and each page costs a TLB walk). On the 2-core Zen 3 these figures come from,
-`benchmarks/huge_pages.py` (a 1B layer's decode products × 8, the same weights on both page
-sizes in one process, round by round) streamed 1.06× and 1.12× the 4 KiB rate at the median of
-two runs (rounds 0.92–1.22×: the machine is shared); `benchmarks/decode_roofline.py`'s
-products-alone row went from 23.7 to 30.6 tok/s (15.0 → 19.3 GB/s) in runs minutes apart.
+boundaries (and each page costs a TLB walk). `benchmarks/huge_pages.py` measures the gain (a
+1B layer's decode products, the same weights on both page sizes in one process, round by
+round).
 
 The kernel gives an anonymous mapping huge pages when the process asks (`madvise(2)`
 MADV_HUGEPAGE) and `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`

@@ -9,11 +9,9 @@ served in a batch. torch's F.linear (MKL) picks a matrix-vector kernel for one r
 GEMM for more, which round differently (SmolLM2's float32 logits: 7.6e-5 apart). Otherwise
 (training, other dtypes or devices, TORCHLLAMA_KERNELS=0) it is F.linear.
 
-The kernel serves every M: on the machine it was tuned on (AVX-512 Zen 5, one thread, MKL's
-F.linear for comparison) SmolLM2-135M's decode step took 22.5 ms instead of 27.7, a 9-token
-forward 48.6 instead of 64.4 and a 512-token prefill 0.70 s instead of 1.23 (the loaders'
-column-major weights; row-major ones are faster still with the kernel: 20.0 ms, 33.0 ms,
-0.74 s).
+The kernel serves every M, and was faster than MKL's F.linear for the decode step, a few-token
+verification and a long prefill where it was tuned (`torchllama bench decode --dtype float32`
+measures it).
 
 The class is an `nn.Linear` (same parameters, state-dict keys and repr), so code that looks for
 `isinstance(m, nn.Linear)` (quantization, LoRA, checkpoint loading) treats it as one.

@@ -309,8 +309,8 @@ def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",
     the main thread loaded the model, its idle pool and the engine thread's pool together would
     exceed the CPUs of a small machine, and libgomp then stops spin-waiting between parallel
     regions (its "throttled" spin): every region pays futex wake-ups, and batched decode steps
-    were ~20% slower (measured at batch 8 on 2 cores: 76 instead of 63 ms per step). A finished
-    thread's pool goes away with it.
+    are slower (`torchllama bench serve` shows it). A finished thread's pool goes away with
+    it.
     """
     from torchllama.checkpoint import load
 

@@ -40,10 +40,9 @@ import numpy as np
 import torch
 
 #: Tokens per block of `BlockPrefixCache` (vLLM's default too; SGLang's radix tree: 1). A hit
-#: recomputes up to a block's worth of the shared prefix: with 32, SmolLM2's time to first token
-#: after a cached 430-token system prompt was 68 ms (24 tokens more to prefill than the prompt
-#: cache's whole-prefix hit); a hit's copies cost ~2 ms for 416 tokens either way. A turn
-#: prefills at most its new tokens + one block.
+#: recomputes up to a block's worth of the shared prefix, which costs more than the copies a
+#: smaller block adds (`benchmarks/multi_turn.py` and `torchllama bench load` measure the time
+#: to first token). A turn prefills at most its new tokens + one block.
 BLOCK_SIZE = 16
 
 #: A prompt is kept as a new entry only if it brings at least this many tokens beyond its hit,

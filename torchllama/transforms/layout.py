@@ -20,10 +20,10 @@ def set_weight_layout(model: nn.Module, layout: str) -> nn.Module:
 
     - "row": (out, in) contiguous, torch's default.
     - "column": the transpose of a contiguous (in, out) tensor. F.linear then runs
-      x @ W_in_out without a transposed operand. On x86 CPUs with MKL this is much faster in
-      float32: measured on 2 cores, matrix-vector products (decode) stream weights 1.27× faster,
-      and some prefill GEMMs (e.g. (512, 1536) × (1536, 576)) run 3× faster. It does not help
-      bfloat16 (oneDNN), so loaders use it for float32 only.
+      x @ W_in_out without a transposed operand. On x86 CPUs with MKL this is faster in
+      float32, for matrix-vector products (decode) and some prefill GEMMs (`torchllama bench
+      decode --dtype float32`). It does not help bfloat16 (oneDNN), so loaders use it for
+      float32 only.
 
     Returns the model (modified in place).
 

@@ -323,7 +323,7 @@ def scheme_for(name: str, scheme: Scheme) -> Scheme:
     """The scheme a weight gets when the model is quantized with `scheme`: int4 models keep
     their output projection (and tied embeddings) in int8, as llama.cpp's 4-bit mixes keep it
     at Q6_K/Q8_0. Measured on SmolLM2-135M: its head in int4 (G = 32) raises the perplexity by
-    7%, in int8 by 0.3% (README, "Quantized weights")."""
+    7%, in int8 by 0.3% (the quantized-weights guide, docs/guides/quantized.md)."""
     return Scheme(8) if name in VOCAB_WEIGHTS and scheme.bits < 8 else scheme
 
 
@@ -1048,8 +1048,8 @@ def fusion_groups(names: set[str]) -> list[tuple[str, ...]]:
 def fuse_projections(model: nn.Module) -> None:
     """Where the kernels run the projections, give each attention layer one product for q, k
     and v (`attention.wqkv`) and each gated feed-forward one for its gate and up projections
-    (`feed_forward.w13`), as llama.cpp and gpt-fast fuse them. Measured on SmolLM2 (one
-    decode step, 2 threads): q/k/v 46 → 27 µs, w1/w3 59 → 50 µs per layer."""
+    (`feed_forward.w13`), as llama.cpp and gpt-fast fuse them: one activation quantization and
+    one thread split instead of three (`torchllama bench decode` measures the step)."""
     for layer in getattr(model, "layers", ()):
         for sub, linears, fused in FUSED_PROJECTIONS:
             module = getattr(layer, sub)
@@ -1107,11 +1107,9 @@ def stack_experts(model: nn.Module) -> int:
     per expert used. The experts' own modules become views of the stacked buffers (no copy
     where they already lie side by side: a GGUF's 3-D `ffn_*_exps`). Returns how many.
 
-    Measured on an OLMoE-1B-7B-shaped Q4_0 file (64 experts of 1024, 8 per token; 2 threads,
-    AVX-512): expert by expert 16.5 tok/s at batch 1 and 33.6 at batch 8; stacked 27.4 and
-    49.6; with the VNNI decode tiles 26.9 and 70.0; in the one-op layer
-    (`transforms.fuse`, every MoE layer one `decoder_layer` call) 33.8 and 74.0 (README
-    "Mixture of experts on the kernels")."""
+    Stacked, a layer's products read each expert's weights once for all the tokens sent to it
+    (llama.cpp's MUL_MAT_ID); `torchllama bench decode` on the OLMoE shape measures it (the
+    quantized-weights guide, "Mixture of experts on the kernels")."""
     from torchllama.nn.moe import MoE
 
     n = 0

@@ -5,8 +5,9 @@ them, `torch.nn.modules.module.register_module_*_registration_hook`).
 What a module tree holds can then be remembered with the count it was read at and trusted
 while the count is the same: `fuse.FusedTransformerBlock.weights` and
 `quantize.StackedExperts.serves` are asked every forward, and walking the modules each time
-cost a decode step of an OLMoE-shaped model ~80 µs a layer (64 experts' modules, read with the
-caches cold as they are between a step's weight streams), 1.5 ms of a 22 ms step.
+(64 experts' modules a layer in an OLMoE-shaped model, read with the caches cold as they are
+between a step's weight streams) was a visible share of a decode step (`torchllama bench decode`
+on the OLMoE shape).
 
 Not counted: deleting an attribute (`del module.sub`) and editing `_modules`, `_parameters` or
 `_buffers` by hand; a module changed so is not noticed.

@@ -232,28 +232,20 @@ static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in eve
 constexpr int64_t PF = 4;
 // One activation row's tiles (one group each, group after group: see DG) prefetch PF_ROW bytes
 // ahead in their one sequential stream: a page's worth of lines in flight, where PF blocks
-// (512 B of Q4 codes) left the stream short of lines. Alternating in one build here (every
-// product of the 16 layers of an OLMoE-1B-7B-shaped Q4_0 file, batch 1, weights from memory):
-// 512 B → 4 KiB ahead 31.4 → 32.8 GB/s in a slow hour, 33.2 → 42.0 in a quiet one, the whole
-// decode step 27.7 → 23.2 ms; Q8_0 6144 × 2048 36.4 → 37.2 GB/s; the AVX2 Q4 tile and the
-// six-bit tile (compute-bound here) unchanged. Tiles of 2–8 rows keep PF (prefetch_ahead).
+// (512 B of Q4 codes) left the stream short of lines (`torchllama bench decode` at batch 1
+// measures it). Tiles of 2–8 rows keep PF (prefetch_ahead).
 constexpr int64_t PF_ROW = 4096;
 // Groups of a decode tile of 2–8 activation rows (`drive_decode`, `q4_decode_vnni`). One row
 // goes group after group instead (every block kind): a thread's groups are then one sequential
 // stream, where DG groups at a time are DG streams of only 8 KiB each at K = 2048, each paying
-// the memory's latency to restart. On this project's AVX-512 EPYC, alternating in one build,
-// 6144 × 2048 at batch 1: Q4_0 VNNI ~29 → ~34 GB/s, Q4_0 AVX2 22 → 32–43, Q8_0 23–28 → 33–50,
-// the OLMoE shape's Q6_K output (49152 × 2048) 3.1–4.2 → 1.8–2.5 ms. (On the Zen 3 of earlier
-// figures, 1 or 2 groups a tile streamed no faster: measured then with the 4-group tile only.)
+// the memory's latency to restart (`benchmarks/decode_roofline.py` measures the products).
 constexpr int DG = 4;
 // How far ahead of block b of a group (nb blocks, `bytes` each) a VNNI decode tile of TG groups
 // prefetches: PF blocks on in the same group, or, within PF of its end, the next tile's group
 // (TG groups on) at block b + PF − nb, so the next tile's streams are already in flight (past
 // the buffer's end at the last tile: a prefetch never faults). A group of K = 2048 is only 8 KiB
-// of Q4 codes, each new stream paying the memory's latency. Measured at one row before one row
-// went group after group (`q4_row_vnni`): alternating with and without in one build here,
-// 6144 × 2048 Q4_0 25.5–26.4 → 26.0–27.4 GB/s; the tiles of 2–8 rows keep it, not measured
-// there. (The AVX2 tile, compute-bound on this machine at ~15 GB/s, keeps PF.)
+// of Q4 codes, each new stream paying the memory's latency. (The AVX2 tile, compute-bound
+// where it was tuned, keeps PF.)
 static inline int64_t prefetch_ahead(int64_t b, int64_t nb, int TG, int64_t bytes) {
   return (b + PF < nb ? PF : (TG - 1) * nb + PF) * bytes;
 }
@@ -384,9 +376,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
 // prefetchers never restart — where the tiles of DG groups read DG streams of only 8 KiB each
 // at K = 2048. Two blocks per zmm (lanes 0-7 block b, 8-15 block b + 1: the same 8 rows), the
 // integer sums exact as q4_tile's, and the float epilogue block after block as q4_tile's: the
-// same bits. Alternating with the tiles in one build here: 6144 × 2048 Q4_0 at batch 1 27.8–30.0
-// → 33.0–34.8 GB/s, 1536 × 8192 29.9–31.9 → 32.3–34.9; an OLMoE-shaped decode step 31.5–32.0
-// → 26.7–29.3 ms.
+// same bits.
 template <int DF, int MF>
 static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64_t g, float* y) {
   const int64_t nb = w.K / 32, N = w.G * 8;
@@ -617,12 +607,10 @@ static thread_local SumBuffer sum_buffer;
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row), reading
 // the scales as stored. Prefill: PM × PG tiles over chunks of MC activation rows, so a weight
-// tile is reused from cache, on float32 scales expanded once per chunk and group tile (with the
-// K-quants' factors formed in every tile, their prefill ran ~8% (Q4_K) to ~15% (Q6_K) slower). The
-// tile is the product's, measured on AVX2 (16 ymm registers; an 8192 × 2048 product of 128
-// rows, one thread, Zen 3): Q4 4 × 2 (≈ 120 GFLOP/s; 4 × 1, 2 × 2, 6 × 1 no faster); 8-bit codes
-// within ±32 4 × 1 (≈ 80, 4 × 2: 76); full-range 8-bit codes 2 × 4 (≈ 90, 4 × 2: 88). Two
-// threads on this shared machine vary ±40%, too much to rank tiles by.
+// tile is reused from cache, on float32 scales expanded once per chunk and group tile (forming
+// the K-quants' factors in every tile made their prefill slower). The tile shapes (PM × PG per
+// block kind, TL_TILES) were chosen on AVX2's 16 ymm registers on one thread, the fastest of the
+// shapes tried for a 128-row product (`torchllama bench shapes` measures prefill).
 #ifndef TL_TILES
 #define TL_TILES 4, 2, 4, 1, 2, 4
 #endif

@@ -125,8 +125,8 @@ static at::Tensor residual_weighted_sum(const at::Tensor& h2, const at::Tensor& 
 //   p = softmax(m·W_gᵀ) (N, E); (g, e) = TopK(p, k), g / Σ g if norm_topk, × moe_scale;
 //   each token's experts in increasing e; y_j = W2_e·(act(W1_e·m) ⊙ W3_e·m); h + Σ_j g_j·y_j.
 // router: [W_g (E, D) float32] or a block weight; experts: w1, w3, w2 stacked (9 tensors).
-// After the products, plain loops (`gated`, `residual_weighted_sum`) instead of 4 torch ops:
-// ~20 µs a layer of a decode step, where every op runs with caches the weights flushed.
+// After the products, plain loops (`gated`, `residual_weighted_sum`) instead of 4 torch ops,
+// each of which pays its dispatch with caches the weights' stream has flushed.
 static at::Tensor moe_feed_forward(const at::Tensor& h2, const at::Tensor& m2,
                                    const std::vector<at::Tensor>& router,
                                    const std::vector<at::Tensor>& experts, int64_t n_experts,
@@ -243,7 +243,7 @@ static void write_keys_values(const at::Tensor& kc, const at::Tensor& vc, const 
   uint8_t *kcp = static_cast<uint8_t*>(kc.data_ptr()), *vcp = static_cast<uint8_t*>(vc.data_ptr());
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t r = 0; r < B * T; ++r) {   // one head vector at a time (the per-row ATen
-    if (index[r] < 0) continue;           // select/copy_ cost ~1 ms a batch-8 step)
+    if (index[r] < 0) continue;           // select/copy_ cost more than the copy itself)
     const int64_t b = r / T, t = r % T, i = index[r];
     for (int64_t h = 0; h < KV; ++h) {
       store_head(type, kp + b * k.stride(0) + h * k.stride(1) + t * k.stride(2),

@@ -10,8 +10,8 @@
 //   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C (f32_to_f16 the last level
 //                         that has it: AVX-512 has nothing to add)
 //   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
-//   arch/avx512_vnni.cpp  the activation quantization, AVX-512 F/VL/BW (the block products
-//                         are AVX2's on such a CPU: not yet written for VNNI)
+//   arch/avx512_vnni.cpp  the activation quantization and the Q4 block products (vpdpbusd),
+//                         AVX-512 F/VL/BW + VNNI (the other block kinds' products are AVX2's)
 // Each fills one `Kernels`, leaving null what it does not provide; dispatch.cpp takes each
 // kernel from the highest level the CPU has that provides it (the fallback is data: a CPU with
 // AVX-512 but no VNNI runs the AVX-512 float kernels and the AVX2 block kernels; rope_head is

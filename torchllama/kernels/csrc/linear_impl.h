@@ -51,8 +51,7 @@ static inline v16 tail16(v16 acc, const float* a, const float* b, int64_t k0, in
 
 // Software prefetch of a byte range, `lines` cache lines per step of a tile's k loop: the next
 // block of W rows while a block is computed. (The hardware prefetchers stay just ahead of the
-// loads, so each block's first tiles waited on memory: 9 rows × a 576 × 576 W read from
-// memory, 80 → 68 µs on one thread.)
+// loads, so each block's first tiles waited on memory.)
 struct Ahead {
   const char* p = nullptr; const char* end = nullptr; int64_t lines = 0;
   inline void step() {
@@ -237,8 +236,7 @@ static void col_span(const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n,
 // The same for tm ≤ CM rows: CM × CV tiles on a packed panel, or read straight from Wᵀ
 // (`direct`, all the rows of a small batch in one tile) in tiles as wide as the registers
 // allow, so that each row of Wᵀ is read in runs of 16·TV floats: memory pages are read
-// efficiently in long runs (N = 49152, K = 576, 2 rows on one thread: 6.7 ms packed, 5.6 with
-// 8 vectors, 4.2 with 12).
+// efficiently in long runs (wider was faster than packing for a vocabulary-sized product).
 template <bool direct>
 static void col_span_any(int tm, const LinearArgs& a, int64_t m, const ColSrc& w, int64_t n,
                          int64_t nv) {
@@ -277,9 +275,9 @@ static void pack_panel(const float* wt, int64_t ldw, int64_t K, int64_t nv, floa
 // y[:, n0:n1) for a column-major W (a.w = Wᵀ, (K, N) contiguous), n0 a multiple of 16, PV
 // vectors of columns at a time. Tiles of up to CM rows of x read Wᵀ in place (the group's rows
 // stay in cache for the next tile of rows), except for many rows (M ≥ PACK_M) or rows of Wᵀ a
-// multiple of 8 KiB apart (N = 49152: 9 rows in 7.8 ms instead of 10.3), where the group is
-// packed first (pack_panel). Measured on one thread of an AVX-512 Zen 5, where in-place tiles
-// were faster for SmolLM2's layers (576 × 576: 9 rows in 33 µs instead of 54).
+// multiple of 8 KiB apart (a vocabulary-sized N: cache-set conflicts), where the group is
+// packed first (pack_panel); in-place tiles were the faster for SmolLM2's layers where this
+// was tuned (`torchllama bench decode --dtype float32`).
 constexpr int64_t PACK_M = 64;
 
 static void linear_cols(const LinearArgs& a, int64_t n0, int64_t n1) {

@@ -1,7 +1,8 @@
-// The AVX-512 level of the int8 block kernels: activation quantization 16 lanes at a time. The
-// products on the packed layout are AVX2's on such a CPU (the table takes them from the level
-// below); a VNNI version (vpdpbusd instead of maddubs + madd) is not written yet. blocks_impl.h with ISA_LEVEL 2 under
-// `#pragma GCC target`; dispatch.cpp calls it only on a CPU with AVX-512 F, VL, BW and VNNI.
+// The AVX-512 VNNI level of the int8 block kernels: activation quantization 16 lanes at a time,
+// and the Q4 products (q4_rows: vpdpbusd on two row groups per register instead of maddubs +
+// madd); the other block kinds' products are AVX2's on such a CPU (the table takes them from the
+// level below). blocks_impl.h with ISA_LEVEL 2 under `#pragma GCC target`; dispatch.cpp calls
+// it only on a CPU with AVX-512 F, VL, BW and VNNI.
 // The float32 layer kernels of that CPU are arch/avx512.cpp's (they need no VNNI).
 
 #include <immintrin.h>
