@@ -197,13 +197,11 @@ def test_the_site_renders_in_chromium_from_disk(site):
             assert page.locator("h1").first.inner_text(), name
             assert errors == [], (name, errors)
     with open_page(site / "path" / "rope.html") as (page, errors):
-        frame = page.frame_locator("iframe[title='RoPE explorer on SmolLM2']")
-        explorer = frame.locator("div.explorer").first
-        explorer.wait_for(timeout=30_000)
-        page.wait_for_function(
-            "() => { const f = document.querySelector('iframe'); const d = f && "
-            "f.contentDocument; const e = d && d.querySelector('div.explorer'); "
-            "return e && e.dataset.ready === '1'; }", timeout=30_000)
+        page.locator("iframe[title='RoPE explorer on SmolLM2']").scroll_into_view_if_needed()
+        page.wait_for_function("() => window.frames.length > 0")
+        frame = next(f for f in page.frames if f.url.endswith("explorers/rope/index.html"))
+        frame.wait_for_function("() => { const e = document.querySelector('div.explorer'); "
+                                "return e && e.dataset.ready === '1'; }", timeout=30_000)
         assert page.locator("math").count() > 3                   # the equations, as MathML
         assert errors == [], errors
     with open_page(site / "reference" / "model.html") as (page, errors):
