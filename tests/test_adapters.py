@@ -9,12 +9,15 @@ prefix cache for answers that a cache keyed without the adapter would change.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
 import json
+import shutil
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,7 +120,9 @@ def server(smollm2_gguf, adapter_dirs):
     from torchllama.serving.app import create_app, load_for_engine
 
     model, tokenizer = load_for_engine(str(smollm2_gguf), "auto", progress=False)
-    app = create_app(model, tokenizer, "base", adapters={"one": adapter_dirs["one"]})
+    root = str(Path(adapter_dirs["one"]).parent)
+    app = create_app(model, tokenizer, "base", adapters={"one": adapter_dirs["one"]},
+                     allow_adapter_loading=True, adapter_root=root)
     with serve_in_thread(app) as url:
         with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                            timeout=120) as client:
@@ -196,14 +201,106 @@ def test_unloading_waits_for_the_requests_using_the_adapter(server, adapter_dirs
     assert "four" not in [m.id for m in client.models.list().data]
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "/nope"}, 400, "lora_name"),
-    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"}, 400, "lora_path"),
-    ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "lora_name"),
+@pytest.mark.parametrize("path,body,status,param,says", [
+    ("/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "two"}, 400, "lora_name",
+     "already"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "nope"}, 400, "lora_path",
+     "no such folder"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 403, "lora_path",
+     "inside"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"}, 403, "lora_path",
+     "inside"),                                  # (outside: the same answer, existing or not)
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "one/../two"}, 400, "lora_path",
+     "'..'"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "é" * 300}, 400, "lora_path",
+     "cannot read"),                             # (found by the schema fuzzing: was a 500)
+    ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "lora_name", "no LoRA adapter"),
 ])
-def test_bad_adapter_requests(server, path, body, status, param):
+def test_bad_adapter_requests(server, path, body, status, param, says):
     got, answer = post(server[0], path, body)
-    assert got == status and answer["error"]["param"] == param
+    assert got == status and answer["error"]["param"] == param, answer
+    assert says in answer["error"]["message"]
+
+
+def test_a_symlink_out_of_the_root_is_refused(server, adapter_dirs, tmp_path):
+    """A folder inside the root that is a symlink to one outside, and an adapter folder whose
+    weights file links out: both 403, nothing read."""
+    root = Path(adapter_dirs["one"]).parent
+    outside = tmp_path / "outside"
+    shutil.copytree(adapter_dirs["one"], outside)
+    (root / "linked").symlink_to(outside, target_is_directory=True)
+    (root / "file_linked").mkdir()
+    for f in Path(adapter_dirs["one"]).iterdir():
+        (root / "file_linked" / f.name).symlink_to(outside / f.name)
+    for folder in ("linked", "file_linked"):
+        status, answer = post(server[0], "/v1/load_lora_adapter",
+                              {"lora_name": folder, "lora_path": folder})
+        assert status == 403 and "inside" in answer["error"]["message"], answer
+
+
+def _broken(source: str, folder: Path, how: str) -> Path:
+    """A copy of an adapter broken one way."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    key = sorted(weights)[0]
+    if how == "nan":
+        weights[key][0, 0] = float("nan")
+    elif how == "shape":
+        weights[key] = weights[key][:, :-1].contiguous()
+    elif how == "dtype":
+        weights[key] = weights[key].to(torch.int32)
+    elif how == "extra":
+        weights["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = \
+            weights[key].clone()
+    elif how == "rank":
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
+    elif how == "json":
+        (folder / "adapter_config.json").write_text("{not json")
+    elif how == "targets":
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {**config, "target_modules": ["conv_in"]}))
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("how,says", [
+    ("nan", "NaN"), ("shape", "this model needs"), ("dtype", "floating-point"),
+    ("extra", "belong to no target module"), ("rank", "r must be"), ("json", "JSON"),
+    ("targets", "not a LoRA configuration")])
+def test_a_malformed_adapter_is_a_400_and_serving_goes_on(server, adapter_dirs, how, says):
+    url, client = server
+    root = Path(adapter_dirs["one"]).parent
+    before = ask(client, "base", PROMPTS[2])
+    _broken(adapter_dirs["one"], root / f"broken_{how}", how)
+    status, answer = post(url, "/v1/load_lora_adapter",
+                          {"lora_name": f"broken_{how}", "lora_path": f"broken_{how}"})
+    assert status == 400 and says in answer["error"]["message"], answer
+    assert f"broken_{how}" not in [m.id for m in client.models.list().data]
+    assert ask(client, "base", PROMPTS[2]) == before
+    assert ask(client, "one", PROMPTS[2]) == ask(client, "one", PROMPTS[2])
+
+
+def test_runtime_loading_is_off_by_default(adapter_dirs):
+    """Without --allow-adapter-loading, load and unload are 403 and name the switch; nothing
+    is read (the engine is never asked)."""
+    from torchllama.serving.adapters import Adapters
+    from torchllama.serving.api.core import APIError
+
+    adapters = Adapters(engine=None, model_name="base")
+    for call in (adapters.load("x", adapter_dirs["one"]), adapters.unload("one")):
+        with pytest.raises(APIError) as e:
+            asyncio.run(call)
+        assert e.value.status == 403 and "--allow-adapter-loading" in e.value.message
+
+
+def test_serve_refuses_a_missing_adapter_root():
+    from torchllama.cli import main
+
+    assert main(["serve", "--adapter-root", "/nope/none"]) == 1
 
 
 def test_the_prefix_cache_keeps_adapters_apart(server):

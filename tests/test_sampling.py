@@ -45,10 +45,11 @@ def kept(logits):
     (dict(min_p=-0.01), "min_p must be in [0, 1]"),
     (dict(min_p=1.01), "min_p must be in [0, 1]"),
     (dict(min_p=float("nan")), "min_p must be in [0, 1]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-    (dict(repetition_penalty=-1.2), "repetition_penalty must be > 0"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty must be > 0 and finite"),
-    (dict(repetition_penalty=float("nan")), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in"),
+    (dict(repetition_penalty=-1.2), "repetition_penalty must be in"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be in"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty must be in"),
+    (dict(repetition_penalty=5e-324), "repetition_penalty must be in"),   # (logits → inf)
     (dict(frequency_penalty=2.01), "frequency_penalty must be in [-2, 2]"),
     (dict(frequency_penalty=-2.01), "frequency_penalty must be in [-2, 2]"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty must be in [-2, 2]"),
@@ -81,7 +82,7 @@ def test_boundary_values_are_accepted():
                    frequency_penalty=-2, presence_penalty=2, logit_bias={0: -100, 7: 100},
                    seed=0, logprobs=20)
     SamplingParams(top_p=1e-9, min_p=1.0, frequency_penalty=2.0, presence_penalty=-2.0,
-                   logprobs=0)
+                   logprobs=0, repetition_penalty=1000.0)
 
 
 def test_logit_bias_is_stored_as_sorted_pairs_and_params_stay_hashable():

@@ -33,6 +33,7 @@ from torchllama.generation.session import (SamplingParams, Session, StreamDecode
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "testkey"
+SECOND_KEY = "another-key"
 MODEL = "SmolLM2-135M-Instruct"
 LOG_LINE = re.compile(r"prompt_tokens=(\d+) completion_tokens=(\d+) latency=[\d.]+s "
                       r"tok/s=[\d.]+")
@@ -126,7 +127,9 @@ def servers(smollm2_gguf, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     started: dict[str, Server] = {}
     try:
-        started["main"] = start_server(tmp, "main", "--api-key", KEY)
+        keys = tmp / "keys"
+        keys.write_text(f"# the test keys\n{KEY}\n{SECOND_KEY}\n")
+        started["main"] = start_server(tmp, "main", "--api-key-file", str(keys))
         started["small"] = start_server(tmp, "small", "--max-batch-size", "1", "--max-queue", "1")
         for server in started.values():
             wait_healthy(server)
@@ -193,7 +196,8 @@ def wait_idle(server: Server, timeout: float = 5.0) -> None:
 
 def test_health_and_models(server, client):
     assert http_json(server.port, "GET", "/health", key=None) == (200, {"status": "ok",
-                                                                       "active": 0})
+                                                                       "active": 0,
+                                                                       "waiting": 0})
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
 
@@ -491,6 +495,8 @@ def test_api_key_is_required(server):
         with pytest.raises(openai.AuthenticationError) as e:
             c.models.list()
         assert e.value.status_code == 401
+    assert http_json(server.port, "GET", "/v1/models", key=SECOND_KEY)[0] == 200
+    assert "shows the key" not in server.log_text()          # (a key file: no warning)
 
 
 def open_stream(server: Server, body: dict, events: int, path: str = "/v1/completions") -> None:

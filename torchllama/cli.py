@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
+import os
 import re
 import sys
 import types
@@ -507,6 +508,39 @@ def bench_load(model: Optional[str] = None, dtype: str = "auto", clients: int = 
     return 0
 
 
+def bench_soak(model: Optional[str] = None, minutes: float = 20.0, users: int = 16,
+               warmup: float = 120.0, sample: int = 40,
+               results: str = "benchmarks/results") -> int:
+    """A soak of our server with Locust: --users users for --minutes mixing chat, completions
+    with logprobs, tool calls, multi-turn replays, two LoRA adapters, embeddings, structured
+    output, cancelled streams and the Responses and Messages APIs; prints the failures (5xx,
+    lost streams), the server's RSS after the warm-up and whether temperature-0 answers equal
+    the same requests alone. Exit status 1 if anything failed, RSS was not flat (±10%) or an
+    answer differed. Needs locust (pip install locust).
+
+    Args:
+        model: the model served (default: the embedded SmolLM2-135M-Instruct).
+        minutes: how long Locust runs.
+        users: Locust users (each sends a request, pauses 0.05–0.5 s, sends the next).
+        warmup: seconds before the server's RSS is judged (the prefix cache and the allocator
+            fill up first).
+        sample: temperature-0 answers re-sent alone afterwards.
+        results: a folder for the results file (`torchllama.bench.results`), or none.
+    """
+    from torchllama.bench.soak import result_runs, run_soak
+    from torchllama.errors import ArgumentError
+
+    if not minutes > 0 or users < 1 or warmup < 0 or sample < 0:
+        raise ArgumentError("--minutes must be > 0, --users ≥ 1, --warmup and --sample ≥ 0")
+    try:
+        measured = run_soak(model, minutes, users, warmup, sample)
+    except RuntimeError as e:
+        raise ArgumentError(f"bench soak: {e}") from e
+    _save_results("soak", result_runs(measured, _model_label(model)), results, None)
+    ok = measured.failures == 0 and measured.rss_flat and measured.equal == measured.sampled
+    return 0 if ok else 1
+
+
 def bench_speculative(model: Optional[str] = None, new_tokens: int = 128, repeats: int = 5,
                       draft: str = "int4", draft_tokens: int = 12,
                       results: str = "benchmarks/results") -> int:
@@ -620,7 +654,9 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
           max_queue: int = 64, prefill_chunk: int = 512, prefix_cache_mb: int = 512,
           draft: Optional[str] = None, draft_tokens: int = 12,
           adapter: Optional[list[str]] = None, kv_cache_dtype: str = "auto",
-          responses_store: int = 1000, max_body_mb: float = 8.0) -> int:
+          responses_store: int = 1000, max_body_mb: float = 8.0,
+          api_key_file: Optional[str] = None, allow_adapter_loading: bool = False,
+          adapter_root: Optional[str] = None, drain_timeout: float = 30.0) -> int:
     """Serve the model over OpenAI's APIs (/v1/chat/completions, /v1/completions,
     /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages), vLLM's tokenizer
     and LoRA endpoints, /health and /metrics, batching concurrent requests.
@@ -629,8 +665,11 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
         model: checkpoint to serve (default: the embedded SmolLM2-135M-Instruct).
         host: address to bind (loopback by default).
         port: TCP port.
-        api_key: require the key on every request (`Authorization: Bearer KEY`, or
-            `x-api-key: KEY` as Anthropic's clients send it).
+        api_key: require this key on every request (`Authorization: Bearer KEY`, or
+            `x-api-key: KEY` as Anthropic's clients send it). Every user of the machine sees
+            it in `ps`: prefer --api-key-file or the TORCHLLAMA_API_KEY environment variable.
+        api_key_file: a file of API keys, one per line (# comments): any of them is accepted,
+            with TORCHLLAMA_API_KEY's and --api-key's.
         dtype: weights: auto (a quantized GGUF keeps its quantization: int4/int8 kernels;
             anything else float32), float32 (exact: GGUF weights dequantized), bfloat16,
             float16, int8 or int4 (weight-only quantization at load; int4-g128 etc. for
@@ -657,28 +696,51 @@ def serve(model: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000
             and GET /v1/responses/{id}, least recently used out first (0: none; nothing is
             kept across restarts).
         max_body_mb: the largest request body, MiB (larger: HTTP 413).
+        allow_adapter_loading: let clients load and unload LoRA adapters at run time
+            (/v1/load_lora_adapter; else 403). Also TORCHLLAMA_ALLOW_ADAPTER_LOADING=1.
+        adapter_root: the folder runtime-loaded adapters must be inside (relative paths are
+            taken from it; nothing outside it, through `..` or a symlink, is read).
+        drain_timeout: seconds running requests get to finish after SIGTERM/SIGINT (new ones
+            get 503); those still running then end with an error event, and the server
+            exits 0.
     """
     from torchllama.checkpoint import parse_dtype
-    from torchllama.errors import ArgumentError
 
     parse_dtype(dtype)
-    if responses_store < 0 or not max_body_mb > 0:
-        raise ArgumentError("--responses-store must be ≥ 0 and --max-body-mb > 0")
+    _check_serve_options(port, max_batch_size, max_queue, prefill_chunk, prefix_cache_mb,
+                         responses_store, max_body_mb, drain_timeout, adapter_root)
     _check_kv_cache_dtype(kv_cache_dtype)
+    _check_draft(draft, draft_tokens)
+    base, named = _adapters(adapter or [])
+    from torchllama.serving.app import serve as run_server
+    from torchllama.serving.guard import api_keys
+
+    keys = api_keys(api_key, api_key_file)
+    return run_server(model, host, port, dtype, base, kv_cache_dtype, draft, draft_tokens,
+                      api_key=keys, max_batch_size=max_batch_size, max_queue=max_queue,
+                      prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                      adapters=named, responses_store=responses_store,
+                      max_body_mb=max_body_mb, allow_adapter_loading=allow_adapter_loading,
+                      adapter_root=adapter_root, drain_timeout=drain_timeout)
+
+
+def _check_serve_options(port: int, max_batch_size: int, max_queue: int, prefill_chunk: int,
+                         prefix_cache_mb: int, responses_store: int, max_body_mb: float,
+                         drain_timeout: float, adapter_root: Optional[str]) -> None:
+    """ArgumentError naming the first `serve` option out of its range."""
+    from torchllama.errors import ArgumentError
+
     if not 0 < port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
         raise ArgumentError("--max-batch-size, --max-queue and --prefill-chunk must be ≥ 1")
     if prefix_cache_mb < 0:
         raise ArgumentError(f"--prefix-cache-mb must be ≥ 0, got {prefix_cache_mb}")
-    _check_draft(draft, draft_tokens)
-    base, named = _adapters(adapter or [])
-    from torchllama.serving.app import serve as run_server
-
-    run_server(model, host, port, api_key, dtype, max_batch_size, max_queue, prefill_chunk,
-               prefix_cache_mb, draft, draft_tokens, base, kv_cache_dtype, named,
-               responses_store, max_body_mb)
-    return 0
+    if responses_store < 0 or not max_body_mb > 0 or not drain_timeout >= 0:
+        raise ArgumentError("--responses-store and --drain-timeout must be ≥ 0 and "
+                            "--max-body-mb > 0")
+    if adapter_root is not None and not os.path.isdir(adapter_root):
+        raise ArgumentError(f"--adapter-root {adapter_root}: no such folder")
 
 
 def _adapters(values: list[str]) -> tuple[Optional[str], dict[str, str]]:
@@ -1021,7 +1083,7 @@ def perplexity(*, text_file: str, model: Optional[str] = None, ctx: int = 512,
 #: `torchllama bench SUBCOMMAND`: one measurement each, with only its own options.
 BENCH: dict[str, Callable[..., int]] = {
     "decode": bench_decode, "shapes": bench_shapes, "serve": bench_serve, "load": bench_load,
-    "speculative": bench_speculative, "train": bench_train}
+    "soak": bench_soak, "speculative": bench_speculative, "train": bench_train}
 
 #: `torchllama COMMAND`: a function, or a dict of subcommands (`torchllama bench decode`).
 COMMANDS: dict[str, Callable[..., int] | dict[str, Callable[..., int]]] = {

@@ -291,7 +291,27 @@ def update_readme(readme: str | os.PathLike, folder: str | os.PathLike) -> bool:
     return True
 
 
-if __name__ == "__main__":          # python -m torchllama.bench.results README.md [folder]
-    changed = update_readme(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else DEFAULT_FOLDER)
-    print(f"{sys.argv[1]}: {'updated' if changed else 'already current'}")
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m torchllama.bench.results README.md [FOLDER]`: rewrite the README's speed
+    table from the results in FOLDER. Returns the exit status."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m torchllama.bench.results",
+                                     description="Write a README's speed table (between "
+                                     f"{START} and {END}) from benchmark results files.")
+    parser.add_argument("readme", help="the Markdown file to update")
+    parser.add_argument("folder", nargs="?", default=str(DEFAULT_FOLDER),
+                        help=f"the results folder (default: {DEFAULT_FOLDER})")
+    args = parser.parse_args(argv)
+    try:
+        changed = update_readme(args.readme, args.folder)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.readme}: {'updated' if changed else 'already current'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 

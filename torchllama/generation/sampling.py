@@ -54,6 +54,9 @@ LOGPROBS_MAX = 20                   # OpenAI's limit on top_logprobs
 # overflows to inf and the softmax to NaN.
 GREEDY_BELOW = 1e-5
 PENALTY_MIN, PENALTY_MAX = -2.0, 2.0          # OpenAI's range for frequency/presence penalties
+#: the repetition penalty's range: a divisor of logits, so that they stay finite (1e-300 made
+#: them inf and the probabilities NaN)
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.001, 1000.0
 LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0  # OpenAI's range for logit_bias values
 
 LogitBias = tuple[tuple[int, float], ...]     # ((token id, bias), ...) sorted by token id
@@ -156,8 +159,10 @@ class SamplingParams:
             raise ArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
             raise ArgumentError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        if not (_is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
-            raise ArgumentError(f"repetition_penalty must be > 0 and finite (1 = off), "
+        if not (_is_real(self.repetition_penalty) and
+                REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX):
+            raise ArgumentError(f"repetition_penalty must be in [{REPETITION_PENALTY_MIN}, "
+                                f"{REPETITION_PENALTY_MAX}] (1 = off), "
                                 f"got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

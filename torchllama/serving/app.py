@@ -27,10 +27,9 @@ A client that goes away, streaming or not, has its generation cancelled.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from torchllama.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter
 from torchllama.serving.adapters import Adapters
@@ -38,6 +37,7 @@ from torchllama.serving.api import (adapters as adapter_api, chat, completions, 
                                     messages, responses, tokenization)
 from torchllama.serving.api.core import APIError, Service, openai_error
 from torchllama.serving.engine import Engine
+from torchllama.serving.guard import Drain, Guard
 from torchllama.serving.metrics import ServerMetrics
 
 log = logging.getLogger("torchllama.serving.app")
@@ -45,7 +45,9 @@ log = logging.getLogger("torchllama.serving.app")
 try:  # the server's own dependencies; the rest of torchllama works without them
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel
 except ImportError as e:  # pragma: no cover - fastapi is a dependency of the package
     raise ImportError("torchllama serve needs fastapi and uvicorn: pip install fastapi uvicorn") \
         from e
@@ -68,83 +70,22 @@ def error_response(path: str, status: int, message: str, param: Optional[str] = 
 DEFAULT_MAX_BODY_MB = 8.0
 
 
-class _Guard:
-    """ASGI middleware: the API key and the body size limit.
-
-    With API keys, every HTTP request but /health needs one, as `Authorization: Bearer KEY`
-    (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in constant time
-    (`hmac.compare_digest`), else 401. A body larger than `max_body` bytes is a 413 naming the
-    limit, before the app reads it (by its Content-Length, or counted as a chunked body
-    arrives). A plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which passes every
-    streamed chunk through an extra in-memory stream (a quarter of the event loop's time with
-    8 streams).
-    """
-
-    def __init__(self, app, api_keys: list[str], max_body: Optional[int]):
-        self.app, self.max_body = app, max_body
-        self.keys = [k.encode() for k in api_keys]
-
-    def authorized(self, headers: dict) -> bool:
-        bearer = headers.get(b"authorization", b"")
-        given = [bearer[7:]] if bearer[:7].lower() == b"bearer " else []
-        given += [headers[b"x-api-key"]] if b"x-api-key" in headers else []
-        return any(hmac.compare_digest(g, k) for g in given for k in self.keys)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, headers = scope["path"], dict(scope["headers"])
-        if self.keys and path != "/health" and not self.authorized(headers):
-            response = error_response(path, 401, "invalid or missing API key (Authorization: "
-                                      "Bearer KEY, or x-api-key: KEY)",
-                                      kind="authentication_error")
-            return await response(scope, receive, send)
-        if self.max_body is not None:
-            receive = await self._bounded(scope, headers, receive)
-            if receive is None:
-                response = error_response(
-                    path, 413, f"the request body is larger than this server's limit of "
-                    f"{self.max_body} bytes (serve --max-body-mb)", kind="invalid_request_error")
-                return await response(scope, _nothing, send)
-        await self.app(scope, receive, send)
-
-    async def _bounded(self, scope, headers: dict, receive):
-        """`receive` for a body within the limit (a chunked body read here and replayed), or
-        None for one beyond it."""
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            return receive if not declared.isdigit() or int(declared) <= self.max_body \
-                else None                      # (uvicorn holds a body to its length)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return receive
-        buffered, size = [], 0
-        while True:
-            message = await receive()
-            buffered.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_body:
-                return None
-            if not message.get("more_body"):
-                break
-
-        async def replay():
-            return buffered.pop(0) if buffered else await receive()
-        return replay
-
-
-async def _nothing():                          # (a refused body is not read)
-    return {"type": "http.disconnect"}
-
-
 # --------------------------------------------------------------------------------------------
 # The server's own routes
 # --------------------------------------------------------------------------------------------
 
-async def health(http: HTTPRequest) -> dict:
-    """GET /health: liveness (no API key needed) and the requests holding a row."""
-    return {"status": "ok", "active": http.app.state.engine.active}
+async def health(http: HTTPRequest):
+    """GET /health (no API key needed): {"status": "ok" | "draining" | "failed", "active":
+    requests holding a row, "waiting": requests queued}; 503 unless ok (a draining server
+    takes no new requests; a failed engine: the process is about to exit non-zero)."""
+    drain: Drain = http.app.state.drain
+    engine = http.app.state.engine
+    body = {"status": drain.status, "active": engine.active, "waiting": engine.waiting}
+    if drain.failed:
+        body["error"] = drain.failed
+    return JSONResponse(body, status_code=200 if drain.status == "ok" else 503,
+                        headers=None if drain.status == "ok" else
+                        {"Retry-After": str(drain.retry_after)})
 
 
 async def prometheus_metrics(http: HTTPRequest) -> Response:
@@ -165,25 +106,90 @@ async def models(http: HTTPRequest) -> dict:
     return {"object": "list", "data": data}
 
 
-#: (method, path, handler): every route of the server.
-ROUTES: list[tuple[str, str, Callable]] = [
-    ("GET", "/health", health),
-    ("GET", "/metrics", prometheus_metrics),
-    ("GET", "/v1/models", models),
-    ("POST", "/v1/completions", completions.create),
-    ("POST", "/v1/chat/completions", chat.create),
-    ("POST", "/v1/embeddings", embeddings.create),
-    ("POST", "/v1/responses", responses.create),
-    ("GET", "/v1/responses/{response_id}", responses.retrieve),
-    ("DELETE", "/v1/responses/{response_id}", responses.delete),
-    ("POST", "/v1/messages", messages.create),
-    ("POST", "/v1/messages/count_tokens", messages.count_tokens),
-    ("POST", "/v1/load_lora_adapter", adapter_api.load),
-    ("POST", "/v1/unload_lora_adapter", adapter_api.unload),
-    ("POST", "/tokenize", tokenization.tokenize),
-    ("POST", "/detokenize", tokenization.detokenize),
-    ("GET", "/tokenizer_info", tokenization.tokenizer_info),
+#: (method, path, handler, what it may answer besides 200 and the errors every route
+#: may give): every route of the server.
+ROUTES: list[tuple[str, str, Callable, tuple[int, ...]]] = [
+    ("GET", "/health", health, (503,)),
+    ("GET", "/metrics", prometheus_metrics, ()),
+    ("GET", "/v1/models", models, ()),
+    ("POST", "/v1/completions", completions.create, (400, 404, 413, 429)),
+    ("POST", "/v1/chat/completions", chat.create, (400, 404, 413, 429)),
+    ("POST", "/v1/embeddings", embeddings.create, (400, 404, 413, 429)),
+    ("POST", "/v1/responses", responses.create, (400, 404, 413, 429)),
+    ("GET", "/v1/responses/{response_id}", responses.retrieve, (404,)),
+    ("DELETE", "/v1/responses/{response_id}", responses.delete, (404,)),
+    ("POST", "/v1/messages", messages.create, (400, 404, 413, 429)),
+    ("POST", "/v1/messages/count_tokens", messages.count_tokens, (400, 413)),
+    ("POST", "/v1/load_lora_adapter", adapter_api.load, (400, 403, 413)),
+    ("POST", "/v1/unload_lora_adapter", adapter_api.unload, (403, 404, 413)),
+    ("POST", "/tokenize", tokenization.tokenize, (400, 413)),
+    ("POST", "/detokenize", tokenization.detokenize, (400, 413)),
+    ("GET", "/tokenizer_info", tokenization.tokenizer_info, ()),
 ]
+
+#: routes whose answer is a stream of server-sent events when the body asks for one
+STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+
+#: routes that take a JSON body
+BODIES = {path for method, path, _, _ in ROUTES if method == "POST"}
+
+#: routes answered in plain text
+PLAIN_TEXT = {"/metrics"}
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error body."""
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body (under /v1/messages)."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+#: what each status means, for the OpenAPI document
+STATUS_TEXT = {400: "an invalid field (named in the message)", 401: "no valid API key",
+               403: "not allowed on this server (runtime adapter loading off, or a path "
+                    "outside --adapter-root)",
+               404: "no such model, adapter or stored response", 413: "body over the limit",
+               429: "the waiting queue is full (Retry-After)",
+               500: "generation failed for this request (its id and the cause)",
+               503: "draining or failed (Retry-After)"}
+
+
+def openapi_responses(path: str, statuses: tuple[int, ...]) -> dict:
+    """The OpenAPI `responses` of a route: its 200's media types and every error status it
+    may answer with the error body of its API (401 where a key is asked, 503 while the
+    server drains, 500 where generation may fail)."""
+    model = AnthropicError if path.startswith("/v1/messages") else OpenAIError
+    always = (401, 503) if path != "/health" else (503,)
+    if path in BODIES:
+        always += (400, 413)                  # (a body that is not JSON, or too large)
+    if path in STREAMING:
+        always += (500,)
+    out: dict = {status: {"model": model, "description": STATUS_TEXT[status]}
+                 for status in sorted(set(statuses + always))}
+    if path in STREAMING:
+        out[200] = {"description": "the answer, or its server-sent events (stream: true)",
+                    "content": {"application/json": {},
+                                "text/event-stream": {}}}
+    if path in PLAIN_TEXT:
+        out[200] = {"description": "Prometheus' text format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}}
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,23 +200,30 @@ ROUTES: list[tuple[str, str, Callable]] = [
 DEFAULT_PREFIX_CACHE_MB = 512
 
 
-def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Optional[str] = None,
-               max_batch_size: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
+#: seconds running requests get to finish after SIGTERM/SIGINT (`serve --drain-timeout`)
+DEFAULT_DRAIN_TIMEOUT = 30.0
+
+
+def create_app(model, tokenizer, model_name: str = "torchllama",
+               api_key: Union[None, str, Sequence[str]] = None, max_batch_size: int = 8,
+               max_queue: int = 64, prefill_chunk: int = 512,
                prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft=None,
                draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                kv_cache_dtype: Optional[str] = None,
                adapters: Optional[dict[str, str]] = None,
                responses_store: int = responses.DEFAULT_STORE_SIZE,
-               max_body_mb: Optional[float] = DEFAULT_MAX_BODY_MB) -> FastAPI:
+               max_body_mb: Optional[float] = DEFAULT_MAX_BODY_MB,
+               allow_adapter_loading: bool = False, adapter_root: Optional[str] = None,
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> FastAPI:
     """The FastAPI application serving `model` (engine started and stopped with the app).
 
     Args:
         model, tokenizer: what `torchllama.load` returns.
         model_name: the id reported by /v1/models and in responses.
-        api_key: when set, requests need it (`Authorization: Bearer KEY` or `x-api-key: KEY`;
-            else 401).
+        api_key: a key or several (`torchllama.serving.guard.api_keys`): requests need one
+            (`Authorization: Bearer KEY` or `x-api-key: KEY`; else 401). None: no key.
         max_batch_size: requests decoded together.
-        max_queue: requests that may wait for a free row (beyond: 429).
+        max_queue: requests that may wait for a free row (beyond: 429 with Retry-After).
         prefill_chunk: prompt tokens prefilled per engine iteration: longer prompts are
             prefilled in chunks while the running requests keep decoding (`Engine`).
         prefix_cache_mb: memory for the prefix cache, MiB (0: no prefix cache).
@@ -218,11 +231,16 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
             drafts: speculative rounds for a lone decoding request (`Engine`).
         kv_cache_dtype: what the engine's KV cache stores (`Engine`; None: the model's
             `kv_cache_dtype`, which `torchllama.load` sets).
-        adapters: LoRA adapters served by name (name → PEFT folder), loaded now; more can be
-            loaded and unloaded at run time (/v1/load_lora_adapter).
+        adapters: LoRA adapters served by name (name → PEFT folder), loaded now.
         responses_store: Responses API responses kept in memory (`store`, for
             previous_response_id and GET), least recently used out first (0: none).
         max_body_mb: the largest request body, MiB (beyond: 413; None: no limit).
+        allow_adapter_loading: whether /v1/load_lora_adapter and /v1/unload_lora_adapter
+            work (else 403).
+        adapter_root: the folder runtime-loaded adapters must be inside (None: any folder,
+            once loading is allowed).
+        drain_timeout: seconds running requests get to finish once the server drains
+            (`torchllama.serving.shutdown`).
 
     Raises:
         ModelFileError: an adapter that is not for this model.
@@ -233,9 +251,11 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_mb << 20,
                     draft=draft, draft_tokens=draft_tokens, kv_cache_dtype=kv_cache_dtype)
     metrics = ServerMetrics(engine)
-    served = Adapters(engine, model_name)
+    served = Adapters(engine, model_name, allow_adapter_loading, adapter_root)
     for name, path in (adapters or {}).items():
         served.load_now(name, path)
+    drain = Drain()
+    engine.on_failure = lambda why: setattr(drain, "failed", why)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -243,18 +263,47 @@ def create_app(model, tokenizer, model_name: str = "torchllama", api_key: Option
         yield
         engine.shutdown()
 
-    app = FastAPI(title="torchllama", lifespan=lifespan)
-    app.state.engine = engine
-    app.state.metrics = metrics
+    app = FastAPI(title="torchllama", lifespan=lifespan, version=_version(),
+                  description="OpenAI's, Anthropic's and vLLM's APIs over one torchllama model.")
+    app.state.engine, app.state.metrics, app.state.drain = engine, metrics, drain
+    app.state.drain_timeout = drain_timeout
     app.state.service = Service(engine, tokenizer, metrics, model_name, served)
     app.state.responses = responses.Store(responses_store)
     _add_error_handlers(app)
-    if api_key is not None or max_body_mb is not None:
-        app.add_middleware(_Guard, api_keys=[api_key] if api_key is not None else [],
-                           max_body=None if max_body_mb is None else int(max_body_mb * 2**20))
-    for method, path, handler in ROUTES:
-        app.add_api_route(path, handler, methods=[method])
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    app.add_middleware(Guard, api_keys=keys, drain=drain, error_response=error_response,
+                       max_body=None if max_body_mb is None else int(max_body_mb * 2**20))
+    for method, path, handler, statuses in ROUTES:
+        app.add_api_route(path, handler, methods=[method],
+                          responses=openapi_responses(path, statuses))
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document without its 422 answers (invalid bodies are 400s here,
+    in the route's API's error body, as OpenAI's and Anthropic's APIs answer them)."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version,
+                               description=app.description, routes=app.routes)
+        for item in document["paths"].values():
+            for operation in item.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            document.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchllama")
+    except PackageNotFoundError:               # pragma: no cover - run from a source tree
+        return "0"
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -268,23 +317,41 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(request.url.path, 400,
                               f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):   # e.g. a body not UTF-8
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(request.url.path, exc.status_code, f"{exc.detail}", kind=kind,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc: Exception):    # a bug: our error body, not bare text
+        log.error("%s %s failed: %s: %s", request.method, request.url.path,
+                  type(exc).__name__, exc, exc_info=exc)
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: "
+                              f"{exc}", kind="server_error")
+
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.kind,
+                              exc.headers)
+
+
+#: the environment variable that allows runtime adapter loading (as --allow-adapter-loading)
+ALLOW_ADAPTER_LOADING_ENV = "TORCHLLAMA_ALLOW_ADAPTER_LOADING"
 
 
 def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: Optional[str] = None, dtype: str = "auto", max_batch_size: int = 8,
-          max_queue: int = 64, prefill_chunk: int = 512,
-          prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, draft: Optional[str] = None,
-          draft_tokens: int = DEFAULT_DRAFT_TOKENS, adapter: Optional[str] = None,
-          kv_cache_dtype: str = "auto", adapters: Optional[dict[str, str]] = None,
-          responses_store: int = responses.DEFAULT_STORE_SIZE,
-          max_body_mb: Optional[float] = DEFAULT_MAX_BODY_MB) -> None:
-    """Load a checkpoint (with a LoRA adapter applied unmerged for every request, named
-    adapters served per request, and a draft: `torchllama.generation.speculative.make_drafter`)
-    and serve it with uvicorn until interrupted (arguments: `create_app`)."""
-    import uvicorn
+          dtype: str = "auto", adapter: Optional[str] = None, kv_cache_dtype: str = "auto",
+          draft: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+          **options) -> int:
+    """Load a checkpoint (with a LoRA adapter applied unmerged for every request, and a
+    draft: `torchllama.generation.speculative.make_drafter`) and serve it with uvicorn until
+    SIGTERM or SIGINT drains it (`torchllama.serving.shutdown`). `options` are
+    `create_app`'s; runtime adapter loading is also allowed by TORCHLLAMA_ALLOW_ADAPTER_LOADING
+    set to 1 or true. Returns the exit status: 0 after a drain, 1 when the engine failed."""
+    import os
+
+    from torchllama.serving import shutdown
 
     model, tokenizer = load_for_engine(model_path, dtype, adapter=adapter,
                                        kv_cache_dtype=kv_cache_dtype)
@@ -292,11 +359,11 @@ def serve(model_path: Optional[str] = None, host: str = "127.0.0.1", port: int =
         if draft is not None else None
     name = Path(model_path).name if model_path else "SmolLM2-135M-Instruct"   # (trailing /)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(model, tokenizer, name, api_key, max_batch_size, max_queue, prefill_chunk,
-                     prefix_cache_mb, draft=drafter, draft_tokens=draft_tokens,
-                     adapters=adapters, responses_store=responses_store,
-                     max_body_mb=max_body_mb)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    if os.environ.get(ALLOW_ADAPTER_LOADING_ENV, "").lower() in ("1", "true", "yes"):
+        options["allow_adapter_loading"] = True
+    app = create_app(model, tokenizer, name, draft=drafter, draft_tokens=draft_tokens,
+                     **options)
+    return shutdown.run(app, host, port)
 
 
 def load_for_engine(model_path: Optional[str] = None, dtype: str = "float32",

@@ -65,7 +65,22 @@ from torchllama.serving.request import QueueFull, Request, TokenEvent, _Row, not
 from torchllama.serving.runner import ModelRunner
 from torchllama.serving.scheduler import Scheduler
 
-__all__ = ["Engine", "Request", "TokenEvent", "QueueFull"]
+__all__ = ["Engine", "Request", "TokenEvent", "QueueFull", "EngineStopped"]
+
+
+class EngineStopped(TorchLlamaError):
+    """The engine takes no more requests: shut down, or failed (HTTP 503)."""
+
+
+def check_finite(logits: torch.Tensor, n: int) -> None:
+    """Refuse logits (1, V) with a NaN or +inf: sampling from them would pick garbage.
+
+    Raises:
+        FloatingPointError: naming the token index n.
+    """
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise FloatingPointError(f"the model's logits for token {n} are not finite (NaN or "
+                                 "+inf): the weights or an adapter hold non-finite values")
 
 log = logging.getLogger("torchllama.serving.engine")
 
@@ -120,6 +135,13 @@ class Engine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._calls: collections.deque = collections.deque()   # (fn, Future) for the thread
+        #: why the engine thread stopped, if it failed (`_run`); None while it works
+        self.failed: Optional[str] = None
+        #: called (engine thread) with `failed` when the engine fails
+        self.on_failure: Optional[Callable[[str], None]] = None
+        #: test-only fault injection: called as fault(request, n) before a request's token n
+        #: is sampled, in that row's guarded work (an exception fails that request only)
+        self.fault: Optional[Callable[[Request, int], None]] = None
 
     def _released(self, b: int, row: _Row) -> None:
         """Row b's request ended: what its cache row holds (slots 0..pos-1: the prompt and the
@@ -171,7 +193,8 @@ class Engine:
             QueueFull: too many requests waiting.
         """
         if self._stop.is_set():
-            raise TorchLlamaError("the engine has been shut down")
+            raise EngineStopped("the engine has been shut down" if self.failed is None else
+                                f"the engine failed ({self.failed})")
         if not request.prompt_ids:
             raise ArgumentError("the prompt is empty (no tokens)")
         if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
@@ -264,25 +287,55 @@ class Engine:
                 self._speculative_step(decoding[0])
             else:
                 self._decode_step(decoding)
-        except Exception:                             # never let the thread die: fail
-            log.exception("engine step failed")       # what was running, go on
-            for b in self.scheduler.running():
-                self.output.finish(b, "error")
+        except Exception as e:                        # never let the thread die: fail
+            for b in self.scheduler.running():        # what was running, go on
+                self.output.fail(b, "an engine step", e)
         return True
 
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._stop.is_set():
-                self._run_calls()
-                if not self.step() and not self._calls:
-                    self._wake.wait(timeout=0.1)
-                    self._wake.clear()
+        """The engine thread: steps until `shutdown`. Should anything escape `step` (a
+        BaseException, a bug outside a request's guarded work), the engine is failed: every
+        request ends in error, `failed` says why and `on_failure` is told (the server then
+        reports 503 on /health and exits non-zero), never a thread that died silently."""
+        reason = "cancelled"
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._run_calls()
+                    if not self.step() and not self._calls:
+                        self._wake.wait(timeout=0.1)
+                        self._wake.clear()
+        except BaseException as e:                    # noqa: BLE001 - reported, then ended
+            self.failed = f"{type(e).__name__}: {e}"
+            log.critical("the engine thread failed: %s", self.failed, exc_info=e)
+            self._stop.set()
+            reason = "error"
+            if self.on_failure is not None:
+                self.on_failure(self.failed)
+        self._end_all(reason)
+
+    def _end_all(self, reason: str) -> None:
+        """End every request (running, waiting) and queued call: the engine stops."""
         for b in self.scheduler.running():
-            self.output.finish(b, "cancelled")
+            if reason == "error":
+                self.scheduler.rows[b].request.error = f"the engine failed ({self.failed})"
+            self.output.finish(b, reason)
         for request in self.scheduler.drain():        # and those still waiting for a row
-            notify(request.on_finish, "cancelled")
+            if reason == "error":
+                request.error = f"the engine failed ({self.failed})"
+            notify(request.on_finish, reason)
         while self._calls:
             self._calls.popleft()[1].set_exception(TorchLlamaError("the engine shut down"))
+
+    def abort_all(self, cause: str) -> int:
+        """End every running and waiting request in error (503, `cause`), e.g. at shutdown
+        once the drain timeout has passed (any thread). Returns how many."""
+        requests = [row.request for row in list(self.scheduler.rows) if row is not None]
+        requests += self.scheduler.queued()
+        for request in requests:
+            request.abort(cause)
+        self._wake.set()
+        return len(requests)
 
     # ---- prefill -----------------------------------------------------------------------------
 
@@ -303,10 +356,9 @@ class Engine:
         go on. Returns the tokens prefilled."""
         try:
             return self._prefill_chunk(b)
-        except Exception:
-            log.exception("prefill failed")
+        except Exception as e:
             if self.scheduler.rows[b] is not None:
-                self.output.finish(b, "error")
+                self.output.fail(b, "prefill", e)
             return 0
 
     def _admit(self, request: Request) -> Optional[int]:
@@ -318,8 +370,10 @@ class Engine:
             self._adapter_id(request)
             reused = self.cache.claim(b, request.prompt_ids, request.salt,
                                       reuse=request.prompt_logprobs is None)
-        except Exception:
-            log.exception("admission failed")
+        except Exception as e:
+            log.error("request %s failed at admission: %s: %s", request.id or "?",
+                      type(e).__name__, e, exc_info=e)
+            request.failed(e)
             notify(request.on_finish, "error")
             return None
         request.cached_tokens = reused
@@ -373,10 +427,12 @@ class Engine:
             self.output.finish(b, "cancelled")
             return
         try:
+            if self.fault is not None:
+                self.fault(row.request, len(row.generated))
+            check_finite(logits, len(row.generated))
             token, logits = self.runner.sample(row, logits)
-        except Exception:
-            log.exception("sampling failed")
-            self.output.finish(b, "error")
+        except Exception as e:
+            self.output.fail(b, "sampling", e)
             return
         self.output.emit(b, token, logits)
 
@@ -411,9 +467,8 @@ class Engine:
                    self.context - len(request.prompt_ids) - len(row.generated))
         try:
             step = self.runner.speculate(b, row, left, self._adapter_id(request))
-        except Exception:
-            log.exception("speculative step failed")
-            self.output.finish(b, "error")
+        except Exception as e:
+            self.output.fail(b, "a speculative round", e)
             return
         self.cache.written(b, row.pos + step.drafted + 1)
         row.pos += step.accepted + 1           # its token and the accepted drafts are cached

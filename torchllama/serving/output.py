@@ -25,6 +25,17 @@ from torchllama.serving.scheduler import Scheduler
 log = logging.getLogger("torchllama.serving.engine")
 
 
+class GrammarStuck(RuntimeError):
+    """A request's grammar cannot go on with this model's vocabulary (e.g. a character whose
+    UTF-8 bytes no token spells): the request's own constraint, a 400."""
+
+    @classmethod
+    def of(cls, report: str) -> "GrammarStuck":
+        """From llguidance's error report (many lines of parser state): its error line."""
+        lines = report.splitlines() or [""]
+        return cls(next((line for line in lines if line.startswith("Error:")), lines[0])[:300])
+
+
 class OutputProcessor:
     """Turns the rows' sampled tokens into their requests' events, and finishes requests.
 
@@ -52,20 +63,22 @@ class OutputProcessor:
             if constraint is not None:
                 constraint.accept(token)
             event = self.event(request, token, logits)
-        except Exception:
-            log.exception("sampling failed")
-            self.finish(b, "error")
+        except Exception as e:
+            self.fail(b, "sampling", e)
             return False
         row.generated.append(event.token_id)
         row.pending = event.token_id
         if not notify(request.on_token, event):   # its consumer broke: end it, not the batch
-            self.finish(b, "error")
+            self.fail(b, "reporting a token", RuntimeError("the request's consumer failed"))
             return False
         if event.stopped:                         # a stop string: its text ends here
             self.finish(b, "stop")
             return False
         if constraint is not None and constraint.finished:        # nothing more may follow
-            self.finish(b, "stop" if constraint.error is None else "error")
+            if constraint.error is None:
+                self.finish(b, "stop")
+            else:
+                self.fail(b, "the grammar", GrammarStuck.of(constraint.error), status=400)
             return False
         # Like Session: prompt + output never exceed the context.
         if len(row.generated) >= request.max_tokens or \
@@ -88,6 +101,17 @@ class OutputProcessor:
             event.text = request.text.push(token)
             event.stopped = request.text.stopped
         return event
+
+    def fail(self, b: int, stage: str, error: BaseException, status: int = 500) -> None:
+        """End row b's request in error: `error` is its cause (`Request.error`, with the HTTP
+        `status` it deserves: 400 when the request itself cannot be met), logged with the
+        request's id; the other rows go on."""
+        request = self.scheduler.rows[b].request
+        log.error("request %s failed in %s: %s: %s", request.id or "?", stage,
+                  type(error).__name__, error, exc_info=error if status >= 500 else None)
+        request.failed(error)
+        request.error_status = status
+        self.finish(b, "error")
 
     def finish(self, b: int, reason: str) -> None:
         """End row b's request with this finish reason; its row is free at once."""

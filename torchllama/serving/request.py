@@ -74,6 +74,11 @@ class Request:
             from the second on (`prompt_logprobs`).
         cached_tokens: set by the engine when the request gets a row: the prompt tokens taken
             from the prefix cache (not prefilled).
+        error: why it ended in error ("error" finish, or cancelled by `abort`): the cause,
+            e.g. "ValueError: non-finite logits at token 12"; None otherwise.
+        error_status: the HTTP status that cause deserves (500: it failed; 503: the server
+            shut down before it finished).
+        id: the API request's id and choice (e.g. "chatcmpl-…#0"), for the log.
     """
 
     prompt_ids: list[int]
@@ -91,6 +96,9 @@ class Request:
     prompt_scores: list = field(default_factory=list)
     cached_tokens: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+    error_status: int = 500
+    id: str = ""
 
     @property
     def salt(self) -> bytes:
@@ -100,6 +108,18 @@ class Request:
     def cancel(self) -> None:
         """Stop generating for this request (e.g. its client went away); frees its row."""
         self.cancelled.set()
+
+    def abort(self, cause: str, status: int = 503) -> None:
+        """Stop generating for this request and end it in error (its `error` the cause):
+        the server is shutting down, or its client read too slowly."""
+        if self.error is None:
+            self.error, self.error_status = cause, status
+        self.cancelled.set()
+
+    def failed(self, error: BaseException) -> None:
+        """Record why it fails (before the engine finishes it with "error")."""
+        if self.error is None:
+            self.error = f"{type(error).__name__}: {error}"
 
 
 @dataclass

@@ -72,6 +72,12 @@ class Scheduler:
                 return request
             notify(request.on_finish, "cancelled")
 
+    def queued(self) -> list[Request]:
+        """The requests waiting now (a snapshot; they stay queued)."""
+        with self._waiting.mutex:
+            held = [self._held] if self._held is not None else []
+            return held + list(self._waiting.queue)
+
     def drain(self) -> Iterator[Request]:
         """Every request still waiting, taken off the queue (at shutdown)."""
         if self._held is not None:

@@ -22,6 +22,7 @@ the merged weight: merge such an adapter instead).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -158,12 +159,37 @@ class AdapterWeights:
 
 
 def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeights:
-    """Read a PEFT adapter for `model` (after `install`), its B rows in our order.
+    """Read a PEFT adapter for `model` (after `install`), its B rows in our order, checked
+    as `check_adapter` checks it.
 
     Raises:
-        ModelFileError: missing or malformed files, a DoRA adapter, or an adapter for another
-            model (a module this model lacks, a tensor of another shape: named).
+        ModelFileError: see `check_adapter`.
     """
+    device = next(model.parameters()).device
+    updates = []
+    for ours, lora_a, lora_b, scale in _adapter_tensors(model, folder):
+        wrapper, offset = _owner(model, ours)
+        updates.append((wrapper, offset, lora_a.contiguous().to(device),
+                        lora_b.contiguous().to(device), scale))
+    return AdapterWeights(name, updates)
+
+
+def check_adapter(model: nn.Module, folder: Path | str) -> None:
+    """Check a PEFT adapter folder against `model` without changing the model: what the
+    server does before an adapter touches the engine.
+
+    Raises:
+        ModelFileError: missing or malformed files; a DoRA adapter; a rank below 1 or above
+            the layer's sizes; a non-finite lora_alpha; target modules this model lacks; a
+            tensor that is not floating point, of another shape, or holding NaN/inf; a tensor
+            for no module of this model (each named).
+    """
+    _adapter_tensors(model, folder)
+
+
+def _adapter_tensors(model: nn.Module, folder: Path | str) -> list[tuple]:
+    """(our linear's name, A (r, K), B (N, r) in our row order, scale) per adapted linear,
+    every check of `check_adapter` made."""
     from torchllama.transforms.lora import (PEFT_PREFIX, WEIGHTS_FILE, _hf_names,
                                             read_adapter_config, read_adapter_weights,
                                             resolve_adapter)
@@ -173,6 +199,9 @@ def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeig
     if config.dora:
         raise ModelFileError(f"{folder}: a DoRA adapter cannot be served per request (its "
                              "magnitudes depend on the merged weight); merge it instead")
+    if config.r < 1 or not math.isfinite(config.alpha):
+        raise ModelFileError(f"{folder}: adapter_config.json: r must be ≥ 1 and lora_alpha "
+                             f"finite, got r={config.r}, lora_alpha={config.alpha}")
     names = [f"layers.{i}.{part}.{t}" for i, block in enumerate(model.layers)
              for part in ("attention", "feed_forward") for t in config.targets
              if hasattr(getattr(block, part), t)]
@@ -182,14 +211,18 @@ def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeig
                              "architecture)")
     path = folder / WEIGHTS_FILE
     saved = read_adapter_weights(folder)
-    updates = []
+    out, used = [], set()
     for ours, (theirs, layout) in _hf_names(model, names).items():
         key = PEFT_PREFIX + theirs
-        if key + ".lora_A.weight" not in saved or key + ".lora_B.weight" not in saved:
+        a_key, b_key = key + ".lora_A.weight", key + ".lora_B.weight"
+        if a_key not in saved or b_key not in saved:
             raise ModelFileError(f"{path}: {key}.lora_A/B are missing: an adapter for another "
                                  "architecture or other target modules")
-        lora_a = saved[key + ".lora_A.weight"].float()                           # (r, K)
-        lora_b = layout.load(saved[key + ".lora_B.weight"].float(), model.args)[0]  # (N, r)
+        _check_tensor(path, a_key, saved[a_key])
+        _check_tensor(path, b_key, saved[b_key])
+        used |= {a_key, b_key}
+        lora_a = saved[a_key].float()                                            # (r, K)
+        lora_b = layout.load(saved[b_key].float(), model.args)[0]                # (N, r)
         linear = model.get_submodule(ours)
         linear = getattr(linear, "base", linear)
         if lora_a.shape != (config.r, linear.in_features) or \
@@ -198,11 +231,21 @@ def read_adapter(model: nn.Module, name: str, folder: Path | str) -> AdapterWeig
                                  f"{tuple(lora_b.shape)}, this model needs ({config.r}, "
                                  f"{linear.in_features}) and ({linear.out_features}, "
                                  f"{config.r}): an adapter for another architecture")
-        wrapper, offset = _owner(model, ours)
-        device = next(model.parameters()).device
-        updates.append((wrapper, offset, lora_a.contiguous().to(device),
-                        lora_b.contiguous().to(device), config.scale))
-    return AdapterWeights(name, updates)
+        out.append((ours, lora_a, lora_b, config.scale))
+    extra = sorted(set(saved) - used)
+    if extra:
+        raise ModelFileError(f"{path}: {extra[0]} (and {len(extra) - 1} more) belong to no "
+                             f"target module of this model ({', '.join(config.targets)})")
+    return out
+
+
+def _check_tensor(path: Path, key: str, tensor: torch.Tensor) -> None:
+    """A LoRA factor must be a finite floating-point matrix."""
+    if not tensor.is_floating_point() or tensor.dim() != 2:
+        raise ModelFileError(f"{path}: {key} is {tensor.dtype} with {tensor.dim()} dimensions; "
+                             "expected a floating-point matrix")
+    if not torch.isfinite(tensor).all():
+        raise ModelFileError(f"{path}: {key} holds NaN or infinite values")
 
 
 def add_adapter(adapters: AdapterSet, weights: AdapterWeights) -> int:

@@ -31,10 +31,11 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from torchllama.errors import ArgumentError, TorchLlamaError
 from torchllama.generation.grammar import GrammarError, Grammars, closed_schema
-from torchllama.generation.sampling import SamplingParams
+from torchllama.generation.sampling import (REPETITION_PENALTY_MAX, REPETITION_PENALTY_MIN,
+                                           SamplingParams)
 from torchllama.generation.session import encode_chat
 from torchllama.generation.text import TextStream
-from torchllama.serving.engine import Engine, QueueFull, Request, TokenEvent
+from torchllama.serving.engine import Engine, EngineStopped, QueueFull, Request, TokenEvent
 from torchllama.serving.metrics import ServerMetrics
 from torchllama.serving.reasoning import ReasoningParser, template_thinks
 from torchllama.serving.tools import (ToolCall, ToolCallParser, Tools, chat_messages,
@@ -65,12 +66,14 @@ class APIError(Exception):
         param: the field (OpenAI's `param`), or None.
         kind: OpenAI's error `type` (invalid_request_error, authentication_error,
             not_found_error, rate_limit_error, server_error, ...).
+        headers: response headers (Retry-After of a 429 or 503).
     """
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers
 
 
 def openai_error(status: int, message: str, param: Optional[str] = None,
@@ -187,6 +190,14 @@ class Update:
     final: bool = False
 
 
+#: tokens a request's stream may hold unread before its generation is stopped (its client
+#: stopped reading while keeping the connection: memory stays bounded)
+MAX_UNREAD_EVENTS = 1024
+
+#: events of several choices in flight to one stream's writer
+MERGED_EVENTS = 64
+
+
 class Choice:
     """One generated sequence: its engine request and what the client sees of it.
 
@@ -221,6 +232,10 @@ class Choice:
 
     # called from the engine thread
     def on_token(self, event: TokenEvent) -> None:
+        if self.events.qsize() >= MAX_UNREAD_EVENTS:      # its client stopped reading
+            self.request.abort(f"the client read nothing of {MAX_UNREAD_EVENTS} tokens: "
+                               "generation stopped", status=500)
+            return
         if self.metrics is not None:
             now = time.perf_counter()
             if self.last_token_at is None:
@@ -249,9 +264,8 @@ class Choice:
         while True:
             kind, value = await self.events.get()
             if kind == "finish":
-                if value == "error":
-                    raise APIError(500, "generation failed for this request (see the server "
-                                        "log)", kind="server_error")
+                if value == "error" or self.request.error is not None:
+                    raise self.failure()
                 if self.request.tail:                  # what the TextStream held back
                     yield self.request.tail, None
                 self.finish_reason = "length" if value == "length" else "stop"
@@ -261,6 +275,27 @@ class Choice:
             if value.stopped and not value.text:       # the stop string's own token: no piece
                 continue
             yield value.text, value
+
+    def failure(self) -> APIError:
+        """The error of a request that failed (500, its cause), whose grammar could not be
+        followed (400) or that the server ended (503: shutting down; its cause)."""
+        request = self.request
+        cause = request.error or "generation failed (see the server log)"
+        if request.error_status == 503:
+            return APIError(503, f"request {request.id}: {cause}",
+                            kind="service_unavailable")
+        if request.error_status == 400:
+            return APIError(400, f"request {request.id}: the output cannot follow the "
+                                 f"request's grammar with this model's vocabulary: {cause}")
+        return APIError(500, f"request {request.id}: generation failed: {cause}",
+                        kind="server_error")
+
+    def parser_failure(self, error: Exception) -> APIError:
+        """The 500 of a choice whose reasoning or tool-call parser raised (logged)."""
+        log.error("request %s: parsing its output failed: %s: %s", self.request.id,
+                  type(error).__name__, error, exc_info=error)
+        return APIError(500, f"request {self.request.id}: parsing the output failed: "
+                             f"{type(error).__name__}: {error}", kind="server_error")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -392,7 +427,13 @@ class Run:
                 watcher.cancel()
             self.cancel()
         self.log()
-        return [c.output(t) for c, t in zip(self.choices, texts)]
+        outputs = []
+        for choice, text in zip(self.choices, texts):
+            try:
+                outputs.append(choice.output(text))
+            except Exception as e:             # a parser's bug: this request's 500
+                raise choice.parser_failure(e) from None
+        return outputs
 
     async def _watch(self, http: HTTPRequest) -> None:
         """Cancel the choices when the client disconnects."""
@@ -408,14 +449,24 @@ class Run:
         (its error, if any, in choice.error). The rows are freed when the caller stops
         reading (the client went away) or all have ended."""
         merged = _merged(self.choices)
+        broken: set[int] = set()                      # choices whose parser failed
         try:
             async for choice, text, event in merged:
+                if choice.index in broken:
+                    continue
                 if text is None:
                     events = self.final_events(choice)
                     yield choice, Update("", None, events, final=True)
-                else:
-                    yield choice, Update(text, event,
-                                         choice.split(text) if choice.parsed else None)
+                    continue
+                try:
+                    events = choice.split(text) if choice.parsed else None
+                except Exception as e:                # ends this choice, not the others
+                    choice.error = choice.parser_failure(e)
+                    choice.request.cancel()
+                    broken.add(choice.index)
+                    yield choice, Update("", None, None, final=True)
+                    continue
+                yield choice, Update(text, event, events)
             self.log()
         finally:
             self.cancel()
@@ -423,9 +474,14 @@ class Run:
 
     @staticmethod
     def final_events(choice: Choice) -> Optional[list[tuple]]:
+        """The parsers' last events of an ended choice (None: not parsed, or it failed)."""
         if choice.error is not None:
             return None
-        events = choice.end()
+        try:
+            events = choice.end()
+        except Exception as e:                        # a parser's bug: this choice's error
+            choice.error = choice.parser_failure(e)
+            return None
         return events if choice.parsed else None
 
 
@@ -442,7 +498,8 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple]:
             choice.error = e
         yield choice, None, None
         return
-    merged: asyncio.Queue = asyncio.Queue()
+    # bounded: with a slow reader the pumps wait, and the choices' own queues fill up
+    merged: asyncio.Queue = asyncio.Queue(maxsize=MERGED_EVENTS)
 
     async def pump(choice):
         try:
@@ -469,6 +526,10 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple]:
 # --------------------------------------------------------------------------------------------
 # The service: Generation → Run
 # --------------------------------------------------------------------------------------------
+
+#: seconds a client told "the queue is full" (429) waits before it retries (Retry-After)
+QUEUE_RETRY_AFTER = 1
+
 
 class Service:
     """What every API shares: the engine, the tokenizer, the adapters, the grammars, the
@@ -579,6 +640,7 @@ class Service:
         adapter = self.adapters.pick(gen.model)      # (no await from here to its use)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        rid = prefix + uuid.uuid4().hex[:24]
         choices = []
         for p, (prompt_ids, limit) in enumerate(zip(gen.prompts, limits)):
             thinking = self.thinking(prompt_ids) if gen.chat else None
@@ -587,13 +649,14 @@ class Service:
                                 gen.endpoint, started, prompt_index=p)
                 choice.request = self.request(gen, prompt_ids, limit, j, choice,
                                               constraints[len(choices)], adapter)
+                choice.request.id = f"{rid}#{p * gen.n + j}" if count > 1 else rid
                 choice.parser = ToolCallParser() if gen.tools is not None else None
                 choice.reasoning = ReasoningParser(thinking) if thinking is not None else None
                 choices.append(choice)
         self.submit(choices, adapter)
         prompt_tokens = sum(len(p) for p in gen.prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        return Run(prefix + uuid.uuid4().hex[:24], choices, prompt_tokens,
+        return Run(rid, choices, prompt_tokens,
                    adapter or self.model_name)      # (the adapter's name, as vLLM)
 
     def request(self, gen: Generation, prompt_ids: list[int], max_tokens: int, j: int,
@@ -623,10 +686,16 @@ class Service:
                         done()
                     raise
                 choice.done = done
+        except EngineStopped as e:
+            for choice in choices:
+                choice.request.cancel()
+            raise APIError(503, str(e), kind="service_unavailable",
+                           headers={"Retry-After": str(QUEUE_RETRY_AFTER)}) from None
         except QueueFull as e:
             for choice in choices:
                 choice.request.cancel()
-            raise APIError(429, str(e), kind="rate_limit_error") from None
+            raise APIError(429, str(e), kind="rate_limit_error",
+                           headers={"Retry-After": str(QUEUE_RETRY_AFTER)}) from None
         except TorchLlamaError as e:
             for choice in choices:
                 choice.request.cancel()
@@ -646,7 +715,8 @@ class SamplingBody(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_MIN,
+                                      le=REPETITION_PENALTY_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None

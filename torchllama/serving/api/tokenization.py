@@ -23,6 +23,10 @@ from pydantic import BaseModel
 from torchllama.serving.api.core import APIError, Service
 
 
+#: the chat roles /tokenize takes
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class TokenizeBody(BaseModel):
     """vLLM's /tokenize body: a prompt, or chat messages (OpenAI's, as dicts)."""
     model: Optional[str] = None
@@ -62,6 +66,10 @@ def _tokens(body: TokenizeBody, service: Service) -> list[int]:
         tools = tools_of(body.tools, None, None)
     except ToolError as e:
         raise APIError(400, str(e), e.param) from None
+    for i, m in enumerate(body.messages):
+        if m.get("role") not in ROLES or not isinstance(m.get("content") or "", str):
+            raise APIError(400, f"messages[{i}]: a message has a role ({', '.join(ROLES)}) "
+                                "and text content", f"messages[{i}]")
     return service.encode_chat([{**m, "content": m.get("content") or ""}
                                 for m in body.messages], tools, body.chat_template_kwargs)
 
