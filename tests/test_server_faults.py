@@ -359,3 +359,29 @@ def test_streams_past_the_drain_timeout_end_with_an_error_event(tmp_path):
         assert server.proc.wait(timeout=30) == 0
     finally:
         stop(server)
+
+
+def test_text_longer_than_the_context_can_hold_is_refused_before_tokenizing(server,
+                                                                            monkeypatch):
+    """Megabytes of prompt are a 400 without being tokenized (the tokenizer holds the GIL
+    while it works: every stream would stall): each token spells at most the longest
+    token's bytes, so more than (context − 1) × that many bytes cannot fit. Text within
+    the bound still goes through (and is refused by its token count if it is too long)."""
+    app, url = server
+    service = app.state.service
+    calls = []
+    encode = service.tokenizer.encode
+    monkeypatch.setattr(service.tokenizer, "encode",
+                        lambda text, *a, **k: calls.append(len(text)) or encode(text, *a, **k))
+    huge = "to be or not to be " * (service.text_limit // 19 + 1)
+    for path, body in (("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": huge}]}),
+                       ("/v1/embeddings", {"input": [huge]}), ("/tokenize", {"prompt": huge})):
+        status, answer, _ = post(url, path, body)
+        assert status == 400 and "bytes of text" in answer["error"]["message"], (path, answer)
+    assert calls == []
+    within = "to be or not to be " * 2000                 # ~12,000 tokens: past the context
+    status, answer, _ = post(url, "/v1/completions", {"prompt": within, "max_tokens": 1})
+    assert status == 400 and "tokens but the context holds" in answer["error"]["message"]
+    assert calls

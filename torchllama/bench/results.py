@@ -185,6 +185,8 @@ def _machine_key(m: dict) -> str:
 def _value(v: Optional[float], unit: str) -> str:
     if v is None:
         return "–"
+    if not unit and float(v).is_integer():                  # counts: requests, failures
+        return str(int(v))
     return f"{v:.2f}" if unit in ("s", "GiB", "GB", "ms") or v < 10 else f"{v:.1f}"
 
 
@@ -194,7 +196,8 @@ def _table(doc: dict, run: dict) -> list[str]:
     lines = [head, "|---|---|---|---|" if peer else "|---|---|"]
     for f in run["figures"]:
         fig = Figure(**f)
-        cells = [f"{fig.name} ({fig.unit})", _value(fig.ours, fig.unit)]
+        cells = [f"{fig.name} ({fig.unit})" if fig.unit else fig.name,
+                 _value(fig.ours, fig.unit)]
         if peer:
             ratio = fig.ratio
             cells += [_value(fig.peer, fig.unit), f"**{ratio:.2f}×**" if ratio else "–"]

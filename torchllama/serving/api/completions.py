@@ -46,7 +46,7 @@ class CompletionBody(SamplingBody):
     echo: bool = False
 
 
-def prompts_of(body: CompletionBody, tokenizer) -> list[list[int]]:
+def prompts_of(body: CompletionBody, service: Service) -> list[list[int]]:
     """The token ids of each prompt (strings encoded with BOS if the model expects it, token
     ids as given).
 
@@ -60,6 +60,8 @@ def prompts_of(body: CompletionBody, tokenizer) -> list[list[int]]:
     if not items:
         raise APIError(400, "prompt: give a string, strings, token ids or lists of them",
                        "prompt")
+    service.check_texts([item for item in items if isinstance(item, str)], "prompt")
+    tokenizer = service.tokenizer
     prompts = []
     vocab = tokenizer.vocab_size
     for i, item in enumerate(items):
@@ -83,7 +85,7 @@ def generation(body: CompletionBody, service: Service) -> Generation:
                             "echo: true", "max_tokens")
     scored = body.echo and body.logprobs is not None
     return Generation(
-        prompts_of(body, service.tokenizer), body_sampling(body, service.tokenizer.vocab_size),
+        prompts_of(body, service), body_sampling(body, service.tokenizer.vocab_size),
         body.max_tokens, body.n, stop_strings(body.stop), logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if scored else (0 if body.max_tokens == 0 else None),
         constraint=body_constraint(body), model=body.model)

@@ -527,6 +527,29 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple]:
 # The service: Generation → Run
 # --------------------------------------------------------------------------------------------
 
+def text_limit(tokenizer, context: int) -> Optional[int]:
+    """The most bytes of text that can fit `context` − 1 tokens: every token spells at most
+    the longest token's bytes (special tokens counted as their text), so longer text needs
+    more tokens than the context holds. None when the tokenizer does not list its tokens."""
+    try:
+        longest = max(len(b) for b in tokenizer.token_bytes())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    specials = getattr(tokenizer, "special_tokens", None) or {}
+    longest = max([longest] + [len(str(t).encode()) for t in specials])
+    return (context - 1) * longest
+
+
+def _texts(content: Any) -> list[str]:
+    """The strings of a message's content (a string, or text parts)."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and
+                isinstance(p.get("text"), str)]
+    return []
+
+
 #: seconds a client told "the queue is full" (429) waits before it retries (Retry-After)
 QUEUE_RETRY_AFTER = 1
 
@@ -551,6 +574,21 @@ class Service:
         self.context = engine.context
         self.native_tools = renders_tools(tokenizer.chat_template)
         self.thinks = template_thinks(tokenizer.chat_template)
+        self.text_limit = text_limit(tokenizer, self.context)
+
+    def check_texts(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context (`text_limit`): the
+        tokenizer holds the GIL while it works (8 MiB took seconds, and every stream on the
+        server stalled meanwhile).
+
+        Raises:
+            APIError: 400 naming `param`.
+        """
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if self.text_limit is not None and size > self.text_limit:
+            raise APIError(400, f"{param}: {size} bytes of text are more tokens than the "
+                                f"context holds ({self.context}; a token spells at most "
+                                f"{self.text_limit // max(self.context - 1, 1)} bytes)", param)
 
     def encode_chat(self, messages: list[dict], tools: Optional[Tools] = None,
                     variables: Optional[dict] = None, param: str = "messages") -> list[int]:
@@ -561,6 +599,7 @@ class Service:
         Raises:
             APIError: 400 naming `param` for messages the chat template refuses.
         """
+        self.check_texts([c for m in messages for c in _texts(m.get("content"))], param)
         messages, offered = chat_messages(messages, tools, self.native_tools)
         try:
             return encode_chat(self.tokenizer, messages, tools=offered, variables=variables)

@@ -32,6 +32,8 @@ async def create(body: EmbeddingBody, http: HTTPRequest) -> dict:
 
     service: Service = http.app.state.service
     engine = service.engine
+    service.check_texts([x for x in ([body.input] if isinstance(body.input, str) else
+                                     body.input) if isinstance(x, str)], "input")
     lists = embedding_inputs(service.tokenizer, body, engine.context,
                              engine.model.args.vocab_size)
     future = engine.call(lambda: pooled(engine.model, lists, body.pooling))

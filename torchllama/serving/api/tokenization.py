@@ -55,6 +55,7 @@ def _tokens(body: TokenizeBody, service: Service) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt (text) or messages (chat)", "prompt")
     if body.prompt is not None:
+        service.check_texts([body.prompt], "prompt")
         ids = tokenizer.encode(body.prompt, special=True)
         if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_id is not None \
                 and ids[:1] != [tokenizer.bos_id]:
