@@ -293,8 +293,21 @@ def _openapi(app: FastAPI) -> dict:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             document.get("components", {}).get("schemas", {}).pop(name, None)
+        _bound_token_ids(document, app.state.service.tokenizer.vocab_size)
         app.openapi_schema = document
     return app.openapi_schema
+
+
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Every token id of the document (`x-token-id`) below the vocabulary's size."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
 
 
 def _version() -> str:
@@ -312,7 +325,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ())    # (not pydantic's union-member tags,
+               if p != "body" and (isinstance(p, int) or p.isidentifier())]  # "list[int]")
         param = (".".join(loc) or None) if first.get("type") != "json_invalid" else None
         return error_response(request.url.path, 400,
                               f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Optional
 
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class LoadAdapterBody(BaseModel):
     """vLLM's /v1/load_lora_adapter body: the name requests will use as `model`, and the PEFT
     folder (or `torchllama finetune` run)."""
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadAdapterBody(BaseModel):

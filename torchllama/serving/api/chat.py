@@ -14,16 +14,18 @@ and its chunk object).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, SamplingBody,
                                          Service, Update, body_constraint, body_sampling,
                                          chat_token, openai_chunk, openai_error_event,
                                          stop_strings)
+from torchllama.serving.api.schemas import (CHAT_MESSAGES, CHAT_TOOL_CHOICE, CHAT_TOOLS,
+                                            NEEDS_TOOLS, described)
 from torchllama.serving.tools import ToolError, tools_of
 
 #: the object of a streamed answer's chunks
@@ -52,12 +54,14 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    model_config = ConfigDict(json_schema_extra=NEEDS_TOOLS)
+    messages: Annotated[list[ChatMessage], described(CHAT_MESSAGES)] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], described(CHAT_TOOLS)] = None
+    tool_choice: Annotated[Optional[Union[str, dict[str, Any]]],
+                           described(CHAT_TOOL_CHOICE)] = None
     parallel_tool_calls: Optional[bool] = None
     # extension (vLLM's): more variables for the chat template, e.g. {"enable_thinking": false}
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -22,7 +22,7 @@ with prompt log-probabilities.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Optional, Union
+from typing import Annotated, AsyncIterator, Optional, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -33,6 +33,7 @@ from torchllama.serving.api.core import (APIError, Choice, Generation, Output, R
                                          Service, body_constraint, body_sampling,
                                          openai_chunk, openai_error_event,
                                          stop_strings)
+from torchllama.serving.api.schemas import TokenIds
 from torchllama.serving.request import TokenEvent
 
 #: the object of a streamed answer's chunks
@@ -40,7 +41,9 @@ KIND = "text_completion"
 
 
 class CompletionBody(SamplingBody):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Annotated[str, Field(min_length=1)],
+                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+                  TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[int] = Field(16, ge=0)          # OpenAI's default for completions
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False

@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Callable, Optional, Union
 
 from torchllama.errors import ArgumentError, TorchLlamaError
 from torchllama.generation.grammar import GrammarError, Grammars, closed_schema
@@ -35,6 +35,7 @@ from torchllama.generation.sampling import (REPETITION_PENALTY_MAX, REPETITION_P
                                            SamplingParams)
 from torchllama.generation.session import encode_chat
 from torchllama.generation.text import TextStream
+from torchllama.serving.api.schemas import LOGIT_BIAS, RESPONSE_FORMAT, described
 from torchllama.serving.engine import Engine, EngineStopped, QueueFull, Request, TokenEvent
 from torchllama.serving.metrics import ServerMetrics
 from torchllama.serving.reasoning import ReasoningParser, template_thinks
@@ -758,7 +759,7 @@ class SamplingBody(BaseModel):
                                       le=REPETITION_PENALTY_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Annotated[Optional[dict[str, float]], described(LOGIT_BIAS)] = None
     n: int = Field(1, ge=1, le=16)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
@@ -767,7 +768,7 @@ class SamplingBody(BaseModel):
     user: Optional[str] = None
     # structured output: OpenAI's response_format, and (extensions) a Lark/GBNF grammar or a
     # regular expression the output must match
-    response_format: Optional[dict[str, Any]] = None
+    response_format: Annotated[Optional[dict[str, Any]], described(RESPONSE_FORMAT)] = None
     grammar: Optional[str] = None
     regex: Optional[str] = None
 
@@ -819,12 +820,14 @@ def response_format_constraint(fmt: Optional[dict], param: str = "response_forma
     """
     if fmt is None:
         return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"{param}: an object is required", param)
     kind = fmt.get("type")
     if kind == "json_object":
         return "json_object", None
     if kind == "json_schema":
         spec = fmt if flat else (fmt.get("json_schema") or {})
-        schema = spec.get("schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None     # (fuzzed: a list)
         if not isinstance(schema, dict):
             where = f"{param}.schema" if flat else f"{param}.json_schema.schema"
             raise APIError(400, f"{where}: a JSON schema object is required", param)

@@ -7,19 +7,22 @@ Source: OpenAI's API reference, "Embeddings".
 from __future__ import annotations
 
 import asyncio
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from torchllama.serving.api.core import APIError, Service
+from torchllama.serving.api.schemas import TokenIds
 
 
 class EmbeddingBody(BaseModel):
     """OpenAI's /v1/embeddings body; `pooling` ("mean" or "last") is an extension
     (`torchllama.serving.embeddings`)."""
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[Annotated[str, Field(min_length=1)],
+                 Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+                 TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None

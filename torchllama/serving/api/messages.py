@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Optional, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,6 +45,8 @@ from pydantic import BaseModel, Field
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, Service,
                                          one_constraint, response_format_constraint, sampling,
                                          stop_strings)
+from torchllama.serving.api.schemas import (ANTHROPIC_MESSAGES, ANTHROPIC_TOOL_CHOICE,
+                                            ANTHROPIC_TOOLS, described)
 from torchllama.serving.tools import ToolCall, ToolError, Tools, tools_of
 
 #: Anthropic's error `type` by HTTP status
@@ -70,15 +72,16 @@ class MessagesBody(BaseModel):
     are accepted and ignored)."""
     model: Optional[str] = None
     max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], described(ANTHROPIC_MESSAGES)] = \
+        Field(min_length=1)
     system: Optional[Union[str, list[dict[str, Any]]]] = None
     stop_sequences: Optional[list[str]] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=1.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0)
     stream: bool = False
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[dict[str, Any]] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], described(ANTHROPIC_TOOLS)] = None
+    tool_choice: Annotated[Optional[dict[str, Any]], described(ANTHROPIC_TOOL_CHOICE)] = None
     metadata: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
     output_config: Optional[dict[str, Any]] = None
@@ -90,10 +93,11 @@ class MessagesBody(BaseModel):
 class CountTokensBody(BaseModel):
     """Anthropic's /v1/messages/count_tokens body."""
     model: Optional[str] = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], described(ANTHROPIC_MESSAGES)] = \
+        Field(min_length=1)
     system: Optional[Union[str, list[dict[str, Any]]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[dict[str, Any]] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], described(ANTHROPIC_TOOLS)] = None
+    tool_choice: Annotated[Optional[dict[str, Any]], described(ANTHROPIC_TOOL_CHOICE)] = None
     thinking: Optional[dict[str, Any]] = None
 
 

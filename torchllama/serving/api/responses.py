@@ -44,15 +44,17 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Optional, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from torchllama.serving.api.core import (APIError, Choice, Generation, Output, Run, Service,
                                          chat_token, one_constraint,
                                          response_format_constraint, sampling, stop_strings)
+from torchllama.serving.api.schemas import (NEEDS_TOOLS, RESPONSES_INPUT, RESPONSES_TOOLS,
+                                            described)
 from torchllama.serving.tools import ToolCall, ToolError, tools_of
 
 #: responses kept for previous_response_id and GET by default (`serve --responses-store`)
@@ -62,10 +64,11 @@ DEFAULT_STORE_SIZE = 1000
 class ResponsesBody(BaseModel):
     """OpenAI's /v1/responses request body (fields it lists that change nothing here, e.g.
     `service_tier`, are accepted and ignored)."""
+    model_config = ConfigDict(json_schema_extra=NEEDS_TOOLS)
     model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Annotated[Union[str, list[dict[str, Any]]], described(RESPONSES_INPUT)]
     instructions: Optional[str] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], described(RESPONSES_TOOLS)] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None

@@ -15,12 +15,13 @@ Source: vLLM's `entrypoints/serve/tokenize` API (request and response shapes).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from torchllama.serving.api.core import APIError, Service
+from torchllama.serving.api.schemas import TEXT_MESSAGES, TokenId, described
 
 
 #: the chat roles /tokenize takes
@@ -29,9 +30,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class TokenizeBody(BaseModel):
     """vLLM's /tokenize body: a prompt, or chat messages (OpenAI's, as dicts)."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]},
+                                                           {"required": ["messages"]}]})
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    messages: Annotated[Optional[list[dict[str, Any]]], described(TEXT_MESSAGES)] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -41,7 +44,7 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _tokens(body: TokenizeBody, service: Service) -> list[int]:
