@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 from typing import Any, Callable, Optional
 
@@ -73,12 +74,15 @@ class EngineStopped(TorchLlamaError):
 
 
 def check_finite(logits: torch.Tensor, n: int) -> None:
-    """Refuse logits (1, V) with a NaN or +inf: sampling from them would pick garbage.
+    """Refuse logits (1, V) with a NaN or +inf: sampling from them would pick garbage. One
+    reduction: their sum is NaN or +inf exactly when one is (logits are far too small for a
+    finite sum to overflow; a −inf alone gives −inf, which is allowed).
 
     Raises:
         FloatingPointError: naming the token index n.
     """
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+    total = float(logits.sum())
+    if math.isnan(total) or total == math.inf:
         raise FloatingPointError(f"the model's logits for token {n} are not finite (NaN or "
                                  "+inf): the weights or an adapter hold non-finite values")
 
