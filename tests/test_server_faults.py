@@ -343,6 +343,8 @@ def test_sigterm_lets_eight_streams_finish_refuses_new_requests_and_exits_0(tmp_
 
 
 def test_streams_past_the_drain_timeout_end_with_an_error_event(tmp_path):
+    """SIGINT (Ctrl-C) drains as SIGTERM does; streams still running after --drain-timeout
+    end with a 503 error event, and the exit status is 0."""
     from tests.test_serve import start_server, stop, wait_healthy
 
     server = start_server(tmp_path, "cut", "--drain-timeout", "1")
@@ -351,7 +353,7 @@ def test_streams_past_the_drain_timeout_end_with_an_error_event(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(stream, server.url, completion(i, 4000)) for i in range(2)]
             time.sleep(1.5)
-            server.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGINT)
             results = [f.result(timeout=60) for f in streams]
         for text, errors in results:
             assert text and len(errors) == 1 and errors[0]["type"] == "service_unavailable"
