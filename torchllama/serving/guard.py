@@ -92,10 +92,10 @@ class Guard:
     (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in constant time
     (`hmac.compare_digest`, against every key), else 401. A body larger than `max_body`
     bytes is a 413 naming the limit, before the app reads it (by its Content-Length, or
-    counted as a chunked body arrives). While the server drains, every request but the
-    probes (/health, /metrics) is a 503 with Retry-After. A plain ASGI wrapper, not
-    Starlette's BaseHTTPMiddleware, which passes every streamed chunk through an extra
-    in-memory stream.
+    counted as a chunked body arrives). While the server drains, or once its engine failed,
+    every request but the probes (/health, /metrics) is a 503 with Retry-After. A plain ASGI
+    wrapper, not Starlette's BaseHTTPMiddleware, which passes every streamed chunk through an
+    extra in-memory stream.
 
     Args:
         app: the ASGI app.
@@ -126,10 +126,11 @@ class Guard:
         if self.keys and path != "/health" and not self.authorized(headers):
             refusal = (401, "invalid or missing API key (Authorization: Bearer KEY, or "
                             "x-api-key: KEY)", "authentication_error", None)
-        elif self.drain.draining and path not in PROBES:
-            refusal = (503, "the server is shutting down; retry on another instance or "
-                            "later", "service_unavailable",
-                       {"Retry-After": str(self.drain.retry_after)})
+        elif self.drain.status != "ok" and path not in PROBES:
+            why = "is shutting down" if self.drain.failed is None else \
+                f"failed ({self.drain.failed}) and is about to exit"
+            refusal = (503, f"the server {why}; retry on another instance or later",
+                       "service_unavailable", {"Retry-After": str(self.drain.retry_after)})
         elif self.max_body is not None:
             receive = await self._bounded(scope, headers, receive)
             if receive is None:
