@@ -405,3 +405,14 @@ def test_text_longer_than_the_context_can_hold_is_refused_before_tokenizing(serv
     status, answer, _ = post(url, "/v1/completions", {"prompt": within, "max_tokens": 1})
     assert status == 400 and "tokens but the context holds" in answer["error"]["message"]
     assert calls
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_is_the_requests_400(server):
+    """SmolLM2 has no token for byte 0xF1, so no character U+40000–U+7FFFF: a regex of one
+    is the request's fault (400 naming it), not a server error (found by the fuzzing)."""
+    _, url = server
+    status, answer, _ = post(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Write it."}], "max_tokens": 4,
+        "regex": "\U00067ae9"})
+    assert status == 400 and "cannot follow the request's grammar" in \
+        answer["error"]["message"] and "chatcmpl-" in answer["error"]["message"], answer

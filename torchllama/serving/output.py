@@ -33,7 +33,9 @@ class GrammarStuck(RuntimeError):
     def of(cls, report: str) -> "GrammarStuck":
         """From llguidance's error report (many lines of parser state): its error line."""
         lines = report.splitlines() or [""]
-        return cls(next((line for line in lines if line.startswith("Error:")), lines[0])[:300])
+        line = next((line for line in lines if line.startswith("Error:")), lines[0])[:300]
+        return cls(f"the output cannot follow the request's grammar with this model's "
+                   f"vocabulary: {line}")
 
 
 class OutputProcessor:

@@ -285,9 +285,8 @@ class Choice:
         if request.error_status == 503:
             return APIError(503, f"request {request.id}: {cause}",
                             kind="service_unavailable")
-        if request.error_status == 400:
-            return APIError(400, f"request {request.id}: the output cannot follow the "
-                                 f"request's grammar with this model's vocabulary: {cause}")
+        if request.error_status == 400:                 # the request's own (its grammar)
+            return APIError(400, f"request {request.id}: {cause}")
         return APIError(500, f"request {request.id}: generation failed: {cause}",
                         kind="server_error")
 
