@@ -21,7 +21,8 @@ import torch
 
 from torchllama import kernels
 from torchllama.kernels import huge_pages
-from torchllama.transforms.quantize import BlockLinear, Q4Blocks, Q4Linear
+from torchllama.blocks.linear import BlockLinear, Q4Linear
+from torchllama.blocks.forms import Q4Blocks
 
 LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]     # (N, K) of a 1B layer
 

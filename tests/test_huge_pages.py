@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from torchllama.kernels import huge_pages
-from torchllama.transforms.quantize import Q4Blocks, Q4Linear, pack_rows
+from torchllama.blocks.forms import Q4Blocks
+from torchllama.blocks.linear import Q4Linear
+from torchllama.blocks.packing import pack_rows
 
 needs_thp = pytest.mark.skipif(not huge_pages.supported(),
                                reason="no transparent huge pages here (not Linux, or `never`)")
@@ -84,7 +86,7 @@ def test_fused_projections_copied_together_are_on_huge_pages():
     product's buffer, which is streamed as theirs were: on huge pages too (an OLMoE file's
     q, k, v were fused onto 4 KiB pages)."""
     from torchllama import kernels
-    from torchllama.transforms.quantize import fuse_rows
+    from torchllama.transforms.fuse import fuse_rows
 
     if not kernels.available():
         pytest.skip("needs torchllama's kernels")

@@ -15,15 +15,19 @@ import pytest
 import torch
 
 from torchllama import kernels
-from torchllama.checkpoint.gguf import BLOCK_TYPES, _quantized, read_blocks
+from torchllama import blocks as block_types
+from torchllama.checkpoint.gguf import _quantized, read_blocks
 from torchllama.errors import ModelFileError
-from torchllama.transforms.quantize import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, pack_rows,
-                                            quantized_embedding, quantized_linear, unpack_rows)
+from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+from torchllama.blocks.linear import Q4Linear, Q8Linear
+from torchllama.blocks.packing import pack_rows, unpack_rows
+from torchllama.transforms.quantize import quantized_embedding, quantized_linear
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason=f"kernels unavailable: {kernels.unavailable_reason()}")
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q6_K]
+#: Every type of the registry (torchllama.blocks): a new row is tested by every test below.
+FORMATS = sorted(block_types.TYPES, key=lambda t: t.value)
 
 
 def gguf_tensor(raw: np.ndarray, typ, name="blk.0.attn_q.weight"):
@@ -35,21 +39,20 @@ def gguf_tensor(raw: np.ndarray, typ, name="blk.0.attn_q.weight"):
 
 def random_blocks(typ, N: int, K: int, seed: int = 0) -> np.ndarray:
     """(N, bytes) raw GGUF data: quantized by the gguf library where it can (Q4_0, Q4_1, Q5_0,
-    Q8_0), random bytes with sane f16 scales for the K-quants (every code pattern occurs)."""
+    Q5_1, Q8_0), else random bytes (every code pattern occurs) with sane f16 scales: d
+    ~U(1e-3, 2e-2), dmin = d / 2, in the fields the type's block names (torchllama.blocks)."""
     rng = np.random.default_rng(seed)
-    if typ in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
+    if typ in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
         w = (rng.standard_normal((N, K)) * rng.uniform(0.01, 1, (N, 1))).astype(np.float32)
         w[1] += 3.0                                                   # an all-positive row
         return gguf.quants.quantize(w, typ)
-    block, size = gguf.GGML_QUANT_SIZES[typ]
-    raw = rng.integers(0, 256, (N, K // block * size), dtype=np.uint8)
-    blocks = raw.reshape(N, K // block, size)
-    scale = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16).view(np.uint8)
-    if typ == Q.Q4_K:                                                 # d, dmin first
-        blocks[..., 0:2] = scale.reshape(N, -1, 2)
-        blocks[..., 2:4] = (scale.view(np.float16) / 2).view(np.uint8).reshape(N, -1, 2)
-    else:                                                             # Q6_K: d last
-        blocks[..., -2:] = scale.reshape(N, -1, 2)
+    kind = block_types.block_type(typ)
+    raw = rng.integers(0, 256, (N, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
+    b = raw.view(kind.block)                                          # (N, blocks)
+    scale = rng.uniform(1e-3, 2e-2, b.shape).astype(np.float16)
+    b["d"] = scale
+    if "dmin" in kind.block.names:
+        b["dmin"] = scale / 2
     return raw
 
 
@@ -70,7 +73,7 @@ def linear_for(blocks) -> torch.nn.Module:
 def test_blocks_read_exactly_what_gguf_dequantizes(typ):
     raw = random_blocks(typ, 8, 512)
     blocks = read_blocks(gguf_tensor(raw, typ), "test.gguf")
-    assert isinstance(blocks, Q4Blocks if typ in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else Q8Blocks)
+    assert isinstance(blocks, Q4Blocks if block_types.block_type(typ).form == "q4" else Q8Blocks)
     # bit for bit: the same float32 operations as gguf.quants (d·q + m, with m = −dmin·mn)
     np.testing.assert_array_equal(blocks.dequantize().numpy(), gguf.quants.dequantize(raw, typ))
 
@@ -80,20 +83,17 @@ def test_loader_conversion_on_the_kernels_is_numpys_bit_for_bit(typ, monkeypatch
     """`convert_blocks` on gguf_blocks.cpp writes every array (codes, d, m and the K-quants'
     factors) as the numpy functions do, and counts the same non-finite scales (inf, NaN in d,
     and in Q4_K's dmin)."""
-    from torchllama.checkpoint import gguf as loader
-
     raw = random_blocks(typ, 24, 512, seed=3)
-    block, size = gguf.GGML_QUANT_SIZES[typ]
-    blocks = raw.reshape(24, -1, size)
-    at = {Q.Q6_K: size - 2, Q.Q4_K: 2}.get(typ, 0)                     # d (Q4_K: dmin)
+    kind = block_types.block_type(typ)
+    b = raw.view(kind.block)                                            # (rows, blocks)
+    field = "dmin" if "dmin" in kind.block.names else "d"
     for row, value in ((5, np.inf), (9, np.nan), (17, -np.inf)):
-        blocks[row, 1, at:at + 2] = np.array([value], np.float16).view(np.uint8)
-    b = raw.view(loader._BLOCKS[typ])                                   # (rows, blocks)
-    ours = loader._empty_blocks(typ, 24, 512)
-    n = loader.convert_blocks(b, typ, ours)
+        b[field][row, 1] = value
+    ours = kind.arrays(24, 512)
+    n = block_types.convert_blocks(b, typ, ours)
     monkeypatch.setattr(kernels, "available", lambda: False)
-    numpys = loader._empty_blocks(typ, 24, 512)
-    assert n == loader.convert_blocks(b, typ, numpys) > 0
+    numpys = kind.arrays(24, 512)
+    assert n == block_types.convert_blocks(b, typ, numpys) > 0
     for x, y in zip(ours, numpys):
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
 
@@ -160,7 +160,7 @@ def test_six_bit_codes_pack_and_read_back():
     """Codes in [−32, 31] are kept in 6 bits: the op's one-pass packing equals the readable
     `pack_six(pack_rows(…))` (rows padded to a group of 8 included), reads back exactly (every
     row, or a tied embedding's rows), and a code outside the range is refused."""
-    from torchllama.transforms.quantize import pack_six, unpack_codes, unpack_six
+    from torchllama.blocks.packing import pack_six, unpack_codes, unpack_six
 
     g = torch.Generator().manual_seed(12)
     for N in (13, 64):
@@ -223,7 +223,8 @@ def test_an_odd_number_of_blocks_is_batch_invariant(kind):
 ISA_SCRIPT = """
 import sys, torch, numpy as np
 from torchllama import kernels
-from torchllama.transforms.quantize import Q4Blocks, Q8Blocks, Q4Linear, Q8Linear
+from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+from torchllama.blocks.linear import Q4Linear, Q8Linear
 assert kernels.available()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(7, 256, generator=g)
@@ -243,7 +244,7 @@ assert Q8Linear(six).codes.shape[-1] == Q8Linear(five).codes.shape[-1] == 192
 y = torch.cat([Q4Linear(q4)(x), Q8Linear(q8)(x), Q8Linear(half)(x), Q8Linear(small)(x)] +
               [Q8Linear(w)(x[:m]).ravel()[None].expand(7, -1)        # decode rows too
                for w in (six, five, q8, small) for m in (1, 3, 7)], 1)
-from torchllama.transforms.quantize import ScaleFactors                  # the scale forms:
+from torchllama.blocks.forms import ScaleFactors                         # the scale forms:
 sup = lambda sign: (sign * torch.rand(20, 1, generator=g) * 0.01).half()
 sub = lambda n, lo, hi, t: torch.randint(lo, hi, (20, n), generator=g, dtype=t)
 fd, fm = ScaleFactors(sup(1), sub(8, 0, 64, torch.uint8)), ScaleFactors(sup(-1), sub(8, 0, 64, torch.uint8))
@@ -367,7 +368,7 @@ def test_a_type_without_kernel_loads_as_float_and_is_reported():
     raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64))
                                .astype(np.float32), Q.Q5_1)
     no_kernel = set()
-    assert Q.Q5_1 not in BLOCK_TYPES
+    assert block_types.block_type(Q.Q5_1) is None
     assert _quantized(gguf_tensor(raw, Q.Q5_1), "auto", "m.gguf", no_kernel) is None
     assert no_kernel == {"Q5_1"}
 
@@ -527,7 +528,7 @@ def test_a_sliding_window_prompt_has_the_same_bits_whole_chunked_or_token_by_tok
 
 
 def test_fused_projections_equal_the_separate_ones_bit_for_bit():
-    from torchllama.transforms.quantize import fuse_rows
+    from torchllama.transforms.fuse import fuse_rows
 
     g = torch.Generator().manual_seed(5)
     parts = [Q4Linear(Q4Blocks.from_float(torch.randn(n, 128, generator=g)), torch.randn(n))
@@ -574,7 +575,9 @@ def test_one_op_layer_equals_the_modules_bit_for_bit(scheme, family, kv, monkeyp
     from torchllama.config import ModelArgs
     from torchllama.model import Transformer
     from torchllama.transforms.fuse import FusedTransformerBlock
-    from torchllama.transforms.quantize import Q8Blocks, Q8Linear, quantize_model
+    from torchllama.blocks.forms import Q8Blocks
+    from torchllama.blocks.linear import Q8Linear
+    from torchllama.transforms.quantize import quantize_model
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,

@@ -14,7 +14,8 @@ import torch
 
 import torchllama
 from torchllama import kernels
-from torchllama.transforms.quantize import BlockLinear, quantize_model
+from torchllama.blocks.linear import BlockLinear
+from torchllama.transforms.quantize import quantize_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_gguf_families import SMALL, random_model, tiny_bpe_tokenizer, tokens  # noqa: E402

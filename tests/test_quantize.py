@@ -18,9 +18,10 @@ from torchllama.generation.session import (Session, compile_decode, decode_one_t
                                    runs_one_op_layers)
 from torchllama.model import Transformer
 from torchllama import kernels
-from torchllama.transforms.quantize import (BlockEmbedding, Int4Linear, Int4Weight, Int8Linear, Int8Weight,
-                                 Q4Linear, Q8Linear, QuantizedEmbedding, Scheme, quantize_model,
-                                 weight_bytes)
+from torchllama.blocks.linear import BlockEmbedding, Q4Linear, Q8Linear
+from torchllama.transforms.quantize import (Int4Linear, Int8Linear, QuantizedEmbedding, Scheme,
+                                            quantize_model, weight_bytes)
+from torchllama.blocks.forms import Int4Weight, Int8Weight
 from torchllama.generation.sampling import SamplingParams
 
 
@@ -147,8 +148,9 @@ def test_fused_linears_are_what_fusing_separate_linears_gives(kind):
     `fuse_rows` of its parts copies nothing; parts whose scales would be stored in different
     dtypes, or whose codes in 8 and in 6 bits, are not fused (None), as `fuse_rows` refuses
     them."""
-    from torchllama.transforms.quantize import (Q4Blocks, Q8Blocks, fuse_rows, fused_linears,
-                                                quantized_linear)
+    from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+    from torchllama.transforms.fuse import fuse_rows, fused_linears
+    from torchllama.transforms.quantize import quantized_linear
 
     g = torch.Generator().manual_seed(0)
     sizes, K = [16, 8, 24], 64
@@ -283,7 +285,8 @@ def test_quantized_smollm2_greedy_output_starts_as_float32s(smollm2, smollm2_aut
 FALLBACK_SCRIPT = """
 import torch
 from torchllama import kernels
-from torchllama.transforms.quantize import Int4Linear, Int8Linear, Q4Blocks, Q8Blocks, quantized_linear
+from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+from torchllama.transforms.quantize import Int4Linear, Int8Linear, quantized_linear
 w = torch.randn(32, 64)
 assert not kernels.available() and kernels.isa() == "none"
 assert isinstance(quantized_linear(Q4Blocks.from_float(w)), Int4Linear)

@@ -105,6 +105,10 @@ def test_layers_import_only_downwards():
                                   "torchllama.bench", "torchllama.cli", "torchllama.model"),
         "torchllama.checkpoint": ("torchllama.generation", "torchllama.serving",
                                   "torchllama.bench", "torchllama.cli"),
+        # the block types and their modules: below the loaders, the transforms and the model
+        "torchllama.blocks": ("torchllama.checkpoint", "torchllama.transforms",
+                              "torchllama.model", "torchllama.generation", "torchllama.serving",
+                              "torchllama.bench", "torchllama.train", "torchllama.cli"),
     }
     for package, forbidden in above.items():
         deps = _imports_of(graph, package)

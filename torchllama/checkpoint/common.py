@@ -167,7 +167,7 @@ def build_model(args, state: dict[str, torch.Tensor], source: str):
     faster with MKL (see `torchllama.transforms.layout.set_weight_layout`), converted tensor by
     tensor.
 
-    Weights given quantized (`torchllama.transforms.quantize.Q4Blocks` / `Q8Blocks` / ...), or as
+    Weights given quantized (`torchllama.blocks.forms.Q4Blocks` / `Q8Blocks` / ...), or as
     quantized modules already built from them, replace their modules by quantized ones
     (`torchllama.transforms.quantize.install_quantized`).
 

@@ -55,9 +55,12 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted, Stacked
-from torchllama.transforms.quantize import (BlockLinear, Q4Blocks, Q8Blocks, ScaleFactors,
-                                            Scheme, fits, fused_linears, fusion_groups,
-                                            quantize_weight, quantized_linear, scheme_for)
+from torchllama.blocks import block_type, convert_blocks
+from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+from torchllama.blocks.linear import BlockLinear
+from torchllama.transforms.quantize import (Scheme, fits, quantize_weight, quantized_linear,
+                                            scheme_for)
+from torchllama.transforms.fuse import fused_linears, fusion_groups
 from torchllama.tokenizers import tokenizer_from_gguf_metadata
 
 
@@ -374,8 +377,8 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         source: file path, for error messages.
         progress: show a tqdm progress bar of the bytes read.
         quant: None (dequantize everything), "auto" (the file's own blocks for the types the
-            kernels take, `BLOCK_TYPES`: Q4_0/Q4_1/Q4_K → `Q4Blocks`, Q8_0/Q5_0/Q6_K →
-            `Q8Blocks`, exactly; other quantized types dequantized, reported in one line;
+            kernels take, `torchllama.blocks.TYPES`, in their kernel form (`Q4Blocks`,
+            `Q8Blocks`), exactly; other quantized types dequantized, reported in one line;
             float matrices stay float) or a `torchllama.transforms.quantize.Scheme` (every matrix in that
             scheme). See `_quantized`.
         modules: the matrices kept quantized of linear layers without a bias come as their
@@ -545,8 +548,8 @@ class _Job:
         groups = {}
         for names in fusion_groups(set(ours) & self.built):
             tensors = [ours[n] for n in names]
-            forms = {_block_form(t.tensor_type) for t in tensors}
-            if len(forms) == 1 and None not in forms:
+            layouts = {_arrays_layout(t.tensor_type) for t in tensors}
+            if len(layouts) == 1 and None not in layouts:
                 groups.update((t.name, tensors) for t in tensors)
         return groups
 
@@ -584,13 +587,14 @@ class _Job:
         (`fused_linears`), or built apart from its rows where they cannot be fused. Runs in
         `_conversion_pool`'s threads."""
         sizes, K = [int(t.shape[1]) for t in tensors], int(tensors[0].shape[0])
-        stacked = _empty_blocks(tensors[0].tensor_type, sum(sizes), K)
+        kind = block_type(tensors[0].tensor_type)
+        stacked = kind.arrays(sum(sizes), K)
         start = 0
         for t, n in zip(tensors, sizes):
             read_blocks(t, self.source, [x[start:start + n] for x in stacked])
             _release_file_pages(self.reader, t)
             start += n
-        weight = _blocks_of(tensors[0].tensor_type, stacked)
+        weight = kind.weight(stacked)
         linears = fused_linears(weight, sizes)
         if linears is None:
             linears = [None] + [quantized_linear(w) for w in weight.split_rows(sizes)]
@@ -654,233 +658,65 @@ def _quantize_float_matrices(state: dict, names: set[str], quant: Scheme) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized tensors kept quantized (torchllama.transforms.quantize)
+# Quantized tensors kept quantized (torchllama.blocks: the types the kernels take as stored)
 # ---------------------------------------------------------------------------------------------
 
-_Q = gguf.GGMLQuantizationType
-#: Types our kernels take as stored (torchllama.transforms.quantize: the block forms and their formulas).
-BLOCK_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q8_0, _Q.Q5_0, _Q.Q6_K})
-_Q4_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})
-# Q4_0 / Q4_1 / Q8_0 blocks (ggml-common.h): f16 scale d (and f16 min m), then the codes.
-_PLAIN_BLOCKS = {_Q.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
-                 _Q.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
-                 _Q.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)])}
-# Super-blocks of 256 (ggml-common.h block_q4_K, block_q6_K) and Q5_0's 32, as byte offsets.
-_Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
-_Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
-_Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)])
-#: Each type's block, as numpy reads it in the file.
-_BLOCKS = {**_PLAIN_BLOCKS, _Q.Q4_K: _Q4_K_BLOCK, _Q.Q6_K: _Q6_K_BLOCK, _Q.Q5_0: _Q5_0_BLOCK}
-#: Rows converted at a time: bounds the scratch arrays of a conversion (~16 MB at K = 4096).
-_ROWS_PER_CHUNK = 4096
-
-
-def _codes_of(raw: np.ndarray, typ, neutral: dict) -> np.ndarray:
-    """The integer codes of Q5_0 blocks, unpacked by the `gguf` library itself: the blocks are
-    dequantized with their scales set so that the result is the code (d = 1), which is exact
-    in float32.
-
-    Args:
-        raw: (rows, blocks) structured array of the type's block dtype (a copy is changed).
-        neutral: field name → value that makes w = code.
-    Returns: (rows, K) float32 codes.
-    """
-    raw = raw.copy()
-    for field, value in neutral.items():
-        raw[field] = value
-    return gguf.quants.dequantize(raw.view(np.uint8).reshape(raw.shape[0], -1), typ)
-
-
-#: Byte masks repeated over a word: the nibble and bit-field operations below act on 8 (4)
-#: bytes at once, each byte as it would alone (what a shift carries into a neighbour is masked).
-_LOW4, _HIGH4, _LOW2 = (np.uint64(0x0101010101010101 * v) for v in (0x0F, 0xF0, 0x03))
-_LOW6, _BITS45 = (np.uint32(0x01010101 * v) for v in (0x3F, 0x30))
-
-
-def _words(b: np.ndarray, dtype, first: int, last: int) -> np.ndarray:
-    """Bytes first..last-1 of every block of b (rows, blocks), as words of `dtype`: a view
-    (rows, blocks, (last − first) / word size) when the block size allows it, else a copy."""
-    raw = b.view(np.uint8).reshape(*b.shape, b.dtype.itemsize)[..., first:last]
-    size = np.dtype(dtype).itemsize
-    if b.dtype.itemsize % size or first % size:
-        raw = np.ascontiguousarray(raw)
-    return raw.view(dtype)
-
-
-def _q4_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray,
-               d_super: np.ndarray, sc_out: np.ndarray, m_super: np.ndarray,
-               mn_out: np.ndarray) -> None:
-    """Q4_K super-blocks (rows, K/256) → Q4 blocks of 32 (ggml-common.h block_q4_K,
-    ggml-quants.c dequantize_row_q4_K): w = (d·sc_j)·q − dmin·mn_j for sub-block j; the
-    factors too (`ScaleFactors`: d and sc_j, −dmin and mn_j).
-
-    Each 64 weights of a super-block are 32 bytes: weights 0-31 in their low nibbles,
-    32-63 in their high nibbles; a Q4 block holds weights i and i + 16 in byte i. The eight
-    6-bit sc_j, mn_j are packed in 12 bytes (`gguf.quants.Q4_K.get_scale_min`'s layout).
-    """
-    rows, nb = b.shape
-    qs = _words(b, np.uint64, 16, 144).reshape(rows, nb, 4, 2, 2)   # (…, 64s, bytes 0-15 | 16-31)
-    lo, hi = qs[..., 0, :], qs[..., 1, :]
-    out = codes.view(np.uint64).reshape(rows, nb, 4, 2, 2)         # (…, sub-blocks 2j | 2j+1)
-    np.bitwise_or(lo & _LOW4, (hi << 4) & _HIGH4, out=out[..., 0, :])    # weights 0-31
-    np.bitwise_or((lo >> 4) & _LOW4, hi & _HIGH4, out=out[..., 1, :])    # weights 32-63
-    s = _words(b, np.uint32, 4, 16)                               # (rows, K/256, 3): 12 bytes
-    sc, mn = np.empty((2, rows, nb, 2), np.uint32)
-    sc[..., 0], mn[..., 0] = s[..., 0] & _LOW6, s[..., 1] & _LOW6          # j = 0-3
-    sc[..., 1] = (s[..., 2] & _LOW4.astype(np.uint32)) | ((s[..., 0] >> 2) & _BITS45)  # 4-7
-    mn[..., 1] = ((s[..., 2] >> 4) & _LOW4.astype(np.uint32)) | ((s[..., 1] >> 2) & _BITS45)
-    sc_out[:], mn_out[:] = sc.view(np.uint8).reshape(rows, -1), mn.view(np.uint8).reshape(rows, -1)
-    d_super[:], m_super[:] = b["d"], -b["dmin"]                            # f16, exact
-    sc, mn = (x.view(np.uint8).astype(np.float32) for x in (sc, mn))       # (rows, K/256, 8)
-    d[:] = (b["d"].astype(np.float32)[..., None] * sc).reshape(rows, -1)
-    m[:] = -(b["dmin"].astype(np.float32)[..., None] * mn).reshape(rows, -1)
-
-
-def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndarray,
-               sc: np.ndarray) -> None:
-    """Q6_K super-blocks (rows, K/256) → int8 codes q − 32 and one scale d·sc_j per 16
-    weights, and its factors d, sc_j (ggml-common.h block_q6_K, ggml-quants.c
-    dequantize_row_q6_K): each 128 weights
-    take 64 bytes of low nibbles (ql) and 32 of 2-bit high parts (qh); weight l + 32·k of
-    the 128 (l < 32) is ql[l + 32·(k % 2)] (low nibble for k < 2, high for k ≥ 2) with bits
-    2k, 2k+1 of qh[l] above it."""
-    rows, nb = b.shape
-    ql = _words(b, np.uint64, 0, 128).reshape(rows, nb, 2, 2, 4)   # (…, 128s, l | l+32, 4)
-    qh = _words(b, np.uint64, 128, 192).reshape(rows, nb, 2, 4)    # (…, 128s, 4 words of l)
-    out = codes.view(np.uint64).reshape(rows, nb, 2, 4, 4)         # (…, 128s, k, 4 words)
-    for k in range(4):
-        low = ql[..., k % 2, :] & _LOW4 if k < 2 else (ql[..., k % 2, :] >> 4) & _LOW4
-        np.bitwise_or(low, ((qh >> (2 * k)) & _LOW2) << 4, out=out[..., k, :])  # q ∈ [0, 63]
-    codes -= 32                                                            # q − 32, int8
-    d_super[:], sc[:] = b["d"], b["scales"].reshape(rows, -1)
-    d[:] = (b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
-            ).reshape(rows, -1)                                            # (rows, K/16)
-
-
-def _convert_rows(b: np.ndarray, typ, out: list[np.ndarray]) -> None:
-    """Rows of a quantized matrix (b: (rows, blocks) of the type's block dtype) written into
-    `out`: [codes, d, m] of `Q4Blocks`, [codes, d] of `Q8Blocks`, those rows."""
-    rows = b.shape[0]
-    if typ in _PLAIN_BLOCKS:
-        out[0].reshape(rows, b.shape[1], -1)[:] = b["qs"]                 # the stored bytes
-        out[1][:] = b["d"]                                                # f16 → f32, exact
-        if typ == _Q.Q4_0:                                                # w = d·q − 8·d
-            np.multiply(out[1], np.float32(-8), out=out[2])
-        elif typ == _Q.Q4_1:                                              # w = d·q + m
-            out[2][:] = b["m"]
-    elif typ == _Q.Q5_0:                                                  # w = d·(q − 16)
-        out[0][:] = _codes_of(b, typ, {"d": 1.0})                          # q − 16
-        out[1][:] = b["d"]
-    elif typ == _Q.Q6_K:
-        _q6_k_rows(b, *out)
-    else:
-        _q4_k_rows(b, *out)
-
-
-def _block_form(typ) -> str | None:
-    """Which arrays a type's blocks are read into (`_empty_blocks`): "q4", "q4/k" (with
-    Q4_K's scale factors), "q8/32" (a scale per 32), "q8/16" (per 16, and its factors: Q6_K);
-    None for the types not kept in blocks."""
-    if typ not in BLOCK_TYPES:
+def _arrays_layout(typ) -> tuple | None:
+    """What a type's blocks are converted into (the dtypes and widths of its arrays), so
+    matrices of types converted alike can share one stacked buffer; None for a type that is
+    not kept in blocks."""
+    kind = block_type(typ)
+    if kind is None:
         return None
-    if typ in _Q4_TYPES:
-        return "q4/k" if typ == _Q.Q4_K else "q4"
-    return "q8/16" if typ == _Q.Q6_K else "q8/32"
-
-
-def _empty_blocks(typ, rows: int, K: int) -> list[np.ndarray]:
-    """The arrays a (rows, K) matrix of `typ` is converted into: Q4 [codes (rows, K/2) uint8,
-    d, m (rows, K/32) float32]; Q8 [codes (rows, K) int8, d (rows, K/B) float32], B = 16
-    for Q6_K, else 32; then the K-quants' factors (`ScaleFactors`: super (rows, K/256)
-    float16, sub (rows, nd) uint8 (Q4_K's sc, then mn) or int8 (Q6_K's sc))."""
-    sup = lambda: np.empty((rows, K // 256), np.float16)                 # noqa: E731
-    if typ in _Q4_TYPES:
-        arrays = [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32),
-                  np.empty((rows, K // 32), np.float32)]
-        if typ == _Q.Q4_K:
-            arrays += [sup(), np.empty((rows, K // 32), np.uint8), sup(),
-                       np.empty((rows, K // 32), np.uint8)]
-        return arrays
-    if typ == _Q.Q6_K:
-        return [np.empty((rows, K), np.int8), np.empty((rows, K // 16), np.float32), sup(),
-                np.empty((rows, K // 16), np.int8)]
-    return [np.empty((rows, K), np.int8), np.empty((rows, K // 32), np.float32)]
-
-
-def _blocks_of(typ, arrays: list[np.ndarray]) -> Q4Blocks | Q8Blocks:
-    """`_empty_blocks`'s arrays, filled, as the block weight (sharing their memory)."""
-    t = [torch.from_numpy(x) for x in arrays]
-    if typ in _Q4_TYPES:
-        factors = [None, None] if len(t) == 3 else [ScaleFactors(*t[3:5]), ScaleFactors(*t[5:7])]
-        return Q4Blocks(*t[:3], *factors)
-    return Q8Blocks(*t[:2], ScaleFactors(*t[2:4]) if len(t) == 4 else None)
+    return kind.form, tuple((x.dtype, x.shape) for x in kind.arrays(1, 256))
 
 
 def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
                 ) -> Q4Blocks | Q8Blocks:
-    """A quantized GGUF matrix of a `BLOCK_TYPES` type as its blocks, exactly as stored:
-    converted from the file mapping straight into the arrays of the result, `_ROWS_PER_CHUNK`
-    rows at a time, then its block scales checked (a non-finite f16 d, m or dmin in the file
+    """A quantized GGUF matrix of a type in `torchllama.blocks.TYPES` as its kernel form,
+    exactly as stored: converted from the file mapping straight into the arrays of the result
+    (`convert_blocks`), then its block scales checked (a non-finite f16 d, m or dmin in the file
     is the only way one of them can be non-finite).
 
     Args:
-        out: the arrays to convert into (`_empty_blocks` of its type and shape, e.g. rows of a
+        out: the arrays to convert into (its type's `arrays` of its shape, e.g. rows of a
             larger one); new ones by default.
 
     Raises:
         ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
     """
-    typ = t.tensor_type
+    typ, kind = t.tensor_type, block_type(t.tensor_type)
     rows, K = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])  # 3-D: experts' rows
     try:
-        b = np.asarray(t.data).reshape(rows, -1).view(_BLOCKS[typ])        # (rows, blocks)
+        b = np.asarray(t.data).reshape(rows, -1).view(kind.block)          # (rows, blocks)
     except ValueError as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
-    out = _empty_blocks(typ, rows, K) if out is None else out
+    out = kind.arrays(rows, K) if out is None else out
     n = convert_blocks(b, typ, out)
     if n:
         raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
                              "scale(s) that are not finite numbers: the file is damaged")
-    return _blocks_of(typ, out)
-
-
-def convert_blocks(b: np.ndarray, typ, out: list[np.ndarray]) -> int:
-    """A matrix's blocks (b: (rows, blocks) of the type's block dtype, e.g. a view of the file
-    mapping) converted into `out` (`_empty_blocks` of its type and shape); returns the count of
-    block scales (d, and m for the Q4 types) that are not finite. On torchllama's kernels
-    (`torch.ops.torchllama.gguf_blocks`, kernels/csrc/gguf_blocks.cpp: one pass over the bytes)
-    where they are available, else by numpy (`_convert_rows`, `_ROWS_PER_CHUNK` rows at a time):
-    the same bits."""
-    from torchllama import kernels
-
-    if kernels.available() and b.flags.c_contiguous and b.flags.writeable:
-        raw = torch.from_numpy(b.view(np.uint8).reshape(b.shape[0], -1))     # (rows, bytes)
-        return int(torch.ops.torchllama.gguf_blocks(raw, int(typ),
-                                                    [torch.from_numpy(x) for x in out]))
-    with np.errstate(all="ignore"):                  # a damaged scale: counted below
-        for r in range(0, b.shape[0], _ROWS_PER_CHUNK):
-            _convert_rows(b[r:r + _ROWS_PER_CHUNK], typ, [x[r:r + _ROWS_PER_CHUNK] for x in out])
-    scales = out[1:3] if typ in _Q4_TYPES else out[1:2]                   # d (and m)
-    return sum(int(np.count_nonzero(~np.isfinite(x))) for x in scales)
+    return kind.weight(out)
 
 
 def _quantized(t: Any, quant, source: str, no_kernel: set):
     """A quantized GGUF matrix as `Q4Blocks` / `Q8Blocks`, or None to load it as float.
 
-    quant="auto": the file's own blocks for the types our kernels take (`BLOCK_TYPES`); float
-    matrices and other types (Q5_1, Q5_K, Q2_K, IQ…) load as float (their type is added to
+    quant="auto": the file's own blocks for the types our kernels take (`torchllama.blocks.TYPES`);
+    float matrices and other types load as float (their type is added to
     `no_kernel`, which the caller reports in one line). A `Scheme`: the file's blocks when they
-    are already that scheme (Q4_0/Q4_1/Q4_K for int4 with G = 32, Q8_0 for int8), otherwise
+    are already that scheme (a type of the Q4 form for int4 with G = 32, Q8_0 for int8), otherwise
     dequantized by the `gguf` library and quantized (`torchllama.transforms.quantize.quantize_weight`).
     """
-    typ = t.tensor_type
+    typ, kind = t.tensor_type, block_type(t.tensor_type)
     if quant == "auto":
-        if typ in BLOCK_TYPES:
+        if kind is not None:
             return read_blocks(t, source)
         if typ not in _FLOAT_TYPES:
             no_kernel.add(typ.name)
         return None
-    if (typ in _Q4_TYPES and quant == Scheme(4, 32)) or (typ == _Q.Q8_0 and quant == Scheme(8)):
+    if (kind is not None and kind.form == "q4" and quant == Scheme(4, 32)) or \
+            (typ == gguf.GGMLQuantizationType.Q8_0 and quant == Scheme(8)):
         return read_blocks(t, source)
     return quantize_weight(_dequantize(t, source).reshape(-1, int(t.shape[0])), quant)
 

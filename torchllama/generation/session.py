@@ -70,7 +70,7 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
         return 0.0
     device = model.device
     if freezing is None:
-        from torchllama.transforms.quantize import Q4Linear, Q8Linear
+        from torchllama.blocks.linear import Q4Linear, Q8Linear
         freezing = not any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules())
     if freezing and device.type == "cpu":
         inductor_config.freezing = True

@@ -18,7 +18,7 @@ Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float3
                                    codes in [−32, 31]), d (N/8, K/32 or K/16, 8), small)
     (weights in the packed layout: csrc/blocks_impl.h; transforms.quantize packs them)
     torch.ops.torchllama.pack_six(codes (N, K) int8 in [−32, 31]) → (N/8, K/32, 192): the
-        6-bit packed codes in one pass (transforms.quantize.pack_six is the readable form)
+        6-bit packed codes in one pass (blocks.packing.pack_six is the readable form)
     torch.ops.torchllama.gguf_blocks(raw (rows, bytes) uint8, GGML type, out arrays) → the count
         of non-finite block scales: a GGUF matrix's blocks from the file's bytes into the
         loader's arrays in place (checkpoint.gguf.convert_blocks; its numpy form the reference)
@@ -37,8 +37,8 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
         layer, or a Mixtral / Qwen3-MoE / OLMoE one (softmax router, stacked experts), with
         block weights, the same kernels in one call (csrc/decoder.cpp)
-    torch.ops.torchllama.isa() → 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AVX-512 without VNNI
-        (its float32 layer ops on AVX-512 F/VL/BW, its block products on AVX2)
+    torch.ops.torchllama.isa() → "scalar", "avx2", "avx512" (F/VL/BW: its block products on
+        AVX2), "avx512_vnni", …: one row of csrc/dispatch.cpp's ISAS; isa_names() → every row's
     torch.ops.torchllama.kernel_levels(isa) → ["q4_rows=avx2", …] (see kernel_levels())
 """
 
@@ -59,14 +59,17 @@ CSRC = Path(__file__).parent / "csrc"
 #: arch/*.cpp: one table per instruction set (the *_impl.h SIMD code compiled for it);
 #: blocks.cpp, layers.cpp, decoder.cpp: the ATen glue and the ops (ops.h); gguf_blocks.cpp: the
 #: GGUF loader's conversion of a matrix's blocks.
-ARCH = ("arch/scalar.cpp", "arch/avx2.cpp", "arch/avx512.cpp", "arch/avx512_vnni.cpp")
+#: arch/*.cpp: one kernel table per instruction set (a row of dispatch.cpp's ISAS each).
+ARCH = tuple(sorted(f"arch/{p.name}" for p in (CSRC / "arch").glob("*.cpp")))
+#: types/*.cpp: the GGUF block types' conversions, one file per type family (torchllama.blocks).
+TYPES = tuple(sorted(f"types/{p.name}" for p in (CSRC / "types").glob("*.cpp")))
 COMPILED = ("dispatch.cpp",) + ARCH + ("blocks.cpp", "layers.cpp", "decoder.cpp",
-                                      "gguf_blocks.cpp")
-SOURCES = ("kernels.h", "ops.h", "blocks_impl.h", "layers_impl.h", "linear_impl.h") + COMPILED
+                                      "gguf_blocks.cpp") + TYPES
+SOURCES = ("kernels.h", "ops.h", "blocks_impl.h", "layers_impl.h", "linear_impl.h",
+           "types/types.h") + COMPILED
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512_vnni", 3: "avx512"}
 
 _lock = threading.Lock()
 _loaded: Optional[bool] = None
@@ -217,18 +220,23 @@ def layer_ops_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels run with ('avx512_vnni', 'avx512', 'avx2', 'scalar'), or
-    'none' when they are unavailable."""
-    return ISA_NAMES[int(torch.ops.torchllama.isa())] if available() else "none"
+    """The instruction set the kernels run with ('avx512_vnni', 'avx512', 'avx2', 'scalar', …:
+    `isa_names()`), or 'none' when they are unavailable."""
+    return str(torch.ops.torchllama.isa()) if available() else "none"
+
+
+def isa_names() -> list[str]:
+    """Every instruction set the kernels know (csrc/dispatch.cpp's rows), lowest first. Needs
+    the kernels available."""
+    return list(torch.ops.torchllama.isa_names())
 
 
 def kernel_levels(isa_name: Optional[str] = None) -> dict[str, str]:
     """Which instruction set each kernel of the table comes from, for `isa_name` (one of
-    ISA_NAMES' values; default: the one in use), e.g. {'q4_rows': 'avx2', 'linear_rows':
+    `isa_names()`; default: the one in use), e.g. {'q4_rows': 'avx2', 'linear_rows':
     'avx512', …} for 'avx512'. The table is only assembled, so any level can be asked on any
     CPU. Needs the kernels available."""
-    code = {name: c for c, name in ISA_NAMES.items()}[isa_name or isa()]
-    return dict(e.split("=") for e in torch.ops.torchllama.kernel_levels(code))
+    return dict(e.split("=") for e in torch.ops.torchllama.kernel_levels(isa_name or isa()))
 
 
 def unavailable_reason() -> str:

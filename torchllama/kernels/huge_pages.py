@@ -12,7 +12,7 @@ MADV_HUGEPAGE) and `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or 
 2 MiB of physical memory. So `empty` maps its own memory (Python's `mmap`: one private anonymous
 mapping a tensor, aligned to 2 MiB, advised before anything touches it, unmapped when the last
 tensor on it is freed; its last, partial huge page left on small pages) and `adopt` moves a
-large tensor there. The packed block weights live there (`transforms.quantize.pack_rows`,
+large tensor there. The packed block weights live there (`blocks.packing.pack_rows`,
 `pack_rows_six`). The KV caches do not (yet): a cache is backed as its slots fill, on huge pages
 2 MiB at a time, which a long `max_seq_len` with short prompts would pay for in memory; not
 measured against its gain. Elsewhere (another OS, huge pages `never`, a tensor under 2 MiB, or

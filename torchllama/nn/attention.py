@@ -168,7 +168,7 @@ class Attention(nn.Module):
         self.wk = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wv = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = Linear(args.n_heads * hd, args.dim, bias=args.out_bias)
-        #: wq, wk and wv as one product, where `torchllama.transforms.quantize.fuse_projections` made one
+        #: wq, wk and wv as one product, where `torchllama.transforms.fuse.fuse_projections` made one
         self.wqkv: Optional[nn.Module] = None
         self.qk_norm_span = args.qk_norm_span
         if args.qk_norm:         # over each head's hd dims, or all heads' (H·hd, KV·hd)

@@ -47,7 +47,7 @@ class FeedForward(nn.Module):
         self.w1 = Linear(dim, hidden_dim, bias=bias)      # gate projection
         self.w2 = Linear(hidden_dim, dim, bias=bias)      # down projection
         self.w3 = Linear(dim, hidden_dim, bias=bias)      # up projection
-        #: w1 and w3 as one product, where `torchllama.transforms.quantize.fuse_projections` made one
+        #: w1 and w3 as one product, where `torchllama.transforms.fuse.fuse_projections` made one
         self.w13: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(D, args.n_shared_experts * Fh, args.mlp) \
             if args.n_shared_experts else None
         #: every expert's w1, w3 and w2 as one product each (`expert_outputs`), where
-        #: `torchllama.transforms.quantize.stack_experts` made them (block weights)
+        #: `torchllama.transforms.fuse.stack_experts` made them (block weights)
         self.stacked = None
         self.aux_coef, self.bias_speed = args.moe_aux_loss_coef, args.moe_bias_update_speed
         #: training: this forward's balance loss (`balance_loss`), and the tokens routed to

@@ -12,7 +12,7 @@ forward otherwise. Learned from torchtitan's `ModelSpec.parallelize_fn` and gpt-
 
 What the op computes (checked once, at install): a pre-norm or sandwich block of RMSNorms
 (Llama, Mistral, Gemma 2/3) with one eps and gain convention; attention with q/k/v block-weight
-products (one fused product, `transforms.quantize.fuse_projections`, where their types agree),
+products (one fused product, `fuse_projections` below, where their types agree),
 RoPE, optionally QK-norm (per head, or over all heads as OLMoE's) and soft-capping; a gated
 feed-forward (SwiGLU, or GeGLU with tanh GELU) with w1/w3 block products (fused likewise), or a
 softmax-routed mixture of such experts without shared experts (Mixtral, Qwen3-MoE, OLMoE: the
@@ -25,7 +25,10 @@ cache does), RoPE rotations, no position bias, no attention capture, RoPE over t
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,10 @@ from torchllama.nn.linear import Linear
 from torchllama.nn.mlp import ACTIVATIONS, FeedForward
 from torchllama.nn.moe import MoE
 from torchllama.nn.norms import RMSNorm
+from torchllama.blocks.forms import BlockWeight, Q4Blocks, Q8Blocks
+from torchllama.blocks.linear import BlockLinear, Q4Linear, Q8Linear, _code_range, _six_bit, _small
+from torchllama.blocks.packing import _form, _q4_forms
+from torchllama.kernels import huge_pages
 from torchllama.transforms import structure
 
 
@@ -63,7 +70,7 @@ class LayerWeights(NamedTuple):
     router: list[torch.Tensor] = []     # a mixture of experts' (w13, w2 empty): [W_g (E, D)]
                                         # float32, or a block weight
     experts: list[torch.Tensor] = []    # its experts' w1, w3, w2, each stacked (E·F or E·D
-                                        # rows, `transforms.quantize.stack_experts`): 9 tensors
+                                        # rows, `stack_experts`): 9 tensors
 
 
 class LayerConfig(NamedTuple):
@@ -314,3 +321,217 @@ def runs_one_op_layers(model: Transformer) -> bool:
         return False
     return all(isinstance(layer, FusedTransformerBlock) and layer.weights() is not None
                for layer in model.layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Products fused before the layer op: q/k/v and gate/up as one block linear each, and a mixture
+# of experts' matrices stacked (`transforms.quantize.install_quantized` calls these)
+# --------------------------------------------------------------------------------------------
+
+def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor whose consecutive slices along dim 0 these are (contiguous views of one
+    buffer, each starting where the one before ends), or None."""
+    first, end = tensors[0], tensors[0].storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
+                not t.is_contiguous() or t.storage_offset() != end:
+            return None
+        end += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]),
+                            first.stride())                                  # no copy
+
+
+def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
+    """One block linear whose output is the given linears' outputs side by side (their weight
+    rows stacked), or None unless all are `Q4Linear`s, or all `Q8Linear`s, with the same scale
+    layout and dtype, whole groups of 8 rows (the packed layout), and all or none with a bias.
+    The parts keep working: their buffers become views of the fused ones (no second copy).
+    Parts that already lie side by side in one buffer (`fused_linears`) are not copied.
+
+    Each output row of the kernels depends only on its weight row and the activation row
+    (blocks.cpp), so the fused product equals the separate ones bit for bit; it quantizes the
+    activations once and wakes the threads once instead of once per part."""
+    first = linears[0]
+    if not isinstance(first, BlockLinear) or \
+            any(type(lin) is not type(first) or lin.out_features % 8 for lin in linears):
+        return None
+    names = first.NAMES[:2] + (("m",) if isinstance(first, Q4Linear) else ())
+    for lin in linears:
+        for n in names:
+            a, b = getattr(lin, n), getattr(first, n)
+            if a.dtype != b.dtype or a.dim() != b.dim() or a.shape[1:] != b.shape[1:] or \
+                    (a.dim() == 0 and not torch.equal(a, b)):            # m = c·d: one c
+                return None
+    if len({lin.bias is None for lin in linears}) > 1:
+        return None
+    parts = []
+    for n in names:
+        tensors = [getattr(lin, n) for lin in linears]
+        if tensors[0].dim() == 0:                                          # the shared c
+            parts.append(tensors[0])
+            continue
+        joined = _side_by_side(tensors)
+        if joined is None:                          # streamed once a token: on huge pages
+            joined = torch.cat(tensors, out=huge_pages.empty(
+                (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype))
+        parts.append(joined)                                                # (ΣG, ·, ·)
+    if isinstance(first, Q8Linear):                         # small where every part is
+        parts.append(torch.tensor(all(bool(lin.small) for lin in linears)))
+    bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
+    N = sum(lin.out_features for lin in linears)
+    fused = type(first).from_packed(N, first.in_features, parts, bias)
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        groups = slice(rows.start // 8, rows.stop // 8)
+        for n in names:
+            if getattr(fused, n).dim():
+                setattr(lin, n, getattr(fused, n)[groups])     # (G_i, ·, ·) view
+        if bias is not None:
+            lin.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        start = rows.stop
+    return fused
+
+
+def _scale_forms(weight: BlockWeight) -> tuple:
+    """The forms the packed d (and m) of a weight take (`_form`, `_q4_forms`)."""
+    if isinstance(weight, Q8Blocks):
+        return (_form(weight.d, weight.d_factors),)
+    return _q4_forms(weight)
+
+
+def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockLinear]]:
+    """The block linears of consecutive row ranges of `weight` (`sizes` rows each), as
+    `fuse_rows` leaves linears built apart: each a module over views of one module's buffers,
+    which is built (packed) once over every row. Nothing is built apart and copied together
+    (a 7B model: 2.3 GB less copying, and no freed parts left in the allocator's free lists).
+
+    Returns:
+        [the module of all rows, the part modules…], or None where `fuse_rows` would not fuse
+        them (no kernels, a part that is not whole groups of 8 rows, or parts whose scales
+        would be packed in different forms, `_scale_forms`, or codes in 6 and in 8 bits):
+        then build them apart.
+    """
+    from torchllama import kernels
+
+    if not kernels.available() or any(n % 8 for n in sizes):
+        return None
+    q4 = isinstance(weight, Q4Blocks)
+    bounds = list(zip(np.cumsum([0] + sizes[:-1]).tolist(), np.cumsum(sizes).tolist()))
+    forms = _scale_forms(weight)          # a part of float16, super-block or c·d scales is so
+    if torch.float32 in forms and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
+        return None                           # too; of float32 ones it may be float16 alone
+    spans = [] if q4 else [_code_range(weight.codes[a:b]) for a, b in bounds]   # per part
+    if len({_six_bit(span) for span in spans}) > 1:
+        return None                           # codes in 6 bits and in 8
+    fused = (Q4Linear if q4 else Q8Linear)(weight)                  # packed once
+    parts = []
+    for i, (a, b) in enumerate(bounds):
+        packed = [t[a // 8:b // 8] if t.dim() else t                    # (G_i, ·, ·), or c
+                  for t in fused.packed()[:3 if q4 else 2]]
+        if not q4:                                    # as `Q8Linear` decides it, per part
+            packed.append(torch.tensor(_small(spans[i])))
+        parts.append(type(fused).from_packed(b - a, fused.in_features, packed))
+    return [fused] + parts
+
+
+#: What `fuse_projections` fuses: (a layer's submodule, its linears in row order, the fused
+#: module's name).
+FUSED_PROJECTIONS = (("attention", ("wq", "wk", "wv"), "wqkv"),
+                     ("feed_forward", ("w1", "w3"), "w13"))
+
+
+def fusion_groups(names: set[str]) -> list[tuple[str, ...]]:
+    """Our weight names that `fuse_projections` fuses, per layer and product, among `names`:
+    ("layers.0.attention.wq.weight", "…wk.weight", "…wv.weight"), ("layers.0.feed_forward.w1
+    .weight", "…w3.weight"), …, where every one of a group is there."""
+    groups = []
+    for name in sorted(names):
+        for sub, linears, _ in FUSED_PROJECTIONS:
+            suffix = f".{sub}.{linears[0]}.weight"
+            if name.startswith("layers.") and name.endswith(suffix):
+                group = tuple(f"{name[:-len(suffix)]}.{sub}.{n}.weight" for n in linears)
+                if all(n in names for n in group):
+                    groups.append(group)
+    return groups
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Where the kernels run the projections, give each attention layer one product for q, k
+    and v (`attention.wqkv`) and each gated feed-forward one for its gate and up projections
+    (`feed_forward.w13`), as llama.cpp and gpt-fast fuse them: one activation quantization and
+    one thread split instead of three (`torchllama bench decode` measures the step)."""
+    for layer in getattr(model, "layers", ()):
+        for sub, linears, fused in FUSED_PROJECTIONS:
+            module = getattr(layer, sub)
+            if all(hasattr(module, n) for n in linears):
+                setattr(module, fused, fuse_rows([getattr(module, n) for n in linears]))
+
+
+class ExpertsProduct:
+    """One projection of every expert of a mixture of experts, as one block linear of the
+    experts' matrices stacked (E·N rows): `(x (M, K), tokens (R,), experts (R,)) → (R, N)`,
+    row r = x[tokens[r]] · W_{experts[r]}ᵀ, on `torch.ops.torchllama.q4_linear_experts` /
+    `q8_linear_experts` (kernels/csrc/blocks.cpp: llama.cpp's MUL_MAT_ID; each row the same
+    bits as that expert's own `BlockLinear`)."""
+
+    def __init__(self, stacked: "BlockLinear", n_experts: int):
+        self.stacked, self.n_experts = stacked, n_experts
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
+                 ) -> torch.Tensor:
+        w = self.stacked
+        op = torch.ops.torchllama.q4_linear_experts if isinstance(w, Q4Linear) else \
+            torch.ops.torchllama.q8_linear_experts
+        return op(x.float(), tokens, experts, self.n_experts, *w.packed())        # (R, N)
+
+
+class StackedExperts:
+    """A mixture of experts' w1, w3 and w2 as `ExpertsProduct`s (`MoE.stacked`), valid while
+    the experts' modules are the ones stacked (`serves`: a LoRA wrapper put on an expert since,
+    e.g. QLoRA or a served adapter, sends the MoE back to its expert-by-expert path)."""
+
+    def __init__(self, w1: ExpertsProduct, w3: ExpertsProduct, w2: ExpertsProduct,
+                 experts: nn.ModuleList):
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.parts = {name: [e._modules[name] for e in experts] for name in ("w1", "w3", "w2")}
+        self._answer: Optional[tuple[int, nn.ModuleList, bool]] = None   # (version, experts, …)
+
+    def serves(self, experts: nn.ModuleList) -> bool:
+        """Whether every expert's w1, w3, w2 are still the modules stacked. Asked every
+        forward: the last answer stands while no module was assigned anywhere since
+        (`structure.version`), else the experts' `_modules` are read again (at C speed)."""
+        now = structure.version()
+        if self._answer is not None and self._answer[0] == now and self._answer[1] is experts:
+            return self._answer[2]
+        modules = [e._modules for e in experts]
+        answer = all(all(map(operator.is_, map(operator.itemgetter(name), modules), stacked))
+                     for name, stacked in self.parts.items())
+        self._answer = (now, experts, answer)
+        return answer
+
+
+def stack_experts(model: nn.Module) -> int:
+    """Give every mixture of experts (`torchllama.nn.moe.MoE`) whose experts' matrices are all
+    block linears of one kind and layout (`fuse_rows`) its `stacked` products: a layer's
+    gate, up and down projections of every (token, expert) pair in three ops instead of three
+    per expert used. The experts' own modules become views of the stacked buffers (no copy
+    where they already lie side by side: a GGUF's 3-D `ffn_*_exps`). Returns how many.
+
+    Stacked, a layer's products read each expert's weights once for all the tokens sent to it
+    (llama.cpp's MUL_MAT_ID); `torchllama bench decode` on the OLMoE shape measures it (the
+    quantized-weights guide, "Mixture of experts on the kernels")."""
+    from torchllama.nn.moe import MoE
+
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, MoE) or any(b is not None for e in module.experts
+                                                 for b in (e.w1.bias, e.w2.bias, e.w3.bias)):
+            continue
+        products = [fuse_rows([getattr(e, name) for e in module.experts])
+                    for name in ("w1", "w3", "w2")]
+        if all(isinstance(p, BlockLinear) for p in products):
+            module.stacked = StackedExperts(*(ExpertsProduct(p, module.n_experts)
+                                              for p in products), module.experts)
+            n += 1
+    return n

@@ -188,7 +188,7 @@ def _layer_linears(model: nn.Module, targets: tuple[str, ...]):
 
 def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     """Freeze every parameter of `model` and wrap its targeted linears in `LoRALinear`s, in
-    place. Fused q/k/v and w1/w3 products of a quantized model (`quantize.fuse_projections`)
+    place. Fused q/k/v and w1/w3 products of a quantized model (`fuse.fuse_projections`)
     are unfused where a part is adapted (their parts keep the same weights).
 
     Returns:

@@ -7,7 +7,7 @@ that chose it (S-LoRA, Sheng et al. 2023, §4; Punica's SGMV, Chen et al. 2023):
     y_b = W·x_b                                   for a row served with the base model
 
 `install` wraps each product of every decoder layer — the fused q/k/v and gate/up products
-where the model has them (`transforms.quantize.fuse_projections`), each adapter's part of them
+where the model has them (`transforms.fuse.fuse_projections`), each adapter's part of them
 at its offset in the output — in a `MultiLoRALinear`; `AdapterSet.selecting(rows)` tells them,
 for one forward, which adapter each batch row uses. A row's update is computed from that row
 alone with torchllama's batch-invariant float32 product (`nn.linear.invariant_linear`), so a

@@ -4,7 +4,7 @@ them, `torch.nn.modules.module.register_module_*_registration_hook`).
 
 What a module tree holds can then be remembered with the count it was read at and trusted
 while the count is the same: `fuse.FusedTransformerBlock.weights` and
-`quantize.StackedExperts.serves` are asked every forward, and walking the modules each time
+`fuse.StackedExperts.serves` are asked every forward, and walking the modules each time
 (64 experts' modules a layer in an OLMoE-shaped model, read with the caches cold as they are
 between a step's weight streams) was a visible share of a decode step (`torchllama bench decode`
 on the OLMoE shape).

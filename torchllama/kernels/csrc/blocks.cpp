@@ -19,7 +19,7 @@
 //       B = 32 or 16; small: every |code| ≤ 32 (a speed hint the packer checks; same bits);
 //       codes (N/8, K/32, 192): 6-bit codes, every one in [−32, 31] (Q6_K, Q5_0; small)
 //   (the weights in the packed layout of blocks_impl.h: 8 rows interleaved 4 bytes at a time;
-//   torchllama.transforms.quantize packs them)
+//   torchllama.blocks.packing packs them)
 //   (d and m in one of kernels.h's ScaleForms, told apart by dtype and shape: float32
 //   (G, nd, 8); float16 (G, nd, 8) where that is exact (Q4_0/Q4_1/Q8_0/Q5_0 scales are f16 in
 //   the file); Q4_K's super-blocks uint8 (G, nd/8, 80), Q6_K's int8 (G, nd/16, 144); Q4's m a
@@ -31,8 +31,8 @@
 //   q8_linear_experts(x, tokens, experts, E, codes (E·N/8, K/32, 256|192) i8, d, small) → the same
 //   quantize_act(x (M, K) f32) → (q (M, K) i8, d (M, K/32) f32, s (M, K/32) f32)   [for tests]
 //   pack_six(codes (N, K) i8 in [−32, 31]) → (N/8, K/32, 192) i8: the 6-bit packed codes
-//   isa() → 0 scalar | 1 AVX2 + FMA | 2 AVX-512 VNNI | 3 AVX-512 F/BW without VNNI: the
-//       instruction set chosen for this CPU (kernels.h: the table's levels)
+//   isa() → "scalar" | "avx2" | "avx512" | "avx512_vnni" …: the instruction set chosen for this
+//       CPU (kernels.h: the table's levels); isa_names() → every level's name, lowest first
 //   kernel_levels(isa) → ["q4_rows=avx2", …]: where each kernel of that level's table comes
 //       from (the table assembled, nothing run: any level on any CPU)
 //
@@ -57,12 +57,13 @@
 
 namespace torchllama {
 
-static int64_t isa_code() { return int64_t(isa_in_use()); }
+static std::string isa_name() { return isa_in_use(); }
 
 // Where each kernel of instruction set `isa`'s table comes from (kernels.h; nothing runs).
-static std::vector<std::string> kernel_levels_of(int64_t isa) {
-  TORCH_CHECK(0 <= isa && isa <= 3, "kernel_levels: isa must be 0, 1, 2 or 3, got ", isa);
-  return kernel_levels(features_of(Isa(isa)));
+static std::vector<std::string> kernel_levels_of(const std::string& isa) {
+  std::vector<std::string> out = kernel_levels(isa);
+  TORCH_CHECK(!out.empty(), "kernel_levels: no instruction set named ", isa, " (isa_names())");
+  return out;
 }
 
 // Activation quantization (O(M·K), small next to the product's O(M·N·K)): each block by the
@@ -396,8 +397,9 @@ TORCH_LIBRARY(torchllama, m) {
         "Tensor d, bool small=False) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("pack_six(Tensor codes) -> Tensor");
-  m.def("isa() -> int", &torchllama::isa_code);
-  m.def("kernel_levels(int isa) -> str[]", &torchllama::kernel_levels_of);
+  m.def("isa() -> str", &torchllama::isa_name);
+  m.def("isa_names() -> str[]", &torchllama::isa_names);
+  m.def("kernel_levels(str isa) -> str[]", &torchllama::kernel_levels_of);
 }
 
 TORCH_LIBRARY_IMPL(torchllama, CPU, m) {

@@ -2,6 +2,10 @@
 // highest instruction set the CPU has that provides it, the scalar table completing the rest.
 // The features are read with GCC's __builtin_cpu_supports (cpuid, and the OS's XSAVE state for
 // the AVX registers); TORCHLLAMA_KERNELS_ISA lowers them for the tests and benchmarks.
+//
+// The instruction sets are data: one row of ISAS each (ggml-cpu's cpu-feats scores and
+// arch-fallback.h, as a table). A row names its level, checks what it adds to the rows before it
+// (a row is used only when every row before it is too) and points at its arch/ file's table.
 
 #include <cstdio>
 #include <cstdlib>
@@ -11,60 +15,67 @@
 #include "kernels.h"
 
 namespace torchllama {
+namespace {
 
-static CpuFeatures detect() {
+struct IsaRow {
+  const char* name;
+  const char* alias;                  // another name TORCHLLAMA_KERNELS_ISA takes, or null
+  bool (*cpu_has)();                  // what this level adds (__builtin_cpu_supports needs
+                                      // literal names, hence a function per row)
+  const Kernels& (*kernels)();        // its arch/ file's table
+};
+
+const IsaRow ISAS[] = {
+    {"scalar", nullptr, [] { return true; }, &scalar_kernels},
+    {"avx2", nullptr,
+     [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c"); },
+     &avx2_kernels},
+    {"avx512", nullptr,
+     [] { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                 __builtin_cpu_supports("avx512bw"); },
+     &avx512_kernels},
+    {"avx512_vnni", "vnni", [] { return __builtin_cpu_supports("avx512vnni") != 0; },
+     &avx512_vnni_kernels},
+};
+constexpr int N_ISAS = sizeof(ISAS) / sizeof(ISAS[0]);
+
+// The row named `name` (or its alias), or -1.
+int row_of(const std::string& name) {
+  for (int i = 0; i < N_ISAS; ++i)
+    if (name == ISAS[i].name || (ISAS[i].alias && name == ISAS[i].alias)) return i;
+  return -1;
+}
+
+// The highest row the CPU runs (every row up to it present), capped by TORCHLLAMA_KERNELS_ISA.
+int detect_top() {
   __builtin_cpu_init();
-  CpuFeatures f;
-  f.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  f.avx512 = f.avx2 && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-  f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
-  return f;
+  int top = 0;
+  while (top + 1 < N_ISAS && ISAS[top + 1].cpu_has()) ++top;
+  const char* env = std::getenv("TORCHLLAMA_KERNELS_ISA");
+  const std::string level = env ? env : "";
+  if (!level.empty()) {
+    const int cap = row_of(level);
+    if (cap < 0) {
+      std::string names;
+      for (int i = 0; i < N_ISAS; ++i) names += std::string(i ? ", " : "") + ISAS[i].name;
+      std::fprintf(stderr, "warning: TORCHLLAMA_KERNELS_ISA=%s is not one of %s; ignored\n",
+                   level.c_str(), names.c_str());
+    } else if (cap < top) {
+      top = cap;
+    }
+  }
+  return top;
 }
 
-CpuFeatures features_of(Isa isa) {
-  CpuFeatures f;
-  f.avx2 = isa != Isa::scalar;
-  f.avx512 = isa == Isa::avx512 || isa == Isa::avx512_vnni;
-  f.avx512_vnni = isa == Isa::avx512_vnni;
-  return f;
-}
-
-// The features up to the level TORCHLLAMA_KERNELS_ISA names (never above the CPU's).
-static CpuFeatures lowered(const CpuFeatures& cpu, const std::string& level) {
-  Isa cap = Isa::avx512_vnni;
-  if (level == "scalar") cap = Isa::scalar;
-  else if (level == "avx2") cap = Isa::avx2;
-  else if (level == "avx512") cap = Isa::avx512;
-  else if (!level.empty() && level != "vnni" && level != "avx512_vnni")
-    std::fprintf(stderr, "warning: TORCHLLAMA_KERNELS_ISA=%s is not scalar, avx2, avx512 or "
-                 "vnni; ignored\n", level.c_str());
-  const CpuFeatures c = features_of(cap);
-  CpuFeatures f;
-  f.avx2 = cpu.avx2 && c.avx2;
-  f.avx512 = cpu.avx512 && c.avx512;
-  f.avx512_vnni = cpu.avx512_vnni && c.avx512_vnni;
-  return f;
-}
-
-const CpuFeatures& cpu_features() {
-  static const CpuFeatures f = [] {
-    const char* level = std::getenv("TORCHLLAMA_KERNELS_ISA");
-    return lowered(detect(), level ? level : "");
-  }();
-  return f;
-}
-
-Isa isa_in_use() {
-  const CpuFeatures& f = cpu_features();
-  return f.avx512_vnni ? Isa::avx512_vnni : f.avx512 ? Isa::avx512 : f.avx2 ? Isa::avx2
-                                                                        : Isa::scalar;
+int top_row() {
+  static const int top = detect_top();
+  return top;
 }
 
 // f(name, entry of t, entry of u) for every entry of the table.
 template <typename F>
-static void each_entry(Kernels& t, const Kernels& u, F f) {
+void each_entry(Kernels& t, const Kernels& u, F f) {
   f("quantize_block", t.quantize_block, u.quantize_block);
   f("q4_rows", t.q4_rows, u.q4_rows);
   f("q8_rows", t.q8_rows, u.q8_rows);
@@ -77,39 +88,42 @@ static void each_entry(Kernels& t, const Kernels& u, F f) {
   f("linear_cols", t.linear_cols, u.linear_cols);
 }
 
-// The levels f allows, highest first; scalar always (every entry).
-struct Level { const char* name; const Kernels& (*kernels)(); };
-
-static std::vector<Level> levels(const CpuFeatures& f) {
-  std::vector<Level> out;
-  if (f.avx512_vnni) out.push_back({"avx512_vnni", &avx512_vnni_kernels});
-  if (f.avx512) out.push_back({"avx512", &avx512_kernels});
-  if (f.avx2) out.push_back({"avx2", &avx2_kernels});
-  out.push_back({"scalar", &scalar_kernels});
-  return out;
-}
-
-// Entries still null taken from each level in turn (ggml's arch-fallback.h, as data).
-static Kernels build(const CpuFeatures& f) {
+// Entries still null taken from each level in turn, rows top..0 (ggml's arch-fallback.h, as data).
+Kernels build(int top) {
   Kernels t;                                     // all null
-  for (const Level& level : levels(f))
-    each_entry(t, level.kernels(), [](const char*, auto& entry, auto lower) {
+  for (int i = top; i >= 0; --i)
+    each_entry(t, ISAS[i].kernels(), [](const char*, auto& entry, auto lower) {
       if (entry == nullptr) entry = lower;
     });
   return t;
 }
 
+}  // namespace
+
+std::vector<std::string> isa_names() {
+  std::vector<std::string> out;
+  for (const IsaRow& row : ISAS) out.push_back(row.name);
+  return out;
+}
+
+const std::string& isa_in_use() {
+  static const std::string name = ISAS[top_row()].name;
+  return name;
+}
+
 const Kernels& table() {
-  static const Kernels t = build(cpu_features());
+  static const Kernels t = build(top_row());
   return t;
 }
 
-std::vector<std::string> kernel_levels(const CpuFeatures& f) {
-  Kernels t = build(f);
+std::vector<std::string> kernel_levels(const std::string& name) {
+  const int top = row_of(name);
+  if (top < 0) return {};
+  Kernels t = build(top);
   std::vector<std::string> out;
-  for (const Level& level : levels(f))           // an entry is the function of one level
-    each_entry(t, level.kernels(), [&](const char* name, auto& entry, auto lower) {
-      if (entry == lower) out.push_back(std::string(name) + "=" + level.name);
+  for (int i = top; i >= 0; --i)                 // an entry is the function of one level
+    each_entry(t, ISAS[i].kernels(), [&](const char* entry_name, auto& entry, auto lower) {
+      if (entry == lower) out.push_back(std::string(entry_name) + "=" + ISAS[i].name);
     });
   return out;
 }

@@ -12,8 +12,9 @@
 //   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
 //   arch/avx512_vnni.cpp  the activation quantization and the Q4 block products (vpdpbusd),
 //                         AVX-512 F/VL/BW + VNNI (the other block kinds' products are AVX2's)
-// Each fills one `Kernels`, leaving null what it does not provide; dispatch.cpp takes each
-// kernel from the highest level the CPU has that provides it (the fallback is data: a CPU with
+// Each fills one `Kernels`, leaving null what it does not provide, and is one row of
+// dispatch.cpp's ISAS; dispatch.cpp takes each kernel from the highest level the CPU has that
+// provides it (the fallback is data: a CPU with
 // AVX-512 but no VNNI runs the AVX-512 float kernels and the AVX2 block kernels; rope_head is
 // scalar everywhere). Every level gives the same bits (blocks_impl.h, layers_impl.h).
 #pragma once
@@ -109,30 +110,21 @@ const Kernels& avx2_kernels();
 const Kernels& avx512_kernels();
 const Kernels& avx512_vnni_kernels();
 
-// ---- the CPU --------------------------------------------------------------------------------
+// ---- the instruction sets --------------------------------------------------------------------
 
-// What the kernels may use: each level implies the ones before it.
-struct CpuFeatures {
-  bool avx2 = false;          // AVX2 + FMA + F16C
-  bool avx512 = false;        // AVX-512 F, VL, BW
-  bool avx512_vnni = false;   // and VNNI
-};
-
-// The instruction set in use, by the numbers torch.ops.torchllama.isa() returns (2 was VNNI
-// before the F/BW-only level existed, hence the order).
-enum class Isa : int64_t { scalar = 0, avx2 = 1, avx512_vnni = 2, avx512 = 3 };
-
-// Detected once per process, lowered by TORCHLLAMA_KERNELS_ISA = scalar | avx2 | avx512 | vnni
-// (the tests force each level; a level the CPU lacks is not forced on it).
-const CpuFeatures& cpu_features();
-Isa isa_in_use();
-// The kernels for cpu_features(), every entry filled.
+// The instruction sets, one row each in dispatch.cpp's ISAS (lowest first, each implying the
+// ones before it): a name, whether the CPU has what the row adds, and its table of kernels.
+// Adding one (say AVX-512 BF16) = one arch/ file filling a `Kernels` and one row there.
+// Detected once per process, lowered by TORCHLLAMA_KERNELS_ISA = a row's name (or alias; the
+// tests force each level; a level the CPU lacks is not forced on it).
+std::vector<std::string> isa_names();            // every row's name, lowest first
+const std::string& isa_in_use();                 // the highest row this CPU runs
+// The kernels for isa_in_use(), every entry filled.
 const Kernels& table();
 
-// The features an instruction set stands for, and where each kernel of their table comes from
-// ("q4_rows=avx2", …): a table is only assembled, nothing runs, so any level can be inspected
-// on any CPU (torch.ops.torchllama.kernel_levels; the tests check the AVX-512 mixes so).
-CpuFeatures features_of(Isa isa);
-std::vector<std::string> kernel_levels(const CpuFeatures& f);
+// Where each kernel of the table for instruction set `name` comes from ("q4_rows=avx2", …):
+// a table is only assembled, nothing runs, so any level can be inspected on any CPU
+// (torch.ops.torchllama.kernel_levels; the tests check the AVX-512 mixes so).
+std::vector<std::string> kernel_levels(const std::string& name);
 
 }  // namespace torchllama

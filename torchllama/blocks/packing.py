@@ -1,0 +1,175 @@
+"""The kernels' packed layout (kernels/csrc/blocks_impl.h explains it): weight rows in groups of 8,
+interleaved `chunk` bytes at a time within each block, so one 32-byte load holds 4 weights of 8
+rows; codes in 6 bits where they fit (`pack_six`); block scales float16 where exact, float32, or
+the K-quants' super-block form (`pack_scales`). The `unpack_*` functions are their inverses (the
+tests' round trips, a tied embedding's rows, fusion's checks).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torchllama.blocks.forms import Q4Blocks, ScaleFactors
+from torchllama.kernels import huge_pages
+
+
+def compact_scales(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The block scales (and offsets) as float16 when every one of them is exactly a float16
+    (GGUF's Q4_0/Q4_1/Q8_0/Q5_0 store f16; Q4_K/Q6_K sub-block products usually are not),
+    else float32: the decode step reads them once per token, and half the bytes is faster."""
+    halves = tuple(t.half() for t in scales)
+    if all(torch.equal(h.float(), t) for h, t in zip(halves, scales)):
+        return tuple(h.contiguous() for h in halves)
+    return tuple(t.float().contiguous() for t in scales)
+
+
+def pack_rows(t: torch.Tensor, blocks: int, chunk: int) -> torch.Tensor:
+    """(N, blocks·P) → (⌈N/8⌉, blocks, 8·P): each group of 8 rows' block b side by side, `chunk`
+    elements of row 0, of row 1, …, of row 7, then the next chunk. Rows past N (to a multiple of
+    8) are zeros (weights 0: their outputs are cut off). Codes: chunk 4 (P = 16 bytes of a Q4
+    block, 32 codes of a Q8 block); scales (N, blocks): P = chunk = 1. Written straight onto
+    transparent huge pages where the system has them (`kernels.huge_pages.empty`)."""
+    N, width = t.shape
+    if N % 8:
+        t = torch.cat([t, t.new_zeros(8 - N % 8, width)])                   # (8G, width)
+    P, G = width // blocks, t.shape[0] // 8
+    out = (huge_pages.empty((G, blocks, 8 * P), t.dtype) if t.device.type == "cpu" else
+           t.new_empty((G, blocks, 8 * P)))        # streamed once a token: on huge pages
+    word = _WORDS.get(chunk * t.element_size())
+    if word is not None and t.is_contiguous():     # a chunk as one element: the same bytes
+        v = t.view(word).reshape(G, 8, blocks, P // chunk)                  # (G, 8, b, P/c)
+        out.view(word).view(G, blocks, P // chunk, 8).copy_(v.permute(0, 2, 3, 1))
+        return out
+    v = t.reshape(G, 8, blocks, P // chunk, chunk)                         # (G, 8, b, P/c, c)
+    out.view(G, blocks, P // chunk, 8, chunk).copy_(v.permute(0, 2, 3, 1, 4))
+    return out                                                             # (G, b, 8·P)
+
+
+#: Integer types of 2, 4 and 8 bytes: `pack_rows` moves a chunk of that size as one element
+#: (4× fewer, larger elements to permute: a 7B model's codes 4× faster, 3.5 of ~30 s of load).
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def unpack_rows(packed: torch.Tensor, chunk: int, rows: torch.Tensor | int) -> torch.Tensor:
+    """The inverse of `pack_rows`: rows 0..rows−1 (an int) or the given row indices (a (R,)
+    int64 tensor, e.g. token ids of a tied embedding: only those rows are read) → (R, blocks·P)."""
+    G, blocks, P8 = packed.shape
+    P = P8 // 8
+    v = packed.view(G, blocks, P // chunk, 8, chunk)                       # (G, b, P/c, 8, c)
+    if isinstance(rows, int):
+        out = v.permute(0, 3, 1, 2, 4).reshape(8 * G, blocks * P)         # (8G, b·P)
+        return out[:rows]
+    return v[rows // 8, :, :, rows % 8, :].reshape(len(rows), blocks * P)  # (R, b·P)
+
+
+def pack_six(packed: torch.Tensor) -> torch.Tensor:
+    """Packed int8 codes (G, blocks, 256), every one in [−32, 31], → their 6-bit form (G, blocks,
+    192) int8 (blocks_impl.h): u = code + 32; bytes 0..127 the low 4 bits of chunk c's (c < 4)
+    codes in the low nibbles and of chunk 4 + c's in the high nibbles; bytes 128..159 the top
+    2 bits of chunks 0..3 (chunk c at bits 2c, 2c + 1 of each lane), 160..191 of chunks 4..7."""
+    G, blocks, _ = packed.shape
+    u = (packed + 32).view(torch.uint8).view(G, blocks, 2, 4, 32)       # (G, b, 2, 4, 32) 0..63
+    nibbles = (u[:, :, 0] & 15) | (u[:, :, 1] << 4)                     # (G, b, 4, 32)
+    top = u >> 4                                                        # (G, b, 2, 4, 32) 0..3
+    top = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+    return torch.cat([nibbles.reshape(G, blocks, 128), top.reshape(G, blocks, 64)],
+                     dim=2).view(torch.int8)                            # (G, b, 192)
+
+
+def pack_rows_six(codes: torch.Tensor, blocks: int) -> torch.Tensor:
+    """`pack_six(pack_rows(codes, blocks, 4))` of int8 codes (N, K): torchllama's op where the
+    kernels are built (one pass, no temporaries: a 7B head is 131 M codes), else that."""
+    from torchllama import kernels
+
+    if kernels.available():                      # streamed once a token: on huge pages
+        return huge_pages.adopt(torch.ops.torchllama.pack_six(codes))
+    return huge_pages.adopt(pack_six(pack_rows(codes, blocks, 4)))
+
+
+def unpack_six(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_six`: (…, 192) → (…, 256) int8 codes."""
+    p = packed.view(torch.uint8)
+    nibbles = p[..., :128].unflatten(-1, (4, 32))                          # (…, 4, 32)
+    top = p[..., 128:].unflatten(-1, (2, 1, 32))                           # (…, 2, 1, 32)
+    shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
+    high = (top >> shifts) & 3                                             # (…, 2, 4, 32)
+    low = torch.stack([nibbles & 15, nibbles >> 4], dim=-3)                # (…, 2, 4, 32)
+    codes = (low | (high << 4)).to(torch.int8) - 32                        # (…, 2, 4, 32)
+    return codes.flatten(-3)                                               # (…, 256)
+
+
+def unpack_codes(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
+    """`unpack_rows` of packed codes of any kind (Q4's (G, b, 128) uint8, Q8's (G, b, 256)
+    int8 or their 6-bit form (G, b, 192)): only the rows' groups are expanded."""
+    if packed.shape[-1] != 192:
+        return unpack_rows(packed, 4, rows)
+    if isinstance(rows, int):
+        return unpack_rows(unpack_six(packed[:(rows + 7) // 8]), 4, rows)
+    groups = unpack_six(packed[rows // 8])                                  # (R, b, 256)
+    return unpack_rows(groups, 4, 8 * torch.arange(len(rows)) + rows % 8)   # (R, K)
+
+
+def _form(values: torch.Tensor, factors: Optional[ScaleFactors]) -> str | torch.dtype:
+    return "super" if factors is not None else compact_scales(values)[0].dtype
+
+
+def pack_scales(values: torch.Tensor, factors: Optional[ScaleFactors] = None,
+                form: str | torch.dtype | None = None) -> torch.Tensor:
+    """(N, nd) block scales in the kernels' packed form (kernels.h ScaleForm): the super-block
+    form (G, nd/S, 16 + 8·S) where `factors` are given (each row group's super-block: the 8
+    rows' float16 super-scales as 16 bytes, then the S sub-scales of the 8 rows side by side;
+    uint8 for S = 8, int8 for S = 16), else (G, nd, 8) float16 where exact, else float32;
+    `form` ("super" or a dtype, `_form`) overrides that choice."""
+    form = _form(values, factors) if form is None else form
+    if form != "super":
+        return pack_rows(values.to(form).contiguous(), values.shape[1], 1)
+    sup, sub = factors.super.contiguous(), factors.sub.contiguous()
+    nu, S = sup.shape[1], sub.shape[1] // sup.shape[1]
+    D = pack_rows(sup, nu, 1).view(sub.dtype)                                # (G, nu, 16)
+    s = pack_rows(sub, nu * S, 1).view(D.shape[0], nu, 8 * S)                # (G, nu, 8·S)
+    return torch.cat([D, s], dim=2)                                         # (G, nu, 16+8S)
+
+
+def unpack_scales(packed: torch.Tensor, rows: torch.Tensor | int,
+                  d: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[ScaleFactors]]:
+    """The inverse of `pack_scales` (and of Q4's m = c·d, a scalar c, given the rows' d):
+    rows 0..rows−1 or the (R,) row indices → ((R, nd) float32 values, their `ScaleFactors` or
+    None). Only the rows' groups are read."""
+    if packed.dim() == 0:                                                   # m = c·d
+        return d * packed, None
+    if packed.dtype in (torch.float32, torch.float16):
+        return unpack_rows(packed, 1, rows).float(), None
+    idx = torch.arange(rows) if isinstance(rows, int) else rows            # (R,)
+    G, nu, W = packed.shape
+    S, lane, at = (W - 16) // 8, idx % 8, torch.arange(len(idx))
+    groups = packed[idx // 8]                                               # (R, nu, W)
+    sup = groups[..., :16].contiguous().view(torch.float16)[at, :, lane]    # (R, nu)
+    sub = groups[..., 16:].reshape(-1, nu, S, 8)[at, :, :, lane]            # (R, nu, S)
+    factors = ScaleFactors(sup.contiguous(), sub.reshape(len(idx), nu * S).contiguous())
+    return factors.values(), factors
+
+
+#: Q4_0's offsets are m = −8·d: kept as this multiple of d (nothing stored per block).
+_Q4_0_MULTIPLE = -8.0
+
+
+def _q4_forms(w: "Q4Blocks") -> tuple:
+    """The forms of a Q4 weight's packed d and m (`_form`, or "times_d" for m = c·d): m in d's
+    form (the kernel's rule), both float32 where they would differ."""
+    d = _form(w.d, w.d_factors)
+    if w.m_factors is None and torch.equal(w.m, w.d * _Q4_0_MULTIPLE):
+        return d, "times_d"
+    m = _form(w.m, w.m_factors)
+    return (d, m) if d == m else (torch.float32, torch.float32)
+
+
+def pack_q4_scales(w: "Q4Blocks") -> list[torch.Tensor]:
+    """Q4's [d, m] in the kernels' forms (`_q4_forms`, `pack_scales`); m = c·d as the float32
+    scalar c (Q4_0: c = −8, nothing stored per block)."""
+    d_form, m_form = _q4_forms(w)
+    d = pack_scales(w.d, w.d_factors, d_form)
+    if m_form == "times_d":
+        return [d, torch.tensor(_Q4_0_MULTIPLE)]
+    return [d, pack_scales(w.m, w.m_factors, m_form)]
