@@ -713,7 +713,9 @@ def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes)
 
 # Byte offset of each f16 scale field in a block of the types kept in blocks (ggml-common.h).
 _SCALE_OFFSETS = {Q.Q4_0: {"d": 0}, Q.Q4_1: {"d": 0, "m": 2}, Q.Q8_0: {"d": 0},
-                  Q.Q5_0: {"d": 0}, Q.Q4_K: {"d": 0, "dmin": 2}, Q.Q6_K: {"d": 208}}
+                  Q.Q5_0: {"d": 0}, Q.Q5_1: {"d": 0, "m": 2}, Q.Q4_K: {"d": 0, "dmin": 2},
+                  Q.Q5_K: {"d": 0, "dmin": 2}, Q.Q6_K: {"d": 208}, Q.Q3_K: {"d": 108},
+                  Q.IQ4_NL: {"d": 0}, Q.IQ4_XS: {"d": 0}}
 
 
 def test_the_registry_names_the_f16_scale_fields_ggml_does():
@@ -842,3 +844,27 @@ def test_metadata_arrays_read_as_the_gguf_library_reads_them(tmp_path):
     cut.write_bytes(data[:data.index(b"x" * 300) + 100])
     with pytest.raises(ModelFileError, match="truncated or corrupt GGUF file"):
         torchllama.load(cut)
+
+
+def test_info_names_each_tensors_kernel_and_the_types_that_fall_back(tmp_path, capsys):
+    """`torchllama info FILE --tensors`: a registered type on its kernel form's product, a type
+    the registry lacks (IQ2_XXS) dequantized, the norms float32 vectors; no weights read."""
+    from torchllama import cli, kernels
+
+    rng = np.random.default_rng(0)
+    weights = random_weights(KQUANT, seed=2)
+    types = {name: Q.F32 if w.ndim == 1 else Q.Q5_K for name, w in weights.items()}
+    types["blk.0.ffn_down.weight"] = Q.IQ2_XXS
+    tensors = {name: (encode(w, types[name], rng), types[name]) for name, w in weights.items()}
+    path = write_gguf(tmp_path / "m.gguf", tensors, KQUANT)
+    plans = {p.name: p for p in gguf_format.kernel_plan(path)}
+    assert "no kernel" in plans["blk.0.ffn_down.weight"].runs_on
+    assert plans["output_norm.weight"].runs_on == "float32 vector"
+    q5 = plans["blk.0.attn_q.weight"]
+    assert q5.type == "Q5_K"
+    if kernels.available():
+        assert q5.runs_on.startswith("q4_rows (") and "5-bit codes" in q5.runs_on
+    assert cli.main(["info", "--model", str(path), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "IQ2_XXS" in out and "dequantized to float32 (no kernel" in out
+    assert "blk.0.attn_q.weight" in out

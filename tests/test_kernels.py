@@ -175,7 +175,8 @@ def test_six_bit_codes_pack_and_read_back():
         assert torch.equal(unpack_codes(packed, rows), codes[rows])
     six = Q8Linear(Q8Blocks(codes, torch.ones(64, 3)))
     with pytest.raises(RuntimeError, match="6-bit codes are small"):    # the flag must agree
-        torch.ops.torchllama.q8_linear(torch.randn(1, 96), six.codes, six.d, False)
+        torch.ops.torchllama.q8_linear(torch.randn(1, 96), six.codes, six.d,
+                                       torch.tensor(False))
     with pytest.raises(RuntimeError, match=r"lie in \[-32, 31\], got \[0, 32\]"):
         bad = torch.zeros(16, 32, dtype=torch.int8)
         bad[9, 3] = 32
@@ -225,6 +226,7 @@ import sys, torch, numpy as np
 from torchllama import kernels
 from torchllama.blocks.forms import Q4Blocks, Q8Blocks
 from torchllama.blocks.linear import Q4Linear, Q8Linear
+from torchllama.transforms.quantize import quantized_linear
 assert kernels.available()
 g = torch.Generator().manual_seed(0)
 x = torch.randn(7, 256, generator=g)
@@ -264,6 +266,20 @@ x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone l
 q7 = Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))
 y7 = torch.cat([q7(x7), Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
 y7 = torch.cat([y7.ravel(), q7(x7[:1]).ravel()])  # one row: VNNI's group-by-group decode
+from torchllama import blocks                          # every registered type's kernel form:
+rng = np.random.default_rng(5)                         # 5-bit Q4 codes, 4-bit Q8 indices, …
+xt = torch.randn(11, 768, generator=g)                 # 40 rows: a 4-group decode tile and
+for kind in sorted(blocks.TYPES.values(), key=lambda t: t.ggml.value):   # a lone group
+    for K in (768, 224) if kind.weights == 32 else (768,):               # 7 blocks: a lone one
+        raw = rng.integers(0, 256, (40, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
+        b = raw.view(kind.block)
+        for f in kind.block.names:
+            if kind.block.fields[f][0] == np.float16:
+                b[f] = (rng.choice([-1.0, 1.0], b.shape) * rng.uniform(1e-3, 5e-2, b.shape))
+        arrays = kind.arrays(40, K)
+        kind.convert(b, arrays)
+        lin = quantized_linear(kind.weight(arrays))
+        y7 = torch.cat([y7] + [lin(xt[:m, :K]).ravel() for m in (1, 3, 11)])  # decode, prefill
 ops = torch.ops.torchllama
 w = torch.randn(256, generator=g)
 q, k, v = (torch.randn(2, s, 5, 48, generator=g).transpose(1, 2) for s in (3, 9, 9))
@@ -346,7 +362,7 @@ def test_weights_off_the_packed_layout_are_refused():
     with pytest.raises(RuntimeError, match=r"codes must be contiguous int8 \(N/8, K/32, 256\) "
                                             r"\(the packed layout\)"):
         torch.ops.torchllama.q8_linear(torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.int8),
-                                       torch.ones(4, 1))
+                                       torch.ones(4, 1), torch.tensor(False))
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight has K = 32"):
         torch.ops.torchllama.q4_linear(torch.randn(1, 64),
                                        torch.zeros(1, 1, 128, dtype=torch.uint8),
@@ -365,12 +381,12 @@ def test_a_non_finite_block_scale_names_the_tensor(typ):
 
 
 def test_a_type_without_kernel_loads_as_float_and_is_reported():
-    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64))
-                               .astype(np.float32), Q.Q5_1)
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
+    raw = np.random.default_rng(0).integers(0, 256, (4, size), dtype=np.uint8)   # K = 256
     no_kernel = set()
-    assert block_types.block_type(Q.Q5_1) is None
-    assert _quantized(gguf_tensor(raw, Q.Q5_1), "auto", "m.gguf", no_kernel) is None
-    assert no_kernel == {"Q5_1"}
+    assert block_types.block_type(Q.IQ2_XXS) is None
+    assert _quantized(gguf_tensor(raw, Q.IQ2_XXS), "auto", "m.gguf", no_kernel) is None
+    assert no_kernel == {"IQ2_XXS"}
 
 
 def test_linear_modules_use_the_kernels_and_keep_bias():
@@ -792,7 +808,7 @@ def test_compact_scales_give_the_bits_of_float32_scales(typ):
     if q4:
         plain = lambda x: ops.q4_linear(x, compact.codes, *scales)[:, :13]  # noqa: E731
     else:
-        plain = lambda x: ops.q8_linear(x, compact.codes, *scales, True)[:, :13]  # noqa: E731
+        plain = lambda x: ops.q8_linear(x, compact.codes, *scales, torch.tensor(True))[:, :13]  # noqa: E731
     forms = {Q.Q4_K: torch.uint8, Q.Q6_K: torch.int8, Q.Q4_0: torch.float16}
     assert compact.d.dtype == forms[typ]
     if typ == Q.Q4_0:

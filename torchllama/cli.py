@@ -822,16 +822,18 @@ def _model_args(model: Optional[str], preset: Optional[str], config: Optional[st
 
 
 def info(model: Optional[str] = None, preset: Optional[str] = None,
-         config: Optional[str] = None) -> int:
+         config: Optional[str] = None, tensors: bool = False) -> int:
     """A model's shape from its configuration: layers, widths, heads, the variant-zoo choices
     that differ from Llama 2's, and its parameters, in total and active per token (a mixture
-    of experts runs only its chosen experts). No weights are read.
+    of experts runs only its chosen experts); for a GGUF file, which kernel each tensor type
+    runs on and which fall back to float. No weights are read.
 
     Args:
         model: a checkpoint (.gguf, Meta or Hugging Face folder, training run); default: the
             embedded SmolLM2-135M-Instruct.
         preset: a preset name instead (e.g. mixtral-8x7b, qwen3-30b-a3b, deepseek-v3).
         config: a YAML or JSON file of ModelArgs fields instead.
+        tensors: list every tensor of a GGUF file with its type and kernel.
     """
     from torchllama.model import parameter_counts
 
@@ -855,7 +857,32 @@ def info(model: Optional[str] = None, preset: Optional[str] = None,
                  f" of {args.n_experts} experts" + (f" + {args.n_shared_experts} shared"
                                                       if args.n_shared_experts else "") + ")")
     print(line)
+    if preset is None and config is None:
+        _print_kernel_plan(model, tensors)
     return 0
+
+
+def _print_kernel_plan(model: Optional[str], tensors: bool) -> None:
+    """For a GGUF file (or the embedded model): per tensor type, how many tensors, their bytes
+    and the kernel they run on (`checkpoint.gguf.kernel_plan`); every tensor with `tensors`."""
+    from torchllama.checkpoint.common import detect_format, resolve_model_path
+    from torchllama.checkpoint.gguf import kernel_plan
+
+    path = resolve_model_path(model)
+    if detect_format(path) != "gguf":
+        return
+    plans = kernel_plan(path)
+    print("  weights (dtype auto):")
+    groups: dict[tuple[str, str], list] = {}
+    for p in plans:
+        groups.setdefault((p.type, p.runs_on), []).append(p)
+    for (typ, runs_on), group in sorted(groups.items(), key=lambda g: -sum(
+            p.n_bytes for p in g[1])):
+        size = sum(p.n_bytes for p in group) / 2**20
+        print(f"    {typ:>7} {len(group):5} tensors {size:9.1f} MiB → {runs_on}")
+    if tensors:
+        for p in plans:
+            print(f"    {p.name:<32} {p.type:>7} {str(list(p.shape)):<16} → {p.runs_on}")
 
 
 def train_tokenizer(*, input: list[str], vocab_size: int, out: str, force: bool = False) -> int:

@@ -6,8 +6,9 @@ block modules pack (`blocks.packing`) and run (`blocks.linear`: `Q4Linear` on th
 kernel, `Q8Linear` on `q8_rows`). Each type is one `BlockType` row, registered by its family's
 module, which holds the type's file layout, its conversion and its reference dequantization:
 
-    legacy.py     Q4_0, Q4_1, Q5_0, Q8_0   blocks of 32: one f16 scale (and offset) a block
-    k_quants.py   Q4_K, Q6_K               super-blocks of 256: an f16 scale, small sub-scales
+    legacy.py     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0   blocks of 32: one f16 scale (and offset) a block
+    k_quants.py   Q3_K, Q4_K, Q5_K, Q6_K         super-blocks of 256: an f16 scale, small sub-scales
+    iq4.py        IQ4_NL, IQ4_XS                 4-bit indices into a 16-value grid, scaled
 
 and the C++ twin of its conversion in kernels/csrc/types/<family>.cpp (a `BlockType` row of
 types.h, run by the loader's `torch.ops.torchllama.gguf_blocks`). The loader
@@ -21,7 +22,7 @@ of ggml-quants.c's `dequantize_row_*` — is the oracle the tests hold both to (
 `gguf.quants.dequantize`).
 """
 
-from torchllama.blocks import k_quants, legacy  # noqa: F401  (each registers its types)
+from torchllama.blocks import iq4, k_quants, legacy  # noqa: F401  (each registers its types)
 from torchllama.blocks.registry import TYPES, BlockType, block_type, convert_blocks
 
 __all__ = ["TYPES", "BlockType", "block_type", "convert_blocks"]

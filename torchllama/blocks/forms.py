@@ -117,14 +117,18 @@ def _map_factors(f: Optional[ScaleFactors], fn) -> Optional[ScaleFactors]:
 
 @dataclass
 class Q4Blocks:
-    """A (N, K) matrix as 4-bit blocks of 32 consecutive weights of a row: w = d·q + m.
+    """A (N, K) matrix as 4- or 5-bit blocks of 32 consecutive weights of a row: w = d·q + m,
+    q unsigned.
 
     Attributes:
         codes: (N, K/2) uint8; byte j of block b holds q[32b + j] in its low nibble and
-            q[32b + j + 16] in its high nibble (GGUF's Q4_0/Q4_1 order).
+            q[32b + j + 16] in its high nibble (GGUF's Q4_0/Q4_1 order): q's low 4 bits.
         d, m: (N, K/32) float32 block scales and offsets.
         d_factors, m_factors: the same d and m as products (`ScaleFactors`, Q4_K: d·sc_j and
             (−dmin)·mn_j), or None.
+        high: None (q ∈ [0, 15]), or (N, K/8) uint8: q's fifth bits, 4 bytes a block, bit j of
+            the block's little-endian 32-bit word that of q[32b + j] (GGUF's Q5_0/Q5_1 qh), so
+            q ∈ [0, 31] (Q5_1, Q5_K).
     """
 
     codes: torch.Tensor
@@ -132,16 +136,22 @@ class Q4Blocks:
     m: torch.Tensor
     d_factors: Optional[ScaleFactors] = None
     m_factors: Optional[ScaleFactors] = None
+    high: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.codes.shape[0], self.codes.shape[1] * 2))
 
     def values(self) -> torch.Tensor:
-        """(N, K) uint8 codes q ∈ [0, 15], unpacked."""
+        """(N, K) uint8 codes q ∈ [0, 15] (or [0, 31] with `high`), unpacked."""
         N = self.codes.shape[0]
         c = self.codes.view(N, -1, 16)                                      # (N, K/32, 16)
-        return torch.cat([c & 15, c >> 4], dim=-1).view(N, -1)              # (N, K)
+        q = torch.cat([c & 15, c >> 4], dim=-1).view(N, -1)                 # (N, K)
+        if self.high is None:
+            return q
+        bits = torch.arange(8, dtype=torch.uint8)
+        fifth = (self.high.view(N, -1, 1) >> bits) & 1                      # (N, K/8, 8)
+        return q | (fifth.view(N, -1) << 4)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32 weights d·q + m."""
@@ -171,13 +181,17 @@ class Q4Blocks:
         return cls.from_values(w.q, d, w.zero.repeat_interleave(r, dim=1) - 8 * d)
 
     def to_int4(self) -> Int4Weight:
-        """For torch's int4 kernel (G = 32): scale d, zero m + 8·d, the codes unchanged."""
+        """For torch's int4 kernel (G = 32): scale d, zero m + 8·d, the codes unchanged (4-bit
+        codes only: with `high`, ValueError)."""
+        if self.high is not None:
+            raise ValueError("5-bit codes do not fit torch's int4 kernel")
         d, m = self.d.float(), self.m.float()
         return Int4Weight(self.values(), d, m + 8 * d, 32)
 
     def map_rows(self, fn) -> "Q4Blocks":
         return Q4Blocks(fn(self.codes), fn(self.d), fn(self.m), _map_factors(self.d_factors, fn),
-                        _map_factors(self.m_factors, fn))
+                        _map_factors(self.m_factors, fn),
+                        None if self.high is None else fn(self.high))
 
     def split_rows(self, sizes) -> tuple["Q4Blocks", ...]:
         bounds = np.cumsum([0] + list(sizes)).tolist()
@@ -193,11 +207,14 @@ class Q8Blocks:
         codes: (N, K) int8.
         d: (N, K/B) float32.
         d_factors: the same d as products (`ScaleFactors`, Q6_K: d·sc_j), or None.
+        lut: None, or (16,) int8: every code is one of these values (IQ4's non-linear grid,
+            Q3_K's [−4, 3]), so the kernels keep each code as its 4-bit index into the table.
     """
 
     codes: torch.Tensor
     d: torch.Tensor
     d_factors: Optional[ScaleFactors] = None
+    lut: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -228,7 +245,7 @@ class Q8Blocks:
         return Int8Weight.from_float(self.dequantize())
 
     def map_rows(self, fn) -> "Q8Blocks":
-        return Q8Blocks(fn(self.codes), fn(self.d), _map_factors(self.d_factors, fn))
+        return Q8Blocks(fn(self.codes), fn(self.d), _map_factors(self.d_factors, fn), self.lut)
 
     def split_rows(self, sizes) -> tuple["Q8Blocks", ...]:
         bounds = np.cumsum([0] + list(sizes)).tolist()

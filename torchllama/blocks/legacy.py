@@ -1,14 +1,15 @@
 """The legacy block types: 32 weights a block, one float16 scale d (and offset m) a block
-(ggml-common.h block_q4_0, block_q4_1, block_q5_0, block_q8_0; values: ggml-quants.c
-dequantize_row_*). Their C++ conversion: kernels/csrc/types/legacy.cpp.
+(ggml-common.h block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0; values:
+ggml-quants.c dequantize_row_*). Their C++ conversion: kernels/csrc/types/legacy.cpp.
 
     Q4_0  w = d·(q − 8)     q ∈ [0, 15]  → Q4 form: d, m = −8·d (nothing stored per block)
     Q4_1  w = d·q + m       q ∈ [0, 15]  → Q4 form: d, m
     Q5_0  w = d·(q − 16)    q ∈ [0, 31]  → Q8 form, B = 32: codes q − 16 (6 bits packed)
+    Q5_1  w = d·q + m       q ∈ [0, 31]  → Q4 form with fifth bits (`high`): d, m
     Q8_0  w = d·q           q ∈ [−128, 127] → Q8 form, B = 32
 
 A 4-bit block's 16 bytes hold weight j in the low nibble of byte j and weight j + 16 in its high
-nibble; Q5_0 adds the fifth bit of weight j as bit j of a 32-bit qh.
+nibble; Q5_0 and Q5_1 add the fifth bit of weight j as bit j of a 32-bit qh.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torchllama.blocks.registry import BlockType, GGMLType, f16, register
 Q4_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 Q4_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
 Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)])
+Q5_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)])
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 
 
@@ -27,6 +29,12 @@ def q4_arrays(rows: int, K: int) -> list[np.ndarray]:
     """The Q4 form's [codes (rows, K/2) uint8, d, m (rows, K/32) float32]."""
     return [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32),
             np.empty((rows, K // 32), np.float32)]
+
+
+def q5_arrays(rows: int, K: int) -> list[np.ndarray]:
+    """The Q4 form with fifth bits: [codes (rows, K/2) uint8, d, m (rows, K/32) float32, high
+    (rows, K/8) uint8]."""
+    return q4_arrays(rows, K) + [np.empty((rows, K // 8), np.uint8)]
 
 
 def q8_arrays(rows: int, K: int) -> list[np.ndarray]:
@@ -85,6 +93,22 @@ def _reference_q5_0(b: np.ndarray) -> np.ndarray:
     return (q * f16(b, "d")[..., None]).reshape(b.shape[0], -1)
 
 
+# ---- Q5_1: the stored bytes are the Q4 form's codes and fifth bits ---------------------------
+
+def _convert_q5_1(b: np.ndarray, out: list[np.ndarray]) -> None:
+    """Q4 form with `high`: the 16 qs bytes are the codes' low 4 bits, the 4 qh bytes (bit j
+    of the little-endian word: weight j's fifth bit) the form's high bits, both as stored."""
+    out[0].reshape(b.shape[0], b.shape[1], -1)[:] = b["qs"]
+    out[1][:], out[2][:] = b["d"], b["m"]                                 # w = d·q + m
+    out[3].view("<u4")[:] = b["qh"]
+
+
+def _reference_q5_1(b: np.ndarray) -> np.ndarray:
+    """dequantize_row_q5_1: y = d·q + m, q = the nibble with bit j of qh above it."""
+    q = (nibbles(b["qs"]) | (_fifth_bits(b["qh"]) << 4)).astype(np.float32)
+    return (q * f16(b, "d")[..., None] + f16(b, "m")[..., None]).reshape(b.shape[0], -1)
+
+
 # ---- Q8_0: the stored int8 codes --------------------------------------------------------------
 
 def _convert_q8_0(b: np.ndarray, out: list[np.ndarray]) -> None:
@@ -102,5 +126,7 @@ Q4_1 = register(BlockType(GGMLType.Q4_1, Q4_1_BLOCK, 32, "q4", q4_arrays, _conve
                           _reference_q4_1))
 Q5_0 = register(BlockType(GGMLType.Q5_0, Q5_0_BLOCK, 32, "q8", q8_arrays, _convert_q5_0,
                           _reference_q5_0))
+Q5_1 = register(BlockType(GGMLType.Q5_1, Q5_1_BLOCK, 32, "q4", q5_arrays, _convert_q5_1,
+                          _reference_q5_1, high=True))
 Q8_0 = register(BlockType(GGMLType.Q8_0, Q8_0_BLOCK, 32, "q8", q8_arrays, _convert_q8_0,
                           _reference_q8_0))

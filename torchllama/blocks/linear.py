@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from torchllama.blocks.forms import BlockWeight, Q4Blocks, Q8Blocks
-from torchllama.blocks.packing import (pack_q4_scales, pack_rows, pack_rows_six, pack_scales,
-                                       unpack_codes, unpack_scales)
+from torchllama.blocks.packing import (lut_indices, pack_q4_codes, pack_q4_scales, pack_rows,
+                                       pack_rows_six, pack_scales, unpack_codes, unpack_high,
+                                       unpack_lut_codes, unpack_scales)
 
 
 class _InputGradient(torch.autograd.Function):
@@ -98,22 +99,24 @@ class Q4Linear(BlockLinear):
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
     persistent), in the kernels' packed layout (`pack_rows`; G = ⌈N/8⌉): codes (G, K/32, 128)
-    uint8; d and m (`pack_q4_scales`): (G, K/32, 8) float16 where exact, else float32, or
-    Q4_K's super-blocks (G, K/256, 80) uint8; m may be a float32 scalar c for m = c·d (Q4_0).
+    uint8, or (G, K/32, 160) for 5-bit codes (`pack_q4_codes`: Q5_1, Q5_K); d and m
+    (`pack_q4_scales`): (G, K/32, 8) float16 where exact, else float32, or the K-quants'
+    super-blocks (G, K/256, 80) uint8; m may be a float32 scalar c for m = c·d (Q4_0).
     """
 
     NAMES = ("codes", "d", "m")
 
     def __init__(self, weight: Q4Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        self._init(N, K, [pack_rows(weight.codes, K // 32, 4), *pack_q4_scales(weight)], bias)
+        self._init(N, K, [pack_q4_codes(weight), *pack_q4_scales(weight)], bias)
 
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q4Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
         d, d_factors = unpack_scales(self.d, r)
         m, m_factors = unpack_scales(self.m, r, d)
-        return Q4Blocks(unpack_codes(self.codes, r), d, m, d_factors, m_factors)
+        return Q4Blocks(unpack_codes(self.codes, r), d, m, d_factors, m_factors,
+                        unpack_high(self.codes, r))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
@@ -130,30 +133,43 @@ class Q8Linear(BlockLinear):
     `torch.ops.torchllama.q8_linear` (see `Q4Linear`).
 
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
-    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8, or (G, K/32, 192) in 6 bits
-    where every code is in [−32, 31] (`pack_six`: Q6_K, Q5_0), d (`pack_scales`): (G, K/B, 8)
-    float16 where exact, else float32, or Q6_K's super-blocks (G, K/256, 144) int8; small: a
-    bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the kernel sum longer in int16 (the
-    same bits either way).
+    persistent), packed (`pack_rows`): codes (G, K/32, 256) int8; or (G, K/32, 128), 4-bit
+    indices into a table of 16 values (`Q8Blocks.lut`: IQ4_NL, IQ4_XS, Q3_K); or (G, K/32, 192)
+    in 6 bits where every code is in [−32, 31] (`pack_six`: Q6_K, Q5_0); d (`pack_scales`):
+    (G, K/B, 8) float16 where exact, else float32, or int8 super-blocks (G, K/256, 16 + 8·S);
+    small: a bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the kernel sum longer in
+    int16 (the same bits either way), or with 4-bit codes the (16,) int8 table.
     """
 
     NAMES = ("codes", "d", "small")
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        span = _code_range(weight.codes)
-        if _six_bit(span):
-            codes = pack_rows_six(weight.codes, K // 32)                    # (G, K/32, 192)
+        if weight.lut is not None:
+            idx = lut_indices(weight.codes, weight.lut)                     # (N, K/2)
+            codes = pack_rows(idx, K // 32, 4).view(torch.int8)             # (G, K/32, 128)
+            small = weight.lut.to(torch.int8).contiguous()                   # (16,)
         else:
-            codes = pack_rows(weight.codes, K // 32, 4)                     # (G, K/32, 256)
-        self._init(N, K, [codes, pack_scales(weight.d, weight.d_factors),
-                          torch.tensor(_small(span))], bias)
+            span = _code_range(weight.codes)
+            if _six_bit(span):
+                codes = pack_rows_six(weight.codes, K // 32)                # (G, K/32, 192)
+            else:
+                codes = pack_rows(weight.codes, K // 32, 4)                 # (G, K/32, 256)
+            small = torch.tensor(_small(span))
+        self._init(N, K, [codes, pack_scales(weight.d, weight.d_factors), small], bias)
 
     @property
     def block(self) -> int:
-        """Weights per scale: 32, or 16 (Q6_K; its super-block form is only ever that)."""
-        floats = self.d.dtype in (torch.float32, torch.float16)
-        return 32 if floats and self.d.shape[1] == self.in_features // 32 else 16
+        """Weights per scale: 32, or 16 (Q6_K, Q3_K)."""
+        nd = self.d.shape[1]
+        if self.d.dtype not in (torch.float32, torch.float16):              # super-blocks
+            nd *= (self.d.shape[2] - 16) // 8
+        return self.in_features // nd
+
+    @property
+    def lut(self) -> Optional[torch.Tensor]:
+        """The (16,) int8 table of 4-bit codes, or None."""
+        return self.small if self.small.dim() == 1 else None
 
     @staticmethod
     def small_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -164,12 +180,15 @@ class Q8Linear(BlockLinear):
     def weight_blocks(self, rows: torch.Tensor | None = None) -> Q8Blocks:
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
-        return Q8Blocks(unpack_codes(self.codes, r), *unpack_scales(self.d, r))
+        lut = self.lut
+        codes = unpack_codes(self.codes, r) if lut is None else \
+            unpack_lut_codes(self.codes, lut, r)
+        return Q8Blocks(codes, *unpack_scales(self.d, r), lut)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                # (M, K)
         y = torch.ops.torchllama.q8_linear(x2 if x2.dtype == torch.float32 else x2.float(),
-                                        self.codes, self.d, bool(self.small))  # (M, 8G)
+                                           self.codes, self.d, self.small)  # (M, 8G)
         return self._output(x, y)
 
     def extra_repr(self) -> str:
@@ -208,25 +227,30 @@ class BlockEmbedding(nn.Module):
         if self.packed:
             self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
             self.bits = 4 if isinstance(weight, Q4Linear) else 8
-            tensors = weight.packed()
+            names, tensors = weight.NAMES, weight.packed()            # codes, d, m | small
         else:
             self.num_embeddings, self.embedding_dim = weight.shape
             self.bits = 4 if isinstance(weight, Q4Blocks) else 8
-            tensors = [weight.codes, weight.d] + ([weight.m] if self.bits == 4 else [])
-        for name, t in zip(("codes", "d", "m") if self.bits == 4 else ("codes", "d"), tensors):
+            names = ("codes", "d", "m", "high") if self.bits == 4 else ("codes", "d")
+            tensors = [weight.codes, weight.d] + ([weight.m, weight.high] if self.bits == 4
+                                                  else [])
+        for name, t in zip(names, tensors):
             self.register_buffer(name, t, persistent=False)
 
     def _rows(self, flat: torch.Tensor) -> BlockWeight:
         """The blocks of rows `flat` (R,): read from the packed table, or indexed."""
         if not self.packed:
             if self.bits == 4:
-                return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat])
+                high = None if self.high is None else self.high[flat]
+                return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat], high=high)
             return Q8Blocks(self.codes[flat], self.d[flat])
-        codes = unpack_codes(self.codes, flat)                              # (R, K/2 or K)
         d = unpack_scales(self.d, flat)[0]                                  # (R, nd)
         if self.bits == 4:
-            return Q4Blocks(codes, d, unpack_scales(self.m, flat, d)[0])
-        return Q8Blocks(codes, d)
+            return Q4Blocks(unpack_codes(self.codes, flat), d, unpack_scales(self.m, flat, d)[0],
+                            high=unpack_high(self.codes, flat))
+        if self.small.dim() == 1:                                           # 4-bit indices
+            return Q8Blocks(unpack_lut_codes(self.codes, self.small, flat), d)
+        return Q8Blocks(unpack_codes(self.codes, flat), d)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         flat = tokens.reshape(-1)                                           # (B·T,)

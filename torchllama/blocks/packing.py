@@ -100,15 +100,86 @@ def unpack_six(packed: torch.Tensor) -> torch.Tensor:
     return codes.flatten(-3)                                               # (…, 256)
 
 
+def fifth_bit_plane(high: torch.Tensor) -> torch.Tensor:
+    """`Q4Blocks.high` (N, K/8) → (N, K/8) bytes in the plane's order (blocks_impl.h): per
+    block of 32, byte j (j < 4) holds at bit c the fifth bit of weight 4c + j and at bit 4 + c
+    that of weight 16 + 4c + j, c < 4 (the 4-bit codes' chunk c, low and high nibbles)."""
+    N = high.shape[0]
+    bits = (high.view(N, -1, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # (N, nb, 4, 8)
+    w = bits.reshape(N, -1, 2, 4, 4)               # (N, nb, half h, chunk c, j): 16h + 4c + j
+    shifts = (torch.arange(4, dtype=torch.uint8)[None, :] + 4 * torch.arange(
+        2, dtype=torch.uint8)[:, None]).view(2, 4, 1)                      # 4h + c
+    return (w << shifts).sum(dim=(2, 3), dtype=torch.uint8).reshape(N, -1)   # (N, nb·4)
+
+
+def high_of_plane(plane: torch.Tensor) -> torch.Tensor:
+    """The inverse of `fifth_bit_plane`: (R, K/8) plane bytes → `Q4Blocks.high` (R, K/8)."""
+    R = plane.shape[0]
+    shifts = (torch.arange(4, dtype=torch.uint8)[None, :] + 4 * torch.arange(
+        2, dtype=torch.uint8)[:, None]).view(2, 4, 1)
+    w = (plane.view(R, -1, 1, 1, 4) >> shifts) & 1                          # (R, nb, 2, 4, 4)
+    bits = w.reshape(R, -1, 4, 8)                                           # (R, nb, byte, bit)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).view(R, -1)
+
+
+def pack_q4_codes(w: Q4Blocks) -> torch.Tensor:
+    """Q4's codes packed: (G, K/32, 128) uint8, or with 5-bit codes (`Q4Blocks.high`) (G, K/32,
+    160): each group block's 4-bit codes, then its plane of fifth bits (`fifth_bit_plane`, rows
+    interleaved 4 bytes at a time like the codes, so lane 4r + j is row r's byte j)."""
+    N, K = w.shape
+    codes = pack_rows(w.codes, K // 32, 4)                                  # (G, K/32, 128)
+    if w.high is None:
+        return codes
+    plane = pack_rows(fifth_bit_plane(w.high), K // 32, 4)                 # (G, K/32, 32)
+    out = huge_pages.empty((*codes.shape[:2], 160), torch.uint8)
+    out[..., :128], out[..., 128:] = codes, plane
+    return out
+
+
+def lut_indices(codes: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """int8 codes (N, K), each one of `lut`'s 16 values, → their indices (N, K/2) uint8 in Q4's
+    nibble order (byte j of a block: index j low, j + 16 high). ValueError for a code the
+    table lacks."""
+    inverse = torch.full((256,), 255, dtype=torch.uint8)
+    for i in reversed(range(16)):                                # the first index of a value
+        inverse[int(lut[i]) & 255] = i
+    idx = inverse[codes.view(torch.uint8).long()]                           # (N, K)
+    if bool((idx == 255).any()):
+        raise ValueError("a code is not one of the table's values")
+    N, K = codes.shape
+    halves = idx.view(N, K // 32, 2, 16)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_lut_codes(packed: torch.Tensor, lut: torch.Tensor, rows: torch.Tensor | int
+                     ) -> torch.Tensor:
+    """Codes stored as 4-bit indices ((G, b, 128), `lut_indices` packed) → (R, K) int8."""
+    nibbles = unpack_rows(packed.view(torch.uint8), 4, rows)                # (R, K/2)
+    R = nibbles.shape[0]
+    c = nibbles.view(R, -1, 16)
+    idx = torch.cat([c & 15, c >> 4], dim=-1).view(R, -1)                   # (R, K)
+    return lut[idx.long()]
+
+
 def unpack_codes(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
     """`unpack_rows` of packed codes of any kind (Q4's (G, b, 128) uint8, Q8's (G, b, 256)
-    int8 or their 6-bit form (G, b, 192)): only the rows' groups are expanded."""
+    int8 or their 6-bit form (G, b, 192)): only the rows' groups are expanded. Q4's 5-bit
+    form (G, b, 160): its 4-bit codes (`unpack_high` gives the fifth bits)."""
+    if packed.shape[-1] == 160:
+        return unpack_rows(packed[..., :128], 4, rows)
     if packed.shape[-1] != 192:
         return unpack_rows(packed, 4, rows)
     if isinstance(rows, int):
         return unpack_rows(unpack_six(packed[:(rows + 7) // 8]), 4, rows)
     groups = unpack_six(packed[rows // 8])                                  # (R, b, 256)
     return unpack_rows(groups, 4, 8 * torch.arange(len(rows)) + rows % 8)   # (R, K)
+
+
+def unpack_high(packed: torch.Tensor, rows: torch.Tensor | int) -> Optional[torch.Tensor]:
+    """The fifth bits (`Q4Blocks.high`) of packed Q4 codes' rows, or None for 4-bit codes."""
+    if packed.shape[-1] != 160:
+        return None
+    return high_of_plane(unpack_rows(packed[..., 128:], 4, rows))
 
 
 def _form(values: torch.Tensor, factors: Optional[ScaleFactors]) -> str | torch.dtype:

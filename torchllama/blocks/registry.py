@@ -36,6 +36,10 @@ class BlockType:
         convert: (b (rows, blocks) of `block`, arrays of those rows) → None: the conversion in
             numpy (the readable form; the C++ twin gives the same bits).
         reference: (b (rows, blocks)) → (rows, K) float32: ggml's dequantization, in numpy.
+        high: q4 form only: the codes have a fifth bit, `arrays` holding `Q4Blocks.high`
+            (rows, K/8) uint8 right after d and m (Q5_1, Q5_K).
+        lut: q8 form only: the 16 values every code is one of (`Q8Blocks.lut`; IQ4, Q3_K), or
+            None.
     """
 
     ggml: GGMLType
@@ -45,6 +49,8 @@ class BlockType:
     arrays: Callable[[int, int], list[np.ndarray]]
     convert: Callable[[np.ndarray, list[np.ndarray]], None]
     reference: Callable[[np.ndarray], np.ndarray]
+    high: bool = False
+    lut: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -56,19 +62,30 @@ class BlockType:
         return f"{self.form}_rows"
 
     @property
+    def storage(self) -> str:
+        """How the kernels keep its codes, in words (`torchllama info`)."""
+        if self.form == "q4":
+            return ("5" if self.high else "4") + "-bit codes, a scale and an offset per block"
+        if self.lut is not None:
+            return "4-bit indices into a table of 16 values, a scale per block"
+        return "int8 codes (in 6 bits where they fit), a scale per block"
+
+    @property
     def n_scales(self) -> int:
         """How many of `arrays` after the codes are block scales (d, and m for Q4)."""
         return 2 if self.form == "q4" else 1
 
     def weight(self, arrays: list[np.ndarray]) -> Union[Q4Blocks, Q8Blocks]:
-        """`arrays`, filled, as the kernel form (sharing their memory): [codes, d(, m)] and
-        the factors (super, sub) of d (and m) where given."""
+        """`arrays`, filled, as the kernel form (sharing their memory): [codes, d(, m)], the
+        fifth bits where `high`, then the factors (super, sub) of d (and m) where given."""
         t = [torch.from_numpy(x) for x in arrays]
-        n = 1 + self.n_scales
+        n = 1 + self.n_scales + self.high
         factors = [ScaleFactors(*t[i:i + 2]) for i in range(n, len(t), 2)]
         if self.form == "q4":
-            return Q4Blocks(*t[:3], *factors)
-        return Q8Blocks(*t[:2], *factors)
+            factors += [None] * (2 - len(factors))
+            return Q4Blocks(*t[:3], *factors, high=t[3] if self.high else None)
+        lut = None if self.lut is None else torch.tensor(self.lut, dtype=torch.int8)
+        return Q8Blocks(*t[:2], *(factors or [None]), lut=lut)
 
 
 #: GGML type → its row, filled by the family modules imported below.

@@ -715,7 +715,7 @@ def _quantized(t: Any, quant, source: str, no_kernel: set):
         if typ not in _FLOAT_TYPES:
             no_kernel.add(typ.name)
         return None
-    if (kind is not None and kind.form == "q4" and quant == Scheme(4, 32)) or \
+    if (kind is not None and kind.form == "q4" and not kind.high and quant == Scheme(4, 32)) or \
             (typ == gguf.GGMLQuantizationType.Q8_0 and quant == Scheme(8)):
         return read_blocks(t, source)
     return quantize_weight(_dequantize(t, source).reshape(-1, int(t.shape[0])), quant)
@@ -861,3 +861,51 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         writer.write_tensors_to_file(progress=False)
     finally:
         writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Which kernel each tensor runs on (`torchllama info`)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorPlan:
+    """How `dtype="auto"` runs one GGUF tensor: its name, GGML type, shape (ggml order), bytes
+    in the file, and where its products run."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    n_bytes: int
+    runs_on: str
+
+
+def kernel_plan(path: str | os.PathLike) -> list[TensorPlan]:
+    """Every tensor of a GGUF file with where `torchllama.load(path)` (dtype "auto") runs it,
+    from the tensor list alone (no weights read): a type of `torchllama.blocks.TYPES` on its
+    kernel (e.g. "q4_rows, avx512_vnni: 5-bit codes"), float matrices on f32_linear, vectors as
+    float32, any other quantized type "dequantized (no kernel)". Without torchllama's kernels
+    the block types name torch's int4/int8 fallback.
+
+    Raises:
+        ModelFileError: as `open_gguf`.
+    """
+    from torchllama import kernels
+
+    reader = open_gguf(path)
+    levels = kernels.kernel_levels() if kernels.available() else {}
+    plans = []
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in t.shape)
+        kind = block_type(t.tensor_type)
+        if len(shape) == 1:
+            runs_on = "float32 vector"
+        elif kind is not None:
+            runs_on = (f"{kind.kernel} ({levels[kind.kernel]}): {kind.storage}" if levels else
+                       "torch's int4/int8 kernels (torchllama's kernels unavailable)")
+        elif t.tensor_type in _FLOAT_TYPES:
+            runs_on = (f"f32_linear ({levels['linear_rows']}): float32" if levels else
+                       "torch's float32 matmul")
+        else:
+            runs_on = "dequantized to float32 (no kernel for this type)"
+        plans.append(TensorPlan(t.name, t.tensor_type.name, shape, int(t.n_bytes), runs_on))
+    return plans

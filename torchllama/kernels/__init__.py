@@ -1,6 +1,7 @@
-"""torchllama's own CPU kernels: matrix products of GGUF block weights (Q4_0, Q4_1, Q4_K as
-4-bit blocks; Q8_0, Q5_0, Q6_K as 8-bit blocks) with activations quantized to int8 per block
-of 32, computed by integer dot products (csrc/blocks.cpp explains the method and its sources).
+"""torchllama's own CPU kernels: matrix products of GGUF block weights (the types of
+torchllama.blocks' registry, in two kernel forms: 4- or 5-bit unsigned codes with a scale and
+an offset; int8 codes, stored in 8, 6 or 4 bits, with a scale) with activations quantized to
+int8 per block of 32, computed by integer dot products (csrc/blocks.cpp explains the method and its sources).
 
 The C++ source is built once by `torch.utils.cpp_extension` (the system C++ compiler and the
 `ninja` package) into a cache folder keyed by the sources, the torch version and the flags:
@@ -13,10 +14,13 @@ Where the build is impossible (no compiler, no ninja) or `TORCHLLAMA_KERNELS=0` 
 warning is printed and the callers (`torchllama.transforms.quantize`) use torch's own int4/int8 kernels.
 
 Ops, once `available()` returned True (shapes: x (M, K) float32; y (M, N) float32):
-    torch.ops.torchllama.q4_linear(x, codes (N/8, K/32, 128) uint8, d (N/8, K/32, 8), m (same))
+    torch.ops.torchllama.q4_linear(x, codes (N/8, K/32, 128) uint8 or (N/8, K/32, 160) (5-bit
+                                   codes), d (N/8, K/32, 8), m (same))
     torch.ops.torchllama.q8_linear(x, codes (N/8, K/32, 256) int8 or (N/8, K/32, 192) (6-bit
-                                   codes in [−32, 31]), d (N/8, K/32 or K/16, 8), small)
-    (weights in the packed layout: csrc/blocks_impl.h; transforms.quantize packs them)
+                                   codes in [−32, 31]) or (N/8, K/32, 128) (4-bit indices),
+                                   d (N/8, K/32 or K/16, 8), small (a bool scalar, or the
+                                   (16,) int8 table of 4-bit indices))
+    (weights in the packed layout: csrc/blocks_impl.h; torchllama.blocks packs them)
     torch.ops.torchllama.pack_six(codes (N, K) int8 in [−32, 31]) → (N/8, K/32, 192): the
         6-bit packed codes in one pass (blocks.packing.pack_six is the readable form)
     torch.ops.torchllama.gguf_blocks(raw (rows, bytes) uint8, GGML type, out arrays) → the count
@@ -37,6 +41,9 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
     torch.ops.torchllama.decoder_layer(x (B, T, D), …) → (B, T, D): a whole Llama or Gemma
         layer, or a Mixtral / Qwen3-MoE / OLMoE one (softmax router, stacked experts), with
         block weights, the same kernels in one call (csrc/decoder.cpp)
+    torch.ops.torchllama.read_bytes(buf (n,) uint8, threads=0, streams=2, prefetch=0, nt=False,
+        level=-1, chunk=4 MiB) → int64 XOR of buf's 64-bit words: the memory read kernel that
+        bench.roofline times (csrc/bandwidth.cpp); read_level() → 2 AVX-512, 1 AVX2, 0 scalar
     torch.ops.torchllama.isa() → "scalar", "avx2", "avx512" (F/VL/BW: its block products on
         AVX2), "avx512_vnni", …: one row of csrc/dispatch.cpp's ISAS; isa_names() → every row's
     torch.ops.torchllama.kernel_levels(isa) → ["q4_rows=avx2", …] (see kernel_levels())
@@ -58,13 +65,13 @@ CSRC = Path(__file__).parent / "csrc"
 #: kernels.h: the table and the CPU features; dispatch.cpp: the CPU scored once, the table built;
 #: arch/*.cpp: one table per instruction set (the *_impl.h SIMD code compiled for it);
 #: blocks.cpp, layers.cpp, decoder.cpp: the ATen glue and the ops (ops.h); gguf_blocks.cpp: the
-#: GGUF loader's conversion of a matrix's blocks.
-#: arch/*.cpp: one kernel table per instruction set (a row of dispatch.cpp's ISAS each).
+#: GGUF loader's conversion of a matrix's blocks; bandwidth.cpp: the memory read kernel of
+#: bench.roofline.
 ARCH = tuple(sorted(f"arch/{p.name}" for p in (CSRC / "arch").glob("*.cpp")))
 #: types/*.cpp: the GGUF block types' conversions, one file per type family (torchllama.blocks).
 TYPES = tuple(sorted(f"types/{p.name}" for p in (CSRC / "types").glob("*.cpp")))
 COMPILED = ("dispatch.cpp",) + ARCH + ("blocks.cpp", "layers.cpp", "decoder.cpp",
-                                      "gguf_blocks.cpp") + TYPES
+                                      "gguf_blocks.cpp", "bandwidth.cpp") + TYPES
 SOURCES = ("kernels.h", "ops.h", "blocks_impl.h", "layers_impl.h", "linear_impl.h",
            "types/types.h") + COMPILED
 #: -ffp-contract=off: no implicit FMA, so every instruction set rounds the same way.

@@ -375,7 +375,13 @@ def fuse_rows(linears: list[nn.Module]) -> Optional[nn.Module]:
             joined = torch.cat(tensors, out=huge_pages.empty(
                 (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype))
         parts.append(joined)                                                # (ΣG, ·, ·)
-    if isinstance(first, Q8Linear):                         # small where every part is
+    if isinstance(first, Q8Linear) and first.lut is not None:     # 4-bit: one table for all
+        if not all(lin.lut is not None and torch.equal(lin.lut, first.lut) for lin in linears):
+            return None
+        parts.append(first.lut)
+    elif isinstance(first, Q8Linear):                             # small where every part is
+        if any(lin.lut is not None for lin in linears):
+            return None
         parts.append(torch.tensor(all(bool(lin.small) for lin in linears)))
     bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
     N = sum(lin.out_features for lin in linears)
@@ -421,7 +427,8 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
     forms = _scale_forms(weight)          # a part of float16, super-block or c·d scales is so
     if torch.float32 in forms and any(_scale_forms(w) != forms for w in weight.split_rows(sizes)):
         return None                           # too; of float32 ones it may be float16 alone
-    spans = [] if q4 else [_code_range(weight.codes[a:b]) for a, b in bounds]   # per part
+    spans = [] if q4 or weight.lut is not None else \
+        [_code_range(weight.codes[a:b]) for a, b in bounds]                   # per part
     if len({_six_bit(span) for span in spans}) > 1:
         return None                           # codes in 6 bits and in 8
     fused = (Q4Linear if q4 else Q8Linear)(weight)                  # packed once
@@ -430,7 +437,7 @@ def fused_linears(weight: BlockWeight, sizes: list[int]) -> Optional[list[BlockL
         packed = [t[a // 8:b // 8] if t.dim() else t                    # (G_i, ·, ·), or c
                   for t in fused.packed()[:3 if q4 else 2]]
         if not q4:                                    # as `Q8Linear` decides it, per part
-            packed.append(torch.tensor(_small(spans[i])))
+            packed.append(fused.lut if fused.lut is not None else torch.tensor(_small(spans[i])))
         parts.append(type(fused).from_packed(b - a, fused.in_features, packed))
     return [fused] + parts
 

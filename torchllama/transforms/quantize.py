@@ -240,7 +240,7 @@ def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = Non
     if isinstance(weight, (Q4Blocks, Q8Blocks)):
         if kernels.available():
             return (Q4Linear if isinstance(weight, Q4Blocks) else Q8Linear)(weight, bias)
-        if isinstance(weight, Q4Blocks) and weight.shape[0] % 16 == 0:
+        if isinstance(weight, Q4Blocks) and weight.shape[0] % 16 == 0 and weight.high is None:
             weight = weight.to_int4()
         else:
             weight = (Q8Blocks.from_float(weight.dequantize()) if isinstance(weight, Q4Blocks)

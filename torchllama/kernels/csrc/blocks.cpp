@@ -147,29 +147,35 @@ static int32_t scale_form(const at::Tensor& t, int64_t G, int64_t nd) {
   const auto type = t.scalar_type();
   if ((type == at::kFloat || type == at::kHalf) && t.size(1) == nd && t.size(2) == 8)
     return type == at::kFloat ? scale_f32 : scale_f16;
-  const int64_t S = type == at::kByte ? 8 : type == at::kChar ? 16 : 0;   // subs per super
-  if (S && nd % S == 0 && t.size(1) == nd / S && t.size(2) == 16 + 8 * S)
-    return type == at::kByte ? scale_super_u8 : scale_super_i8;
+  if (type != at::kByte && type != at::kChar) return -1;
+  for (int32_t form : {scale_super_u8, scale_super_i8, scale_super_i8_8}) {
+    const int64_t S = subs_per_super(form);                              // subs per super
+    if ((type == at::kChar) == signed_subs(form) && nd % S == 0 && t.size(1) == nd / S &&
+        t.size(2) == 16 + 8 * S)
+      return form;
+  }
   return -1;
 }
 
 // The Q4 weight of packed buffers (argument checks: the ops' messages name `op`).
 static Q4Weight q4_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                           const char* op) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 128 && codes.scalar_type() == at::kByte &&
-              codes.is_contiguous(), op, ": codes must be contiguous uint8 (N/8, K/32, "
-              "128) (the packed layout), got ", codes.sizes());
+  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == 128 || codes.size(2) == 160) &&
+              codes.scalar_type() == at::kByte && codes.is_contiguous(), op, ": codes must be "
+              "contiguous uint8 (N/8, K/32, 128) (the packed layout) or (N/8, K/32, 160) (5-bit "
+              "codes), got ", codes.sizes());
   const int64_t G = codes.size(0), nb = codes.size(1);
+  const bool five = codes.size(2) == 160;
   const int32_t d_form = scale_form(d, G, nb);
   const bool times_d = m.dim() == 0 && m.scalar_type() == at::kFloat;
   const int32_t m_form = times_d ? scale_times_d : scale_form(m, G, nb);
   TORCH_CHECK((d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_u8) &&
-              (m_form == d_form || m_form == scale_times_d), op,
+              (m_form == d_form || (m_form == scale_times_d && !five)), op,
               ": d must be contiguous float32 or float16 (N/8, K/32, 8) or uint8 "
               "super-blocks (N/8, K/256, 80); m the same form, or a float32 scalar c (m = c·d); "
               "got d ", d.sizes(), " ", d.scalar_type(), ", m ", m.sizes(), " ", m.scalar_type());
   return Q4Weight{codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), G, 32 * nb,
-                  d_form, m_form, times_d ? m.item<float>() : 0.f};
+                  d_form, m_form, times_d ? m.item<float>() : 0.f, five};
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
@@ -177,30 +183,48 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return product(x, q4_weight(codes, d, m, "q4_linear"), "q4_linear");
 }
 
-static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, bool small,
+// `small`: a bool scalar (8- or 6-bit codes: every |code| ≤ 32), or the int8 table of 16 values
+// of 4-bit codes (then small where every |value| ≤ 32).
+static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& small_,
                           const char* op) {
-  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == 256 || codes.size(2) == 192) &&
-              codes.scalar_type() == at::kChar && codes.is_contiguous(), op, ": codes "
-              "must be contiguous int8 (N/8, K/32, 256) (the packed layout) or (N/8, K/32, 192) "
-              "(6-bit codes), got ", codes.sizes());
+  const bool has_lut = small_.dim() == 1;
+  TORCH_CHECK(has_lut ? small_.size(0) == 16 && small_.scalar_type() == at::kChar &&
+                            small_.is_contiguous()
+                      : small_.dim() == 0 && small_.scalar_type() == at::kBool, op,
+              ": small must be a bool scalar, or the (16,) int8 table of 4-bit codes; got ",
+              small_.sizes(), " ", small_.scalar_type());
+  const int64_t width = has_lut ? 128 : codes.size(-1);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == width && (width == 256 || width == 192 ||
+              width == 128) && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
+              ": codes must be contiguous int8 (N/8, K/32, 256) (the packed layout), (N/8, K/32, "
+              "192) (6-bit codes) or, with a table, (N/8, K/32, 128) (4-bit), got ",
+              codes.sizes());
+  const int8_t* lut = has_lut ? small_.data_ptr<int8_t>() : nullptr;
+  bool small = !has_lut && small_.item<bool>();
+  if (has_lut) {
+    small = true;
+    for (int i = 0; i < 16; ++i) small = small && lut[i] >= -32 && lut[i] <= 32;
+  }
   const int64_t G = codes.size(0), nb = codes.size(1);
   const bool six = codes.size(2) == 192;
   TORCH_CHECK(!six || small, op, ": 6-bit codes are small (within ±32): small must be true");
   int64_t block = 32;
   int32_t d_form = scale_form(d, G, nb);
-  if (d_form != scale_f32 && d_form != scale_f16) {
+  if (d_form != scale_f32 && d_form != scale_f16 && d_form != scale_super_i8_8) {
     block = 16;
     d_form = scale_form(d, G, 2 * nb);
   }
-  TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || d_form == scale_super_i8, op,
+  TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || (d_form == scale_super_i8 &&
+              block == 16) || (d_form == scale_super_i8_8 && block == 32), op,
               ": d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
-              "int8 super-blocks of 16 scales (N/8, K/256, 144); got ", d.sizes(), " ",
-              d.scalar_type());
-  return Q8Weight{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six};
+              "int8 super-blocks of 16 scales (N/8, K/256, 144) or of 8 (N/8, K/256, 80); got ",
+              d.sizes(), " ", d.scalar_type());
+  return Q8Weight{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six,
+                  lut};
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                     bool small) {
+                     const at::Tensor& small) {
   return product(x, q8_weight(codes, d, small, "q8_linear"), "q8_linear");
 }
 
@@ -324,9 +348,9 @@ at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
 
 at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
-                             const at::Tensor& codes, const at::Tensor& d, bool small) {
-  return experts_linear(x, tokens, experts, n_experts,
-                        {codes, d, at::scalar_tensor(small, at::kBool)});
+                             const at::Tensor& codes, const at::Tensor& d,
+                             const at::Tensor& small) {
+  return experts_linear(x, tokens, experts, n_experts, {codes, d, small});
 }
 
 at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& tokens,
@@ -343,7 +367,7 @@ at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& tokens,
   }
   std::vector<Stacked<Q8Weight>> parts;
   for (size_t i = 0; i < w.size(); i += 3)
-    parts.push_back({q8_weight(w[i], w[i + 1], w[i + 2].item<bool>(), "q8_linear_experts"),
+    parts.push_back({q8_weight(w[i], w[i + 1], w[i + 2], "q8_linear_experts"),
                      w[i], w[i + 1], w[i + 1]});
   return expert_product(x, tokens, experts, n_experts, parts, "q8_linear_experts");
 }
@@ -390,11 +414,11 @@ static at::Tensor pack_six(const at::Tensor& codes_) {
 
 TORCH_LIBRARY(torchllama, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor codes, Tensor d, bool small=False) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor d, Tensor small) -> Tensor");
   m.def("q4_linear_experts(Tensor x, Tensor tokens, Tensor experts, int n_experts, Tensor codes, "
         "Tensor d, Tensor m) -> Tensor");
   m.def("q8_linear_experts(Tensor x, Tensor tokens, Tensor experts, int n_experts, Tensor codes, "
-        "Tensor d, bool small=False) -> Tensor");
+        "Tensor d, Tensor small) -> Tensor");
   m.def("quantize_act(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("pack_six(Tensor codes) -> Tensor");
   m.def("isa() -> str", &torchllama::isa_name);

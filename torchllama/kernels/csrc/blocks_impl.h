@@ -107,7 +107,7 @@ static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* 
 // ---- scales: value j of row r of group g, nd values a row, stored in form F -----------------
 template <int F>
 static inline const uint8_t* super_block(const void* p, int64_t g, int64_t j, int64_t nd) {
-  constexpr int64_t S = F == scale_super_u8 ? 8 : 16;            // sub-scales per super-block
+  constexpr int64_t S = subs_per_super(F);                        // sub-scales per super-block
   return static_cast<const uint8_t*>(p) + (g * (nd / S) + j / S) * (16 + 8 * S);
 }
 
@@ -126,12 +126,12 @@ static inline float scale_at(const void* p, int64_t g, int64_t j, int64_t nd, in
   } else if constexpr (F == scale_f16) {
     return half_to_float(static_cast<const uint16_t*>(p)[(g * nd + j) * 8 + r]);
   } else {
-    constexpr int64_t S = F == scale_super_u8 ? 8 : 16;
+    constexpr int64_t S = subs_per_super(F);
     const uint8_t* u = super_block<F>(p, g, j, nd);
     uint16_t D;
     std::memcpy(&D, u + 2 * r, 2);
     const uint8_t sub = u[16 + 8 * (j % S) + r];
-    return half_to_float(D) * float(F == scale_super_u8 ? int(sub) : int(int8_t(sub)));
+    return half_to_float(D) * float(signed_subs(F) ? int(int8_t(sub)) : int(sub));
   }
 }
 
@@ -152,23 +152,40 @@ static inline void six_to_eight(const uint8_t* p, int8_t* out) {
     }
 }
 
+// One 4-bit block of a row group (128 bytes of indices in Q4's arrangement) as Q8's 256 int8
+// codes: each index looked up in the weight's table of 16 values (the layout above).
+static inline void lut_to_eight(const uint8_t* p, const int8_t* lut, int8_t* out) {
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      out[32 * c + l] = lut[p[32 * c + l] & 15];
+      out[32 * (4 + c) + l] = lut[p[32 * c + l] >> 4];
+    }
+}
+
+// Bytes of one block of a row group: 4-bit codes, or 5-bit ones (their fifth bits' plane after
+// the nibbles: lane l's bit c that of the low-nibble weight of chunk c, bit 4 + c the high's).
+static inline int64_t q4_block_bytes(bool five) { return five ? 160 : 128; }
+
 #if ISA_LEVEL == 0
 // ---- the reference: one output row at a time, the order above spelled out --------------------
-template <int DF, int MF>
+template <int DF, int MF, bool FIVE>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
-  const int64_t nb = w.K / 32, N = w.G * 8;
+  const int64_t nb = w.K / 32, N = w.G * 8, BB = q4_block_bytes(FIVE);
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t g = g0; g < g1; ++g)
       for (int r = 0; r < 8; ++r) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = w.codes + (g * nb + b) * 128;
+          const uint8_t* blk = w.codes + (g * nb + b) * BB;
           const int8_t* x = a.q + m * a.K + 32 * b;
           int32_t isum = 0;
           for (int c = 0; c < 4; ++c)
             for (int j = 0; j < 4; ++j) {
               const uint8_t byte = blk[32 * c + 4 * r + j];
-              isum += int32_t(byte & 15) * x[4 * c + j] + int32_t(byte >> 4) * x[16 + 4 * c + j];
+              const uint8_t top = FIVE ? blk[128 + 4 * r + j] : 0;
+              const int32_t lo = (byte & 15) | (((top >> c) & 1) << 4);
+              const int32_t hi = (byte >> 4) | (((top >> (4 + c)) & 1) << 4);
+              isum += lo * x[4 * c + j] + hi * x[16 + 4 * c + j];
             }
           const float dd = scale_at<DF>(w.d, g, b, nb, r) * a.d[m * nb + b];
           acc = std::fma(float(isum), dd, acc);
@@ -187,9 +204,10 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
           int8_t expanded[256];
-          if (w.six)
-            six_to_eight(reinterpret_cast<const uint8_t*>(w.codes) + (g * nb + b) * 192, expanded);
-          const int8_t* blk = w.six ? expanded : w.codes + (g * nb + b) * 256;
+          const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
+          if (w.six) six_to_eight(raw + (g * nb + b) * 192, expanded);
+          if (w.lut) lut_to_eight(raw + (g * nb + b) * 128, w.lut, expanded);
+          const int8_t* blk = w.six || w.lut ? expanded : w.codes + (g * nb + b) * 256;
           const int8_t* x = a.q + m * a.K + 32 * b;
           for (int h = 0; h < 32 / B; ++h) {          // the block's one or two scales
             int32_t isum = 0;
@@ -213,11 +231,11 @@ static inline __m256 scales8(const void* p, int64_t g, int64_t j, int64_t nd) {
     return _mm256_cvtph_ps(_mm_loadu_si128(
         (const __m128i*)(static_cast<const uint16_t*>(p) + (g * nd + j) * 8)));
   } else {
-    constexpr int64_t S = F == scale_super_u8 ? 8 : 16;
+    constexpr int64_t S = subs_per_super(F);
     const uint8_t* u = super_block<F>(p, g, j, nd);
     const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u));
     const __m128i s8 = _mm_loadl_epi64((const __m128i*)(u + 16 + 8 * (j % S)));
-    const __m256i s32 = F == scale_super_u8 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+    const __m256i s32 = signed_subs(F) ? _mm256_cvtepi8_epi32(s8) : _mm256_cvtepu8_epi32(s8);
     return _mm256_mul_ps(D, _mm256_cvtepi32_ps(s32));                  // exact
   }
 }
@@ -250,27 +268,45 @@ static inline int64_t prefetch_ahead(int64_t b, int64_t nb, int TG, int64_t byte
   return (b + PF < nb ? PF : (TG - 1) * nb + PF) * bytes;
 }
 
+// The fifth bits of chunk c's low-nibble (HI = 0) or high-nibble (HI = 1) weights, at bit 4 of
+// each byte, from a block's plane `top` (the layout above) shifted right by c already.
+template <int HI>
+static inline __m256i fifth_bits(__m256i top_c) {
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  return _mm256_and_si256(HI ? top_c : _mm256_slli_epi16(top_c, 4), bit4);
+}
+
 // Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
-// 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32.
-template <int TM, int TG, int DF, int MF>
+// 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32. 5-bit codes (FIVE):
+// two chunks' int16 sums (≤ 4 · 2 · 31 · 127 = 31496) to int32 at a time.
+template <int TM, int TG, int DF, int MF, bool FIVE = false>
 static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0, float* y) {
+  constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
   const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s16[TM][TG];
+    __m256i s16[TM][TG], s32[TM][TG], top[TG];
     for (int i = 0; i < TM; ++i)
-      for (int g = 0; g < TG; ++g) s16[i][g] = _mm256_setzero_si256();
+      for (int g = 0; g < TG; ++g) s16[i][g] = s32[i][g] = _mm256_setzero_si256();
+    if (FIVE)
+      for (int g = 0; g < TG; ++g)
+        top[g] = _mm256_loadu_si256((const __m256i*)(w.codes + ((g0 + g) * nb + b) * BB + 128));
     for (int c = 0; c < 4; ++c) {
       __m256i lo[TG], hi[TG];
       for (int g = 0; g < TG; ++g) {
-        const uint8_t* p = w.codes + ((g0 + g) * nb + b) * 128 + 32 * c;
-        if (TM == 1) _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * 128)), _MM_HINT_T0);
+        const uint8_t* p = w.codes + ((g0 + g) * nb + b) * BB + 32 * c;
+        if (TM == 1) _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * BB)), _MM_HINT_T0);
         const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
         lo[g] = _mm256_and_si256(raw, m4);                                  // q[4c..4c+3]
         hi[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);           // q[16+4c..]
+        if (FIVE) {
+          lo[g] = _mm256_or_si256(lo[g], fifth_bits<0>(top[g]));
+          hi[g] = _mm256_or_si256(hi[g], fifth_bits<1>(top[g]));
+          top[g] = _mm256_srli_epi16(top[g], 1);                         // chunk c + 1's bits
+        }
       }
       for (int i = 0; i < TM; ++i) {
         const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
@@ -279,6 +315,12 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
           s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
               _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
       }
+      if (FIVE && c == 1)
+        for (int i = 0; i < TM; ++i)
+          for (int g = 0; g < TG; ++g) {
+            s32[i][g] = _mm256_madd_epi16(s16[i][g], ones);
+            s16[i][g] = _mm256_setzero_si256();
+          }
     }
     __m256 dw[TG], mw[TG];
     for (int g = 0; g < TG; ++g) {
@@ -290,7 +332,8 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
       const __m256 sx = _mm256_set1_ps(a.s[(m0 + i) * nb + b]);
       for (int g = 0; g < TG; ++g) {
-        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][g], ones));
+        const __m256i sum = _mm256_madd_epi16(s16[i][g], ones);
+        const __m256 isum = _mm256_cvtepi32_ps(FIVE ? _mm256_add_epi32(s32[i][g], sum) : sum);
         acc[i][g] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[g], dx), acc[i][g]);
         acc[i][g] = _mm256_fmadd_ps(mw[g], sx, acc[i][g]);
       }
@@ -312,26 +355,43 @@ static inline __m512 scales16(const void* p, int64_t g, int64_t j, int64_t nd) {
       _mm256_castps_pd(scales8<F>(p, g + 1, j, nd)), 1));
 }
 
-template <int TM, int TG, int DF, int MF>
+// fifth_bits of two blocks side by side (a zmm of two planes).
+template <int HI>
+static inline __m512i fifth_bits512(__m512i top_c) {
+  const __m512i bit4 = _mm512_set1_epi8(0x10);
+  return _mm512_and_si512(HI ? top_c : _mm512_slli_epi16(top_c, 4), bit4);
+}
+static inline __m512i two_planes(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+                            _mm256_loadu_si256((const __m256i*)p1), 1);
+}
+
+template <int TM, int TG, int DF, int MF, bool FIVE = false>
 static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0,
                                 float* y) {
   constexpr int TP = TG / 2;                               // group pairs
+  constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
   const __m512i m4 = _mm512_set1_epi8(15);
   __m512 acc[TM][TP];
   for (int i = 0; i < TM; ++i)
     for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i s32[TM][TP];
+    __m512i s32[TM][TP], top[TP];
     for (int i = 0; i < TM; ++i)
       for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+    if (FIVE)
+      for (int t = 0; t < TP; ++t) {
+        const uint8_t* q0 = w.codes + ((g0 + 2 * t) * nb + b) * BB + 128;
+        top[t] = two_planes(q0, q0 + nb * BB);
+      }
     for (int c = 0; c < 4; ++c) {
       __m512i lo[TP], hi[TP];                  // the pairs' weights, unpacked once for TM rows
       for (int t = 0; t < TP; ++t) {
-        const uint8_t* p0 = w.codes + ((g0 + 2 * t) * nb + b) * 128 + 32 * c;
-        const uint8_t* p1 = p0 + nb * 128;                                  // group g + 1
+        const uint8_t* p0 = w.codes + ((g0 + 2 * t) * nb + b) * BB + 32 * c;
+        const uint8_t* p1 = p0 + nb * BB;                                   // group g + 1
         if (c == 0) {
-          const int64_t ahead = prefetch_ahead(b, nb, TG, 128);
+          const int64_t ahead = prefetch_ahead(b, nb, TG, BB);
           _mm_prefetch((const char*)(p0 + ahead), _MM_HINT_T0);
           _mm_prefetch((const char*)(p0 + ahead + 64), _MM_HINT_T0);
           _mm_prefetch((const char*)(p1 + ahead), _MM_HINT_T0);
@@ -342,6 +402,11 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
             _mm256_loadu_si256((const __m256i*)p1), 1);
         lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
         hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
+        if (FIVE) {
+          lo[t] = _mm512_or_si512(lo[t], fifth_bits512<0>(top[t]));
+          hi[t] = _mm512_or_si512(hi[t], fifth_bits512<1>(top[t]));
+          top[t] = _mm512_srli_epi16(top[t], 1);
+        }
       }
       for (int i = 0; i < TM; ++i) {
         const int8_t* x = a.q + (m0 + i) * a.K + 32 * b;
@@ -377,12 +442,13 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
 // at K = 2048. Two blocks per zmm (lanes 0-7 block b, 8-15 block b + 1: the same 8 rows), the
 // integer sums exact as q4_tile's, and the float epilogue block after block as q4_tile's: the
 // same bits.
-template <int DF, int MF>
+template <int DF, int MF, bool FIVE = false>
 static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64_t g, float* y) {
+  constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
   const __m512i m4 = _mm512_set1_epi8(15);
   const int8_t* x = a.q + m * a.K;
-  const uint8_t* codes = w.codes + g * nb * 128;
+  const uint8_t* codes = w.codes + g * nb * BB;
   __m256 acc = _mm256_setzero_ps();
   const auto add_block = [&](__m256i s32, int64_t b) {      // q4_tile's epilogue, one block
     const __m256 dw = scales8<DF>(w.d, g, b, nb);
@@ -395,15 +461,19 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
   const auto x4 = [&](int64_t i) { int32_t v; std::memcpy(&v, x + i, 4); return v; };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    const uint8_t* p = codes + b * 128;
-    for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)(p + PF_ROW + l), _MM_HINT_T0);
+    const uint8_t* p = codes + b * BB;
+    for (int l = 0; l < 2 * BB; l += 64) _mm_prefetch((const char*)(p + PF_ROW + l), _MM_HINT_T0);
     __m512i s32 = _mm512_setzero_si512();
+    __m512i top = FIVE ? two_planes(p + 128, p + BB + 128) : _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      const __m512i both = _mm512_inserti64x4(                             // blocks b, b + 1
-          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(p + 32 * c))),
-          _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * c)), 1);
-      const __m512i lo = _mm512_and_si512(both, m4);                        // q[4c..4c+3]
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), m4); // q[16+4c..]
+      const __m512i both = two_planes(p + 32 * c, p + BB + 32 * c);        // blocks b, b + 1
+      __m512i lo = _mm512_and_si512(both, m4);                              // q[4c..4c+3]
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), m4);       // q[16+4c..]
+      if (FIVE) {
+        lo = _mm512_or_si512(lo, fifth_bits512<0>(top));
+        hi = _mm512_or_si512(hi, fifth_bits512<1>(top));
+        top = _mm512_srli_epi16(top, 1);
+      }
       const int64_t i0 = 32 * b + 4 * c, i1 = i0 + 32;                      // blocks b, b + 1
       const __m512i vl = _mm512_inserti64x4(_mm512_set1_epi32(x4(i0)),
                                             _mm256_set1_epi32(x4(i1)), 1);
@@ -415,12 +485,18 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
     add_block(_mm512_extracti64x4_epi64(s32, 1), b + 1);
   }
   if (b < nb) {                                             // an odd last block
-    const uint8_t* p = codes + b * 128;
+    const uint8_t* p = codes + b * BB;
     __m256i s32 = _mm256_setzero_si256();
+    __m256i top = FIVE ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
-      const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+      __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+      if (FIVE) {
+        lo = _mm256_or_si256(lo, fifth_bits<0>(top));
+        hi = _mm256_or_si256(hi, fifth_bits<1>(top));
+        top = _mm256_srli_epi16(top, 1);
+      }
       const int64_t i0 = 32 * b + 4 * c;
       s32 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s32, lo, _mm256_set1_epi32(x4(i0))), hi,
                                 _mm256_set1_epi32(x4(i0 + 16)));
@@ -433,33 +509,48 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
 // Decode on VNNI: one activation row, group after group (q4_row_vnni); more rows per tile of DG
 // groups, 4, then 2, then 1 at a time (the weights unpacked once per tile of rows); single
 // groups after, AVX2's.
-template <int DF, int MF>
+template <int DF, int MF, bool FIVE>
 static inline void q4_decode_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g_begin,
                                   int64_t g_end) {
   if (a.M == 1) {
-    for (int64_t g = g_begin; g < g_end; ++g) q4_row_vnni<DF, MF>(a, 0, w, g, y);
+    for (int64_t g = g_begin; g < g_end; ++g) q4_row_vnni<DF, MF, FIVE>(a, 0, w, g, y);
     return;
   }
   int64_t g = g_begin;
   for (; g + DG <= g_end; g += DG) {
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) q4_tile_vnni<4, DG, DF, MF>(a, m, w, g, y);
-    for (; m + 2 <= a.M; m += 2) q4_tile_vnni<2, DG, DF, MF>(a, m, w, g, y);
-    for (; m < a.M; ++m) q4_tile_vnni<1, DG, DF, MF>(a, m, w, g, y);
+    for (; m + 4 <= a.M; m += 4) q4_tile_vnni<4, DG, DF, MF, FIVE>(a, m, w, g, y);
+    for (; m + 2 <= a.M; m += 2) q4_tile_vnni<2, DG, DF, MF, FIVE>(a, m, w, g, y);
+    for (; m < a.M; ++m) q4_tile_vnni<1, DG, DF, MF, FIVE>(a, m, w, g, y);
   }
   for (; g < g_end; ++g)
-    for (int64_t m = 0; m < a.M; ++m) q4_tile<1, 1, DF, MF>(a, m, w, g, y);
+    for (int64_t m = 0; m < a.M; ++m) q4_tile<1, 1, DF, MF, FIVE>(a, m, w, g, y);
 }
 #endif
 
 // Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
 // can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
 // |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
-template <int TM, int TG, int B, int DF, bool SMALL>
+// Codes as 4-bit indices (Q8Weight::lut): chunk c's int8 codes, looked up (vpshufb) in the
+// table of 16 values from the indices in the low (c < 4) or high (c ≥ 4) nibbles of the block's
+// bytes of chunk c % 4 (the layout above).
+static inline __m256i lut_chunk(const uint8_t* blk, int c, __m256i table) {
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 32 * (c & 3)));
+  const __m256i idx = _mm256_and_si256(c < 4 ? raw : _mm256_srli_epi16(raw, 4),
+                                       _mm256_set1_epi8(15));
+  return _mm256_shuffle_epi8(table, idx);
+}
+static inline __m256i lut_table(const int8_t* lut) {             // the 16 values, both lanes
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)lut));
+}
+
+template <int TM, int TG, int B, int DF, bool SMALL, bool LUT = false>
 static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y) {
   constexpr int H = 32 / B;                          // scales per block
+  constexpr int64_t BB = LUT ? 128 : 256;            // bytes of a group's block
   const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i table = LUT ? lut_table(w.lut) : _mm256_setzero_si256();
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
@@ -475,10 +566,12 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
       for (int c = 4 * q; c < 4 * q + 4; ++c) {
         __m256i wv[TG], wa[TG];
         for (int g = 0; g < TG; ++g) {
-          const int8_t* p = w.codes + ((g0 + g) * nb + b) * 256 + 32 * c;
-          if (TM == 1 && c % 2 == 0)
-            _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * 256)), _MM_HINT_T0);
-          wv[g] = _mm256_loadu_si256((const __m256i*)p);
+          const int8_t* blk = w.codes + ((g0 + g) * nb + b) * BB;
+          const int8_t* p = blk + 32 * (LUT ? c & 3 : c);
+          if (TM == 1 && c % 2 == 0 && (!LUT || c < 4))
+            _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * BB)), _MM_HINT_T0);
+          wv[g] = LUT ? lut_chunk(reinterpret_cast<const uint8_t*>(blk), c, table)
+                      : _mm256_loadu_si256((const __m256i*)p);
           wa[g] = _mm256_abs_epi8(wv[g]);
         }
         for (int i = 0; i < TM; ++i) {
@@ -522,6 +615,12 @@ static inline __m256i six_u(const uint8_t* p) {
   const __m256i at45 = C == 2 ? top : C == 3 ? _mm256_srli_epi16(top, 2)   // bits 2C, 2C+1 → 4, 5
                                              : _mm256_slli_epi16(top, 4 - 2 * C);
   return _mm256_or_si256(nib, _mm256_and_si256(at45, _mm256_set1_epi8(0x30)));
+}
+
+// A block of 4-bit indices at p as Q8's 8 chunks of int8 codes (prefill's expansion, as
+// six_to_eight8's).
+static inline void lut_to_eight8(const uint8_t* p, __m256i table, int8_t* out) {
+  for (int c = 0; c < 8; ++c) _mm256_storeu_si256((__m256i*)(out + 32 * c), lut_chunk(p, c, table));
 }
 
 // The block at p as Q8's 8 chunks of int8 codes (prefill expands a tile's blocks once per chunk
@@ -675,16 +774,17 @@ struct ScaleBuffer {
 };
 static thread_local ScaleBuffer scale_buffer;
 
-template <int DF, int MF>
+template <int DF, int MF, bool FIVE>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int PM = TILES[0], PG = TILES[1];
+  constexpr int64_t BB = FIVE ? 160 : 128;
   if (a.M < TL_DECODE_ROWS) {
 #if ISA_LEVEL == 2
-    q4_decode_vnni<DF, MF>(a, w, y, g0, g1);
+    q4_decode_vnni<DF, MF, FIVE>(a, w, y, g0, g1);
 #else
     drive_decode(a.M, g0, g1,
-                 [&](int64_t m, int64_t g) { q4_tile<1, DG, DF, MF>(a, m, w, g, y); },
-                 [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF>(a, m, w, g, y); });
+                 [&](int64_t m, int64_t g) { q4_tile<1, DG, DF, MF, FIVE>(a, m, w, g, y); },
+                 [&](int64_t m, int64_t g) { q4_tile<1, 1, DF, MF, FIVE>(a, m, w, g, y); });
 #endif
     return;
   }
@@ -695,7 +795,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   int64_t gv = 0;                                         // the group `view` starts at
   auto prep = [&](int64_t g, int64_t groups) {
     gv = g;
-    view.codes = w.codes + g * nb * 128;
+    view.codes = w.codes + g * nb * BB;
     for (int64_t i = 0; i < groups; ++i)
       for (int64_t b = 0; b < nb; ++b) {
         const __m256 d = scales8<DF>(w.d, g + i, b, nb);
@@ -706,10 +806,10 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   };
   constexpr int F = scale_f32;
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
-        [&](int64_t m, int64_t g) { q4_tile<PM, PG, F, F>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<PM, 1, F, F>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<1, PG, F, F>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F>(a, m, view, g - gv, y + 8 * gv); });
+        [&](int64_t m, int64_t g) { q4_tile<PM, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+        [&](int64_t m, int64_t g) { q4_tile<PM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+        [&](int64_t m, int64_t g) { q4_tile<1, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+        [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
 }
 
 template <int B, int DF, bool SMALL>
@@ -722,6 +822,12 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
                  [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
     return;
   }
+  if (a.M < TL_DECODE_ROWS && w.lut) {
+    drive_decode(a.M, g0, g1,
+                 [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, true>(a, m, w, g, y); },
+                 [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, true>(a, m, w, g, y); });
+    return;
+  }
   if (a.M < TL_DECODE_ROWS) {
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
@@ -729,18 +835,24 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
     return;
   }
   const int64_t nb = w.K / 32, nd = w.K / B;
-  float* buf = scale_buffer.get(size_t(PG * nd * 8 + (w.six ? PG * nb * 64 : 0)));
-  int8_t* expanded = reinterpret_cast<int8_t*>(buf + PG * nd * 8);   // 6-bit codes as int8
+  const bool narrow = w.six || w.lut;                    // codes in 6 or 4 bits
+  float* buf = scale_buffer.get(size_t(PG * nd * 8 + (narrow ? PG * nb * 64 : 0)));
+  int8_t* expanded = reinterpret_cast<int8_t*>(buf + PG * nd * 8);   // those codes as int8
   Q8Weight view = w;
-  view.d = buf, view.d_form = scale_f32, view.six = false;
+  view.d = buf, view.d_form = scale_f32, view.six = false, view.lut = nullptr;
+  const __m256i table = w.lut ? lut_table(w.lut) : _mm256_setzero_si256();
   int64_t gv = 0;
   auto prep = [&](int64_t g, int64_t groups) {
     gv = g;
     view.codes = w.codes + g * nb * 256;
-    if (w.six) {
+    if (narrow) {
       view.codes = expanded;
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * 192;
-      for (int64_t i = 0; i < groups * nb; ++i) six_to_eight8(p + 192 * i, expanded + 256 * i);
+      const int64_t BB = w.six ? 192 : 128;
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * BB;
+      for (int64_t i = 0; i < groups * nb; ++i) {
+        if (w.six) six_to_eight8(p + BB * i, expanded + 256 * i);
+        else lut_to_eight8(p + BB * i, table, expanded + 256 * i);
+      }
     }
     for (int64_t i = 0; i < groups; ++i)
       for (int64_t j = 0; j < nd; ++j)
@@ -762,12 +874,13 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
 #endif
 
 // ---- the table's entries: groups [g0, g1) of 8 weight rows against every activation row -------
-// (blocks.cpp admits only these forms: m in d's form or c·d; super_u8 for Q4, super_i8 for
-// Q8 with blocks of 16.)
+// (blocks.cpp admits only these forms: m in d's form or c·d, 5-bit codes with m in d's form;
+// super_u8 for Q4; super_i8 for Q8 with blocks of 16, super_i8_8 with blocks of 32.)
 template <int DF>
 static void q4_rows_d(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
-  if (w.m_form == scale_times_d) q4_rows_s<DF, scale_times_d>(a, w, y, g0, g1);
-  else q4_rows_s<DF, DF>(a, w, y, g0, g1);
+  if (w.m_form == scale_times_d) q4_rows_s<DF, scale_times_d, false>(a, w, y, g0, g1);
+  else if (w.five) q4_rows_s<DF, DF, true>(a, w, y, g0, g1);       // Q5_1, Q5_K: m stored
+  else q4_rows_s<DF, DF, false>(a, w, y, g0, g1);
 }
 
 static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
@@ -778,6 +891,7 @@ static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64
 
 static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   if (w.d_form == scale_super_i8) q8_rows_b<16, scale_super_i8>(a, w, y, g0, g1);
+  else if (w.d_form == scale_super_i8_8) q8_rows_b<32, scale_super_i8_8>(a, w, y, g0, g1);
   else if (w.block == 16 && w.d_form == scale_f16) q8_rows_b<16, scale_f16>(a, w, y, g0, g1);
   else if (w.block == 16) q8_rows_b<16, scale_f32>(a, w, y, g0, g1);
   else if (w.d_form == scale_f16) q8_rows_b<32, scale_f16>(a, w, y, g0, g1);

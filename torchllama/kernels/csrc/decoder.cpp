@@ -43,13 +43,14 @@
 
 namespace torchllama {
 
-// A weight is [codes (uint8), d, m] (Q4) or [codes (int8), d, small (a bool scalar)] (Q8), in
+// A weight is [codes (uint8), d, m] (Q4) or [codes (int8), d, small (a bool scalar, or the
+// table of 4-bit codes)] (Q8), in
 // the packed layout (blocks.cpp); a product of P stacked weights, 3·P tensors: their outputs
 // side by side (q, k and v of different types, as in llama.cpp's Q4_K_M mix: Q6_K v).
 static at::Tensor product(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& d,
                           const at::Tensor& m) {
   if (codes.scalar_type() == at::kByte) return q4_linear(x2, codes, d, m);
-  return q8_linear(x2, codes, d, m.item<bool>());
+  return q8_linear(x2, codes, d, m);
 }
 
 static at::Tensor linear(const at::Tensor& x2, const std::vector<at::Tensor>& w) {

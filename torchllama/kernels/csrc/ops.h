@@ -11,13 +11,14 @@ namespace torchllama {
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                     bool small);
+                     const at::Tensor& small);
 at::Tensor q4_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
                              const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m);
 at::Tensor q8_linear_experts(const at::Tensor& x, const at::Tensor& tokens,
                              const at::Tensor& experts, int64_t n_experts,
-                             const at::Tensor& codes, const at::Tensor& d, bool small);
+                             const at::Tensor& codes, const at::Tensor& d,
+                             const at::Tensor& small);
 // Several stacked weights of one kind side by side ([codes, d, m | small] each): (R, ΣN).
 at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& tokens,
                           const at::Tensor& experts, int64_t n_experts,
