@@ -332,14 +332,14 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
 def test_each_kernel_comes_from_the_highest_level_that_has_it():
     """The tables of every level, this CPU's or not (assembled, never run): without VNNI an
     AVX-512 CPU runs the float32 kernels on AVX-512 and the block kernels on AVX2; with VNNI
-    the Q4 products are that level's (VNNI decode tiles), the Q8 ones AVX2's; rope_head is the
+    the block products are that level's (VNNI tiles); rope_head is the
     scalar one everywhere, f32_to_f16 (F16C) AVX2's above scalar."""
     floats = ("rms_norm_rows", "attend_tiles", "attend_fold", "linear_rows",
               "linear_cols")
     expected = {"scalar": ("scalar", "scalar", "scalar", "scalar"),
                 "avx2": ("avx2", "avx2", "avx2", "avx2"),
                 "avx512": ("avx2", "avx2", "avx2", "avx512"),
-                "avx512_vnni": ("avx512_vnni", "avx512_vnni", "avx2", "avx512")}
+                "avx512_vnni": ("avx512_vnni", "avx512_vnni", "avx512_vnni", "avx512")}
     for isa, (quantize_level, q4_level, q8_level, float_level) in expected.items():
         assert kernels.kernel_levels(isa) == {"quantize_block": quantize_level,
                                               "q4_rows": q4_level, "q8_rows": q8_level,

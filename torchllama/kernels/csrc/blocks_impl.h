@@ -703,6 +703,56 @@ struct SumBuffer {
 };
 static thread_local SumBuffer sum_buffer;
 
+#if ISA_LEVEL == 2
+// Q8 prefill on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the weights go in
+// as u = code + 128 (an xor of the sign bit) and each (sub-)block's exact ⟨code, q_x⟩ is
+// ⟨u, q_x⟩ − 128·Σ q_x (sx: Σ q_x per 16 activations, `SumBuffer`); groups g, g + 1 side by
+// side in a zmm (q4_tile_vnni's pairs), and the float steps are q8_tile's: the same bits.
+template <int TM, int TG, int B>
+static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0,
+                                float* y, const int32_t* sx) {
+  constexpr int TP = TG / 2, H = 32 / B;
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
+  __m512 acc[TM][TP];
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int h = 0; h < H; ++h) {                      // a scale's chunks, then its fma
+      __m512i s32[TM][TP];
+      for (int i = 0; i < TM; ++i)
+        for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+      for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
+        __m512i u[TP];
+        for (int t = 0; t < TP; ++t) {
+          const uint8_t* p0 = reinterpret_cast<const uint8_t*>(w.codes) +
+                              ((g0 + 2 * t) * nb + b) * 256 + 32 * c;
+          u[t] = _mm512_xor_si512(two_planes(p0, p0 + nb * 256), flip);
+        }
+        for (int i = 0; i < TM; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * b + 4 * c, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_dpbusd_epi32(s32[i][t], u[t], xv);
+        }
+      }
+      for (int t = 0; t < TP; ++t) {
+        const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
+        for (int i = 0; i < TM; ++i) {
+          const int32_t* sxi = sx + (m0 + i) * (a.K / 16) + 2 * b;
+          const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
+          const __m512i isum = _mm512_sub_epi32(s32[i][t], _mm512_set1_epi32(128 * sum_x));
+          const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * nb + b]);
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
+        }
+      }
+    }
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t)
+      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+}
+#endif
+
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row), reading
 // the scales as stored. Prefill: PM × PG tiles over chunks of MC activation rows, so a weight
@@ -714,6 +764,11 @@ static thread_local SumBuffer sum_buffer;
 #define TL_TILES 4, 2, 4, 1, 2, 4
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
+// Q4's prefill tile on AVX-512 VNNI (q4_tile_vnni: rows × groups, the groups in pairs a zmm).
+#ifndef TL_VNNI_TILES
+#define TL_VNNI_TILES 4, 4
+#endif
+constexpr int VNNI_TILES[2] = {TL_VNNI_TILES};
 #ifndef TL_MC
 #define TL_MC 64
 #endif
@@ -788,7 +843,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 #endif
     return;
   }
-  const int64_t nb = w.K / 32, n = PG * nb * 8;
+  const int64_t nb = w.K / 32, n = std::max(PG, VNNI_TILES[1]) * nb * 8;  // a tile's scales
   float* buf = scale_buffer.get(size_t(2 * n));
   Q4Weight view = w;
   view.d = buf, view.m = buf + n, view.d_form = view.m_form = scale_f32;
@@ -805,6 +860,15 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
       }
   };
   constexpr int F = scale_f32;
+#if ISA_LEVEL == 2
+  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
+  drive_prefill<VM, VG>(a.M, g0, g1, prep,
+      [&](int64_t m, int64_t g) { q4_tile_vnni<VM, VG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+      [&](int64_t m, int64_t g) { q4_tile<VM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+      [&](int64_t m, int64_t g) { q4_tile_vnni<1, VG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+      [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
+  return;
+#endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
         [&](int64_t m, int64_t g) { q4_tile<PM, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
         [&](int64_t m, int64_t g) { q4_tile<PM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
@@ -836,8 +900,9 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
   }
   const int64_t nb = w.K / 32, nd = w.K / B;
   const bool narrow = w.six || w.lut;                    // codes in 6 or 4 bits
-  float* buf = scale_buffer.get(size_t(PG * nd * 8 + (narrow ? PG * nb * 64 : 0)));
-  int8_t* expanded = reinterpret_cast<int8_t*>(buf + PG * nd * 8);   // those codes as int8
+  const int64_t GB = std::max(PG, VNNI_TILES[1]);        // groups of a tile, any level
+  float* buf = scale_buffer.get(size_t(GB * nd * 8 + (narrow ? GB * nb * 64 : 0)));
+  int8_t* expanded = reinterpret_cast<int8_t*>(buf + GB * nd * 8);   // those codes as int8
   Q8Weight view = w;
   view.d = buf, view.d_form = scale_f32, view.six = false, view.lut = nullptr;
   const __m256i table = w.lut ? lut_table(w.lut) : _mm256_setzero_si256();
@@ -859,6 +924,16 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
         _mm256_storeu_ps(buf + (i * nd + j) * 8, scales8<DF>(w.d, g + i, j, nd));
   };
   constexpr int F = scale_f32;
+#if ISA_LEVEL == 2
+  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
+  const int32_t* sx = sum_buffer.sums(a);
+  drive_prefill<VM, VG>(a.M, g0, g1, prep,
+      [&](int64_t m, int64_t g) { q8_tile_vnni<VM, VG, B>(a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
+      [&](int64_t m, int64_t g) { q8_tile_vnni<1, VG, B>(a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); });
+  return;
+#endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
       [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
       [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },

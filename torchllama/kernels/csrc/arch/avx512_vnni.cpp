@@ -1,7 +1,7 @@
 // The AVX-512 VNNI level of the int8 block kernels: activation quantization 16 lanes at a time,
-// and the Q4 products (q4_rows: vpdpbusd on two row groups per register instead of maddubs +
-// madd); the other block kinds' products are AVX2's on such a CPU (the table takes them from the
-// level below). blocks_impl.h with ISA_LEVEL 2 under `#pragma GCC target`; dispatch.cpp calls
+// and the block products (q4_rows: vpdpbusd on two row groups per register instead of maddubs +
+// madd, decode and prefill; q8_rows: prefill by vpdpbusd on the codes offset to unsigned, its
+// decode tiles AVX2's compiled again here). blocks_impl.h with ISA_LEVEL 2 under `#pragma GCC target`; dispatch.cpp calls
 // it only on a CPU with AVX-512 F, VL, BW and VNNI.
 // The float32 layer kernels of that CPU are arch/avx512.cpp's (they need no VNNI).
 
@@ -32,6 +32,7 @@ const Kernels& avx512_vnni_kernels() {
     Kernels k;                                   // float32 layer kernels: avx512
     k.quantize_block = &avx512_vnni::quantize_block;
     k.q4_rows = &avx512_vnni::q4_rows;
+    k.q8_rows = &avx512_vnni::q8_rows;
     return k;
   }();
   return k;
