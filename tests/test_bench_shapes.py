@@ -4,8 +4,10 @@ Oracles: the tensor-type counts llama.cpp's own loader prints for the published 
 files of the same architectures (TheBloke's Llama-2-7B GGUFs, bartowski's Llama 3.2 1B and
 Llama 3.1 8B: rope_freqs, which we do not write, not counted); the `gguf` package's dequantizers
 (blocks decode to finite ~N(0, 0.02) values); transformers' GGUF loader (the file of the tiny
-shape gives its logits in our model); llama.cpp when installed. Speed is printed, never
-asserted.
+shape gives its logits in our model); llama.cpp when installed; for the other mixes,
+llama.cpp's rules (src/llama-quant.cpp, `llama_tensor_get_type_impl`) written out per layer,
+and the `gguf` library's dequantization (a tiny file of each loads to the logits its float32
+load gives). Speed is printed, never asserted.
 """
 
 from __future__ import annotations
@@ -64,15 +66,112 @@ def test_q4_k_m_picks_llama_cpp_layers_and_heads():
     assert {t.type.name for t in q8 if len(t.shape) == 2} == {"Q8_0"}
 
 
-@pytest.mark.parametrize("make, qtype", [(shapes._q4_k_blocks, gguf.GGMLQuantizationType.Q4_K),
-                                         (shapes._q6_k_blocks, gguf.GGMLQuantizationType.Q6_K)])
-def test_random_k_blocks_dequantize_to_realistic_values(make, qtype):
-    blocks = make(np.random.default_rng(0), 4096)                       # (4096, type size)
-    assert blocks.shape[1] == gguf.GGML_QUANT_SIZES[qtype][1]
-    x = gguf.quants.dequantize(blocks, qtype)                           # (4096, 256)
-    assert np.isfinite(x).all()
+# use_more_bits for 32 layers: 0-3, 28-31 and every third from 6 (llama-quant.cpp)
+MORE_32 = {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31}
+
+
+def per_layer(special: str, layers, other: str) -> list[str]:
+    """32 layers' types: `special` in `layers`, else `other`."""
+    return [special if i in layers else other for i in range(32)]
+
+
+# llama.cpp's picks at 7b (Llama 2: 32 layers, n_gqa 1, untied) and, where it differs, 8b
+# (n_gqa 4): attn_v, ffn_down, attn_output, the other matrices (q, k, gate, up) and the
+# untied token embedding; the output is Q6_K in every one of these mixes.
+NEW_MIXES = {
+    "q5_k_m": {"wv": per_layer("Q6_K", MORE_32, "Q5_K"),
+               "w2": per_layer("Q6_K", MORE_32, "Q5_K"), "wo": "Q5_K", "rest": "Q5_K"},
+    "q5_k_s": {"wv": "Q5_K", "w2": "Q5_K", "wo": "Q5_K", "rest": "Q5_K"},
+    "q3_k_m": {"wv": per_layer("Q5_K", {0, 1}, "Q4_K"),
+               "w2": per_layer("Q5_K", {0, 1}, "Q4_K"),            # layers < 32/16
+               "wo": "Q4_K", "rest": "Q3_K"},
+    "q2_k": {"wv": "Q3_K", "wv_8b": "Q4_K", "w2": "Q3_K", "wo": "Q3_K", "rest": "Q2_K"},
+    "iq4_xs": {"wv": "IQ4_XS", "wv_8b": "Q5_K", "w2": per_layer("Q5_K", range(4), "IQ4_XS"),
+               "wo": "IQ4_XS", "rest": "IQ4_XS"},                # ffn_down: layers < 32/8
+    "iq4_nl": {"wv": "IQ4_NL", "wv_8b": "Q5_K", "w2": per_layer("Q5_K", range(4), "IQ4_NL"),
+               "wo": "IQ4_NL", "rest": "IQ4_NL"},
+    "q5_1": {"wv": "Q5_1", "w2": "Q5_1", "wo": "Q5_1", "rest": "Q5_1"},
+    "q5_0": {"wv": "Q5_0", "w2": "Q5_0", "wo": "Q5_0", "rest": "Q5_0"},
+}
+
+
+@pytest.mark.parametrize("qtype", NEW_MIXES)
+def test_new_mixes_pick_llama_cpp_types(qtype):
+    want = NEW_MIXES[qtype]
+    for shape in ("7b", "8b"):
+        plan = {t.ours: t.type.name for t in shapes.tensor_plan(shapes.SHAPES[shape], qtype)}
+        for kind in ("wv", "w2", "wo"):
+            types = want.get(f"{kind}_{shape}", want[kind])
+            types = types if isinstance(types, list) else [types] * 32
+            part = "feed_forward" if kind == "w2" else "attention"
+            assert [plan[f"layers.{i}.{part}.{kind}.weight"] for i in range(32)] == types, (
+                shape, kind)
+        for i in range(32):
+            for name in ("attention.wq", "attention.wk", "feed_forward.w1", "feed_forward.w3"):
+                assert plan[f"layers.{i}.{name}.weight"] == want["rest"], (shape, name, i)
+        assert plan["output.weight"] == "Q6_K" and plan["tok_embeddings.weight"] == want["rest"]
+        assert all(t == "F32" for n, t in plan.items() if "norm" in n)
+
+
+def test_new_mixes_at_the_small_shapes():
+    def plan(shape, qtype):
+        return {t.ours: t.type.name for t in shapes.tensor_plan(shapes.SHAPES[shape], qtype)}
+
+    q3 = plan("1b", "q3_k_m")                         # 16 layers: ffn_down Q5_K below 16/16
+    assert [q3[f"layers.{i}.feed_forward.w2.weight"] for i in range(3)] == ["Q5_K", "Q4_K",
+                                                                           "Q4_K"]
+    assert [plan("tiny", "q3_k_m")[f"layers.{i}.feed_forward.w2.weight"] for i in (0, 1)] == [
+        "Q4_K", "Q4_K"]                               # 2 layers: 2/16 = 0
+    xs = plan("1b", "iq4_xs")                         # n_gqa 4; ffn_down Q5_K below 16/8
+    assert {xs[f"layers.{i}.attention.wv.weight"] for i in range(16)} == {"Q5_K"}
+    assert [xs[f"layers.{i}.feed_forward.w2.weight"] for i in range(3)] == ["Q5_K", "Q5_K",
+                                                                           "IQ4_XS"]
+    assert plan("3b", "iq4_xs")["layers.5.attention.wv.weight"] == "IQ4_XS"   # n_gqa 3
+    assert plan("3b", "q2_k")["layers.5.attention.wv.weight"] == "Q3_K"
+    assert plan("1b", "q2_k")["layers.5.attention.wv.weight"] == "Q4_K"
+    assert plan("tiny", "q2_k")["layers.0.attention.wv.weight"] == "Q3_K"      # n_gqa 2
+    with pytest.raises(ArgumentError, match="mixture of experts.*q4_0, q4_k_m, q8_0"):
+        shapes.tensor_plan(shapes.SHAPES["olmoe-1b-7b"], "q5_k_m")
+    with pytest.raises(ArgumentError, match="--type 'q5_k'"):
+        shapes.tensor_plan(shapes.SHAPES["olmoe-1b-7b"], "q5_k")
+
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL,
+                                   T.IQ4_XS], ids=lambda t: t.name)
+def test_random_blocks_dequantize_to_realistic_values(qtype):
+    blocks = shapes.RANDOM_BLOCKS[qtype](np.random.default_rng(0), 4096)  # (4096, type size)
+    assert blocks.shape == (4096, gguf.GGML_QUANT_SIZES[qtype][1]) and blocks.dtype == np.uint8
+    x = gguf.quants.dequantize(blocks, qtype)                           # (4096, block values)
+    assert np.isfinite(x).all() and (np.abs(x).max(axis=1) > 0).all()  # no zero scales
     assert abs(float(x.mean())) < 1e-3 and 0.018 < float(x.std()) < 0.022
     assert float(np.abs(x).max()) < 0.1
+
+
+@pytest.mark.parametrize("qtype", NEW_MIXES)
+def test_tiny_file_of_each_new_mix_loads(qtype, tmp_path, capsys):
+    path = shapes.ensure_shape_file("tiny", qtype, progress=False,
+                                    path=tmp_path / f"tiny-{qtype}.gguf")
+    plan = {t.ours: t.type for t in shapes.tensor_plan(shapes.SHAPES["tiny"], qtype)}
+    base = shapes.QUANT_TYPES[qtype][0]
+    assert base in plan.values() and "output.weight" not in plan
+    assert plan["tok_embeddings.weight"] == T.Q6_K      # tied: the embedding is the output
+    model, _ = torchllama.load(path, dtype="auto")
+    note = capsys.readouterr().err
+    if base == T.Q2_K:                               # not registered: dequantized, said once
+        assert f"{path}: no kernel for Q2_K tensors; they are dequantized" in note
+    else:
+        assert "no kernel" not in note, note
+    ref, _ = torchllama.load(path, dtype="float32")   # the `gguf` library's dequantization
+    ids = torch.arange(100, 132).unsqueeze(0)                           # (1, 32)
+    with torch.inference_mode():
+        ours = model(ids, 0)[0]                                          # (T, V)
+        want = ref(ids, 0)[0]                                            # (T, V)
+    assert torch.isfinite(ours).all() and 0.1 < float(want.std()) < 10
+    # the default path quantizes activations to 8 bits: close, not equal
+    assert float((ours - want).norm() / want.norm()) < 0.05
 
 
 def test_tiny_file_matches_transformers_and_its_plan(tiny_q4_k_m):

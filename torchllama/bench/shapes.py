@@ -24,20 +24,37 @@ embedding and output matrices are smaller than the real ones (1B: 101M parameter
 of 263M; 7B: 201M instead of 131M). Llama 3's RoPE frequency scaling is not written (it changes
 the rotation angles, not the work).
 
-Types (`QUANT_TYPES`), with llama.cpp's choice of type per tensor (`tensor_type`):
+Types (`QUANT_TYPES`), with llama.cpp's choice of type per tensor (`tensor_type`). The
+output projection (or the token embedding when tied to it) is Q6_K in every mix but q8_0; an
+untied token embedding has the mix's base type. "more bits" layers are `use_more_bits`'s
+(first and last eighth, every third between); n_gqa = query heads / key-value heads (1b 4,
+3b 3, 7b 1, 8b 4, tiny 2):
 
-    q4_0     Q4_0 matrices, Q6_K output (and tied token embedding)
-    q4_k_m   llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output (and a tied token
-             embedding) and for attn_v and ffn_down in the layers `use_more_bits` picks
-    q8_0     Q8_0 everywhere
+    q4_0     Q4_0 matrices
+    q4_k_m   Q4_K; attn_v and ffn_down Q6_K in the more-bits layers
+    q8_0     Q8_0 everywhere (the output too)
+    q5_k_m   Q5_K; attn_v and ffn_down Q6_K in the more-bits layers
+    q5_k_s   Q5_K matrices
+    q3_k_m   Q3_K; attn_v Q5_K in layers 0-1, Q4_K after; ffn_down Q5_K in the first
+             n_layers/16 layers, Q4_K after; attn_output Q4_K
+    q2_k     Q2_K; attn_v Q4_K when n_gqa ≥ 4, else Q3_K; ffn_down and attn_output Q3_K
+    iq4_xs   IQ4_XS; attn_v Q5_K when n_gqa ≥ 4; ffn_down Q5_K in the first eighth of layers
+    iq4_nl   IQ4_NL, with iq4_xs's exceptions
+    q5_1     Q5_1 matrices
+    q5_0     Q5_0 matrices
 
-Norms are float32 ~1; matrices are ~N(0, 0.02): Q4_0 and Q8_0 quantized from such floats by
-`gguf.quants.quantize`, Q4_K and Q6_K (which the `gguf` package cannot quantize) written as
-random valid blocks whose f16 scales give values of that spread (`_q4_k_blocks`,
-`_q6_k_blocks`); so are the experts' 3-D Q4_0 tensors (`_q4_0_blocks`: 5.6B values, written
-~10× faster than drawn and quantized). Files are written tensor by tensor (peak memory: the largest tensor's bytes),
-atomically, into `$TORCHLLAMA_CACHE/shapes/<shape>-<type>.gguf` and reused while their
-`torchllama.shapes.spec` metadata matches (`ensure_shape_file`). Never commit them.
+The new mixes (all but the first three) are written for the dense shapes only: the mixtures of
+experts raise ArgumentError with them (llama.cpp's rules for experts differ).
+
+Norms are float32 ~1; matrices are ~N(0, 0.02): Q4_0, Q5_0, Q5_1 and Q8_0 quantized from such
+floats by `gguf.quants.quantize`; the K-quants and IQ4 types (which the `gguf` package cannot
+quantize) written as random valid blocks — random codes and sub-scales — whose f16 scales give
+values of that spread (`_q2_k_blocks`, `_q3_k_blocks`, `_q4_k_blocks`, `_q5_k_blocks`,
+`_q6_k_blocks`, `_iq4_nl_blocks`, `_iq4_xs_blocks`); so are the experts' 3-D Q4_0 tensors
+(`_q4_0_blocks`: 5.6B values, written ~10× faster than drawn and quantized). Files are written
+tensor by tensor (peak memory: the largest tensor's bytes), atomically, into
+`$TORCHLLAMA_CACHE/shapes/<shape>-<type>.gguf` and reused while their `torchllama.shapes.spec`
+metadata matches (`ensure_shape_file`). Never commit them.
 """
 
 from __future__ import annotations
@@ -116,12 +133,23 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           model="DeepSeek-V2-Lite", preset="deepseek-v2-lite"),
 )}
 
-#: --type → (the type of most matrices, GGUF's general.file_type).
+F = gguf.LlamaFileType
+#: --type → (the type of most matrices, GGUF's general.file_type: llama.cpp's mix).
 QUANT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
-    "q4_0": (T.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
-    "q4_k_m": (T.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
-    "q8_0": (T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (T.Q4_0, F.MOSTLY_Q4_0),
+    "q4_k_m": (T.Q4_K, F.MOSTLY_Q4_K_M),
+    "q8_0": (T.Q8_0, F.MOSTLY_Q8_0),
+    "q5_k_m": (T.Q5_K, F.MOSTLY_Q5_K_M),
+    "q5_k_s": (T.Q5_K, F.MOSTLY_Q5_K_S),
+    "q3_k_m": (T.Q3_K, F.MOSTLY_Q3_K_M),
+    "q2_k": (T.Q2_K, F.MOSTLY_Q2_K),
+    "iq4_xs": (T.IQ4_XS, F.MOSTLY_IQ4_XS),
+    "iq4_nl": (T.IQ4_NL, F.MOSTLY_IQ4_NL),
+    "q5_1": (T.Q5_1, F.MOSTLY_Q5_1),
+    "q5_0": (T.Q5_0, F.MOSTLY_Q5_0),
 }
+#: The mixes written for the mixtures of experts too (`tensor_plan`).
+EXPERT_TYPES = ("q4_0", "q4_k_m", "q8_0")
 
 
 def get_shape(name: str) -> Shape:
@@ -175,16 +203,18 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def tensor_type(our_name: str, shape: tuple[int, ...], qtype: str, n_layers: int,
-                tied: bool) -> gguf.GGMLQuantizationType:
+                tied: bool, n_gqa: int = 1) -> gguf.GGMLQuantizationType:
     """The GGUF type llama-quantize gives one of our tensors in the `qtype` mix.
 
     Source: llama.cpp src/llama-quant.cpp (`llama_tensor_get_type_impl`, ggml-org/llama.cpp
     at commit 007dbbf, read through the search tool), for the Llama architecture without an
-    imatrix: 1-D tensors and a mixture of experts' router stay F32; the output projection — or the token embedding when the
-    output is tied to it — is Q6_K unless the mix is Q8_0; in Q4_K_M, attn_v (our
-    attention.wv) and ffn_down (our feed_forward.w2) are Q6_K in the layers `use_more_bits`
-    picks (the attn_v count equals the layer index in a layer-ordered file); every other
-    matrix has the mix's base type (the token embedding of an untied model included).
+    imatrix, nor 70B's or 8-expert models' rules: 1-D tensors and a mixture of experts' router
+    stay F32; the output projection — or the token embedding when the output is tied to it —
+    is Q6_K unless the mix is Q8_0; attn_v (our attention.wv), ffn_down (our
+    feed_forward.w2) and attn_output (our attention.wo) follow the mix's exceptions
+    (`_attn_v_type`, `_ffn_down_type`, `_attn_output_type`; the attn_v count equals the
+    layer index in a layer-ordered file); every other matrix has the mix's base type (the
+    token embedding of an untied model included).
 
     Args:
         our_name: our parameter name (Meta's: layers.{i}.attention.wv.weight, ...).
@@ -192,26 +222,66 @@ def tensor_type(our_name: str, shape: tuple[int, ...], qtype: str, n_layers: int
         qtype: a `QUANT_TYPES` name.
         n_layers: the model's layers.
         tied: the output projection is the token embedding.
+        n_gqa: query heads per key/value head (llama.cpp's `n_gqa()`, which q2_k and the
+            IQ4 mixes look at).
 
     Raises:
         ArgumentError: rows that do not divide into the chosen type's blocks.
     """
-    base = QUANT_TYPES[check_type(qtype)][0]
+    base, ftype = QUANT_TYPES[check_type(qtype)]
     if len(shape) == 1 or our_name.endswith("feed_forward.gate.weight"):   # (llama-quantize
         return T.F32                                   # keeps a router, ffn_gate_inp, float)
-    head = our_name == "output.weight" or (tied and our_name == "tok_embeddings.weight")
-    chosen = base
-    if head and base != T.Q8_0:
-        chosen = T.Q6_K
-    elif base == T.Q4_K and our_name.endswith(("attention.wv.weight", "feed_forward.w2.weight")):
-        m = _LAYER.match(our_name)
-        if m and use_more_bits(int(m.group(1)), n_layers):
-            chosen = T.Q6_K
+    layer = _LAYER.match(our_name)
+    i = int(layer.group(1)) if layer else -1
+    if our_name == "output.weight" or (tied and our_name == "tok_embeddings.weight"):
+        chosen = base if base == T.Q8_0 else T.Q6_K
+    elif our_name.endswith("attention.wv.weight"):
+        chosen = _attn_v_type(ftype, base, i, n_layers, n_gqa)
+    elif our_name.endswith("feed_forward.w2.weight"):
+        chosen = _ffn_down_type(ftype, base, i, n_layers)
+    elif our_name.endswith("attention.wo.weight"):
+        chosen = _attn_output_type(ftype, base)
+    else:
+        chosen = base
     block = gguf.GGML_QUANT_SIZES[chosen][0]
     if shape[-1] % block:
         raise ArgumentError(f"{our_name}: rows of {shape[-1]} values do not divide into "
                             f"{chosen.name} blocks of {block}")
     return chosen
+
+
+def _attn_v_type(ftype: gguf.LlamaFileType, base: gguf.GGMLQuantizationType, i: int,
+                 n_layers: int, n_gqa: int) -> gguf.GGMLQuantizationType:
+    """attn_v of layer i (llama.cpp's `category_is_attn_v` branch)."""
+    if ftype == F.MOSTLY_Q2_K:
+        return T.Q4_K if n_gqa >= 4 else T.Q3_K
+    if ftype == F.MOSTLY_Q3_K_M:
+        return T.Q5_K if i < 2 else T.Q4_K
+    if ftype in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and n_gqa >= 4:
+        return T.Q5_K
+    if ftype in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(i, n_layers):
+        return T.Q6_K
+    return base
+
+
+def _ffn_down_type(ftype: gguf.LlamaFileType, base: gguf.GGMLQuantizationType, i: int,
+                   n_layers: int) -> gguf.GGMLQuantizationType:
+    """ffn_down of layer i (llama.cpp's FFN_DOWN branch, not Falcon, no imatrix)."""
+    if ftype == F.MOSTLY_Q2_K:
+        return T.Q3_K
+    if ftype == F.MOSTLY_Q3_K_M:
+        return T.Q5_K if i < n_layers // 16 else T.Q4_K
+    if ftype in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and use_more_bits(i, n_layers):
+        return T.Q6_K
+    if ftype in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and i < n_layers // 8:
+        return T.Q5_K
+    return base
+
+
+def _attn_output_type(ftype: gguf.LlamaFileType, base: gguf.GGMLQuantizationType
+                      ) -> gguf.GGMLQuantizationType:
+    """attn_output (llama.cpp's ATTENTION_OUTPUT branch, not Falcon, fewer than 8 experts)."""
+    return {F.MOSTLY_Q2_K: T.Q3_K, F.MOSTLY_Q3_K_M: T.Q4_K}.get(ftype, base)
 
 
 @dataclass(frozen=True)
@@ -234,13 +304,21 @@ class PlannedTensor:
 def tensor_plan(shape: Shape, qtype: str) -> list[PlannedTensor]:
     """The tensors of a `shape` file of type `qtype`, in llama.cpp's file order (token
     embedding, layer by layer, final norm, output). Names and shapes come from our model (built
-    on the meta device) and the Llama family's GGUF table, which keeps Meta's layout."""
+    on the meta device) and the Llama family's GGUF table, which keeps Meta's layout.
+
+    Raises:
+        ArgumentError: an unknown qtype, one not in EXPERT_TYPES for a mixture of experts, or
+            rows that do not divide into blocks.
+    """
     import torch
 
     from torchllama.families import family_for_args
     from torchllama.model import Transformer
 
     args = model_args(shape)
+    if args.n_experts and check_type(qtype) not in EXPERT_TYPES:
+        raise ArgumentError(f"--type {qtype}: the {shape.name} shape (a mixture of experts) "
+                            f"is written only as {', '.join(EXPERT_TYPES)}")
     with torch.device("meta"):
         state = Transformer(args).state_dict()
     if args.tie_embeddings:
@@ -256,7 +334,8 @@ def tensor_plan(shape: Shape, qtype: str) -> list[PlannedTensor]:
                      if isinstance(m.layout, Part) else   # (DeepSeek's attn_k_b, attn_v_b)
                      m.layout.stored_shape(tuple(state[n].shape for n in m.ours)))
         plan.append(PlannedTensor(m.theirs, ours, dims, tensor_type(
-            ours, dims, qtype, args.n_layers, args.tie_embeddings)))
+            ours, dims, qtype, args.n_layers, args.tie_embeddings,
+            args.n_heads // args.n_kv_heads)))
 
     def order(t: PlannedTensor) -> tuple[int, int]:
         layer = _LAYER.match(t.ours)
@@ -275,6 +354,17 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
+def _k4_scales(sc: np.ndarray) -> np.ndarray:
+    """(n, 8) 6-bit sub-block scales → (n, 12) uint8: Q4_K's and Q5_K's packed scales and
+    minimums, with every minimum equal to its scale (ggml-common.h `get_scale_min_k4`)."""
+    out = np.empty((len(sc), 12), dtype=np.uint8)
+    lo, hi = sc[:, :4], sc[:, 4:]
+    out[:, 0:4] = (lo & 0x3F) | ((hi >> 4) << 6)                # sc[0..3] + sc[4..7] bits 4-5
+    out[:, 4:8] = (lo & 0x3F) | ((hi >> 4) << 6)                # m[0..3]  + m[4..7] bits 4-5
+    out[:, 8:12] = (hi & 0x0F) | ((hi & 0x0F) << 4)             # sc[4..7], m[4..7] bits 0-3
+    return out
+
+
 def _q4_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
     """(n, 144) uint8: random valid Q4_K blocks of values ~ WEIGHT_STD spread, zero mean.
 
@@ -288,12 +378,110 @@ def _q4_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
     d = WEIGHT_STD / (4.61 * 48.6) * rng.uniform(0.9, 1.1, n)
     out[:, 0:2] = _f16_bytes(d)
     out[:, 2:4] = _f16_bytes(7.5 * d)
-    sc = rng.integers(32, 64, (n, 8), dtype=np.uint8)          # (n, 8) 6-bit; m = sc
-    lo, hi = sc[:, :4], sc[:, 4:]
-    out[:, 4:8] = (lo & 0x3F) | ((hi >> 4) << 6)                # sc[0..3] + sc[4..7] bits 4-5
-    out[:, 8:12] = (lo & 0x3F) | ((hi >> 4) << 6)               # m[0..3]  + m[4..7] bits 4-5
-    out[:, 12:16] = (hi & 0x0F) | ((hi & 0x0F) << 4)            # sc[4..7], m[4..7] bits 0-3
+    out[:, 4:16] = _k4_scales(rng.integers(32, 64, (n, 8), dtype=np.uint8))   # m = sc
     out[:, 16:] = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    return out
+
+
+def _q5_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 176) uint8: random valid Q5_K blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_q5_K): f16 d, f16 dmin, 12 bytes of scales and minimums as
+    Q4_K's, 32 bytes qh of the codes' 5th bits, 128 bytes qs of their low 4 bits; value =
+    d·sc·q − dmin·m. With m = sc and dmin = 15.5·d, value = d·sc·(q − 15.5); q uniform on
+    0..31 has std 9.23, sc uniform on 32..63 rms 48.6, so d = 0.02 / (9.23 · 48.6) ≈ 4.5e-5
+    (± 10 % per block; an f16 subnormal, as llama.cpp's own Q5_K d of such weights, ~5e-5).
+    """
+    out = np.empty((n, 176), dtype=np.uint8)
+    d = WEIGHT_STD / (9.23 * 48.6) * rng.uniform(0.9, 1.1, n)
+    out[:, 0:2] = _f16_bytes(d)
+    out[:, 2:4] = _f16_bytes(15.5 * d)
+    out[:, 4:16] = _k4_scales(rng.integers(32, 64, (n, 8), dtype=np.uint8))   # m = sc
+    out[:, 16:] = rng.integers(0, 256, (n, 160), dtype=np.uint8)              # qh, qs
+    return out
+
+
+def _signed_scales(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """Random 6-bit stored scales ls = 32 + sc, sc = ±(16..31) with a random sign (|sc| rms
+    23.95): the signed sub-scales of Q3_K and IQ4_XS, symmetric so the values' mean is 0."""
+    magnitude = rng.integers(16, 32, shape, dtype=np.uint8)
+    return np.where(rng.integers(0, 2, shape, dtype=np.uint8) == 1, 32 + magnitude,
+                    32 - magnitude).astype(np.uint8)
+
+
+def _q3_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 110) uint8: random valid Q3_K blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_q3_K): 32 bytes hmask (the codes' 3rd bits), 64 bytes qs
+    (their low 2 bits), 12 bytes of sixteen 6-bit scales ls (low 4 bits: nibble s // 8 of
+    byte s % 8; high 2 bits: bits 2·(s // 4) of byte 8 + s % 4), f16 d; value = d·(ls −
+    32)·q with q on −4..3 (rms 2.345). Signed sub-scales ±(16..31) (`_signed_scales`, rms
+    23.95), so d = 0.02 / (23.95 · 2.345) (± 10 % per block).
+    """
+    out = np.empty((n, 110), dtype=np.uint8)
+    out[:, :96] = rng.integers(0, 256, (n, 96), dtype=np.uint8)                # hmask, qs
+    ls = _signed_scales(rng, (n, 16))                                          # (n, 16)
+    out[:, 96:104] = (ls[:, :8] & 0x0F) | ((ls[:, 8:] & 0x0F) << 4)
+    high = ls >> 4                                                             # (n, 16) 2-bit
+    out[:, 104:108] = high[:, 0:4] | (high[:, 4:8] << 2) | (high[:, 8:12] << 4) | (
+        high[:, 12:16] << 6)
+    out[:, 108:110] = _f16_bytes(WEIGHT_STD / (23.95 * 2.345) * rng.uniform(0.9, 1.1, n))
+    return out
+
+
+def _q2_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 84) uint8: random valid Q2_K blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_q2_K): 16 bytes of sub-block scale sc (low nibble) and
+    minimum m (high nibble), 64 bytes of 2-bit codes q, f16 d, f16 dmin; value = d·sc·q −
+    dmin·m. With m = sc and dmin = 1.5·d, value = d·sc·(q − 1.5); q uniform on 0..3 has std
+    1.118, sc uniform on 8..15 rms 11.73, so d = 0.02 / (1.118 · 11.73) (± 10 % per block).
+    """
+    out = np.empty((n, 84), dtype=np.uint8)
+    sc = rng.integers(8, 16, (n, 16), dtype=np.uint8)
+    out[:, 0:16] = sc | (sc << 4)                                              # m = sc
+    out[:, 16:80] = rng.integers(0, 256, (n, 64), dtype=np.uint8)
+    d = WEIGHT_STD / (1.118 * 11.73) * rng.uniform(0.9, 1.1, n)
+    out[:, 80:82] = _f16_bytes(d)
+    out[:, 82:84] = _f16_bytes(1.5 * d)
+    return out
+
+
+#: ggml-common.h kvalues_iq4nl: the codebook of IQ4_NL and IQ4_XS (rms 67.44).
+_IQ4_RMS = 67.44
+
+
+def _iq4_xs_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 136) uint8: random valid IQ4_XS blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_iq4_xs): f16 d, uint16 scales_h (2 high bits of sub-block
+    ib's 6-bit scale ls at bits 2·ib), 4 bytes scales_l (its low 4 bits, nibble ib % 2 of
+    byte ib // 2), 128 bytes of 4-bit indices into kvalues_iq4nl (rms 67.44); value =
+    d·(ls − 32)·kvalues[idx]. Signed sub-scales ±(16..31) (`_signed_scales`, rms 23.95), so
+    d = 0.02 / (23.95 · 67.44) ≈ 1.2e-5 (± 10 % per block; llama.cpp's own: ~1.5e-5).
+    """
+    out = np.empty((n, 136), dtype=np.uint8)
+    out[:, 0:2] = _f16_bytes(WEIGHT_STD / (23.95 * _IQ4_RMS) * rng.uniform(0.9, 1.1, n))
+    ls = _signed_scales(rng, (n, 8))                                           # (n, 8)
+    high = (ls >> 4).astype("<u2") << (2 * np.arange(8, dtype="<u2"))          # (n, 8)
+    out[:, 2:4] = np.bitwise_or.reduce(high, axis=1).astype("<u2").view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
+    out[:, 8:] = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    return out
+
+
+def _iq4_nl_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n, 18) uint8: random valid IQ4_NL blocks of values ~ WEIGHT_STD spread, zero mean.
+
+    Layout (ggml-common.h block_iq4_nl): f16 d, 16 bytes of 4-bit indices into
+    kvalues_iq4nl (rms 67.44); value = d·kvalues[idx]. The codebook leans negative (mean
+    −5.9), so d takes a random sign (as llama.cpp's own does, half the time): |d| = 0.02 /
+    67.44 (± 10 % per block).
+    """
+    out = np.empty((n, 18), dtype=np.uint8)
+    sign = rng.integers(0, 2, n) * 2 - 1
+    out[:, 0:2] = _f16_bytes(sign * WEIGHT_STD / _IQ4_RMS * rng.uniform(0.9, 1.1, n))
+    out[:, 2:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
     return out
 
 
@@ -325,6 +513,12 @@ def _q6_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
     return out
 
 
+#: The types written as random blocks: (rng, n) → (n, type size) uint8 blocks.
+RANDOM_BLOCKS = {T.Q2_K: _q2_k_blocks, T.Q3_K: _q3_k_blocks, T.Q4_K: _q4_k_blocks,
+                 T.Q5_K: _q5_k_blocks, T.Q6_K: _q6_k_blocks, T.IQ4_NL: _iq4_nl_blocks,
+                 T.IQ4_XS: _iq4_xs_blocks}
+
+
 def random_tensor(rng: np.random.Generator, t: PlannedTensor) -> np.ndarray:
     """The data of one planned tensor: float32 ~1 for a norm (its shape), else (rows, row
     bytes) uint8 blocks of ~N(0, WEIGHT_STD) values, made CHUNK_VALUES at a time ((experts,
@@ -340,14 +534,12 @@ def random_tensor(rng: np.random.Generator, t: PlannedTensor) -> np.ndarray:
         n = min(step, rows - r)
         if t.type == T.Q4_0 and len(lead) > 1:
             out[r:r + n] = _q4_0_blocks(rng, n * cols // block).reshape(n, -1)
-        elif t.type in (T.Q4_0, T.Q8_0):
+        elif t.type in (T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1):
             x = rng.standard_normal((n, cols), dtype=np.float32)            # (n, cols)
             x *= WEIGHT_STD
             out[r:r + n] = gguf.quants.quantize(x, t.type)
-        elif t.type == T.Q4_K:
-            out[r:r + n] = _q4_k_blocks(rng, n * cols // block).reshape(n, -1)
-        elif t.type == T.Q6_K:
-            out[r:r + n] = _q6_k_blocks(rng, n * cols // block).reshape(n, -1)
+        elif t.type in RANDOM_BLOCKS:
+            out[r:r + n] = RANDOM_BLOCKS[t.type](rng, n * cols // block).reshape(n, -1)
         else:
             raise ValueError(f"no random blocks for {t.type.name}")
     return out.reshape(*lead, -1)
