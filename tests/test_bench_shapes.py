@@ -220,7 +220,17 @@ def test_bench_shapes_cli_runs_on_the_tiny_shape(tmp_path, capsys):
     (written,) = (tmp_path / "results").glob("*.json")
     figures = json.loads(written.read_text())["runs"][0]["figures"]
     assert [f["name"] for f in figures] == ["prefill 8", "prefill 16", "decode b1 @24",
-                                            "decode b2 @24", "load", "peak RSS after loading"]
+                                            "decode b2 @24", "load", "peak RSS after loading",
+                                            "memory read bandwidth",
+                                            "decode b1 @24, fraction of the read bandwidth"]
+    # the roofline: bandwidth measured in the child, the fraction = bytes × tok/s ÷ bandwidth
+    roof = json.loads(out.read_text())["results"][0]["roofline"]
+    decode = figures[2]["ours"]
+    ours_bytes = roof["bytes_per_token"]["torchllama"]
+    assert figures[7]["ours"] == pytest.approx(ours_bytes * decode / (roof["read_gbs"] * 1e9))
+    assert 0.5 < ours_bytes / roof["bytes_per_token"]["llama.cpp"] < 2    # the same matrices
+    assert roof["read_gbs"] > 1 and 0 < roof["product_s"] < 1 / decode
+    assert "memory read bandwidth" in text and "products + rest" in text
     assert "CPU capability" in text and "torchllama kernels" in text
     row = next(line for line in text.splitlines() if line.startswith("| TINY Q4_K_M"))
     assert len(row.split("|")) == 2 + 1 + 2 + 2 + 2          # model, 2 prefill, 2 decode, load, RSS

@@ -6,18 +6,16 @@ tokens per second is the bandwidth an engine draws, and no engine draws more tha
 gives one reader. That ceiling is measured here, not looked up: by a read kernel as fast as the
 CPU reads (`torchllama::read_bytes`, csrc/bandwidth.cpp: the widest loads, several streams a
 thread, chunks shared by the threads). `torch.sum` over a fresh tensor reads less (torch's 4 KiB
-pages, always all its threads: 41–45 GB/s where this read 48–50, 31–34 while another process
-held a core; figures in bandwidth.cpp's header). Without the kernels, numpy's
-`bitwise_xor.reduce` reads the buffer instead (slower; `ReadBandwidth.method` says which).
+pages, always all its threads). Without the kernels, numpy's `bitwise_xor.reduce` reads the
+buffer instead (slower; `ReadBandwidth.method` says which).
 
 Units: GB is 10⁹ bytes, GB/s 10⁹ bytes per second (as `bytes_per_token` × tokens/s gives).
 
-The figure moves with the machine: on the project's shared 2-core guest two threads read
-80–85 GB/s at one time and 48–50 GB/s minutes later with the guest idle (other guests share the
-host's memory), and one thread alone read more than two while another process held a core (the
-second thread starts late and the pass waits for it). So it is measured in the same process and
-near in time to the decode it divides, on huge pages like the packed weights, and each pass
-tries one thread and all of torch's; the best pass counts.
+The figure moves with the machine (on a shared host the other guests share its memory, and a
+second thread whose core another process holds starts late), so it is measured in the same
+process and near in time to the decode it divides, on huge pages like the packed weights, and
+each pass tries one thread and all of torch's; the best pass counts (`torchllama bench shapes`
+prints it beside each engine's fraction).
 """
 
 from __future__ import annotations
@@ -177,3 +175,67 @@ def decode_fraction(bytes_per_token: float, tokens_per_s: float, bandwidth_gbs: 
     if not (bandwidth_gbs > 0 and math.isfinite(bandwidth_gbs)):
         raise ValueError(f"bandwidth_gbs must be positive and finite, got {bandwidth_gbs}")
     return bytes_per_token * tokens_per_s / (bandwidth_gbs * 1e9)
+
+
+def _product_modules(model) -> list:
+    """The modules a decode step multiplies by, one per weight storage: block linears and float
+    linears (a fused q/k/v or gate/up module rather than its parts, which are views of it), the
+    output projection included; embeddings, which a step reads one row of, left out."""
+    from torch import nn
+
+    from torchllama.blocks.linear import BlockLinear
+    from torchllama.nn.linear import Linear
+
+    chosen: dict[int, object] = {}
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            key, rows = module.codes.untyped_storage().data_ptr(), module.out_features
+        elif isinstance(module, (nn.Linear, Linear)) and module.weight.device.type != "meta":
+            key, rows = module.weight.untyped_storage().data_ptr(), module.weight.shape[0]
+        else:
+            continue
+        if key not in chosen or rows > chosen[key][0]:
+            chosen[key] = (rows, module)
+    return [module for _, module in chosen.values()]
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of the weights one decode step reads (the `_product_modules`' tensors, each
+    storage once): the numerator of `decode_fraction` for our model."""
+    seen, total = set(), 0
+    for module in _product_modules(model):
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen and t.dim() > 0:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def gguf_bytes_per_token(path) -> int:
+    """Bytes of a GGUF file's weights a decode step reads: every matrix but an untied token
+    embedding (of which a step reads one row): llama.cpp's numerator of `decode_fraction`."""
+    from torchllama.checkpoint.gguf import open_gguf
+
+    reader = open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    return sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) > 1 and not (
+        t.name == "token_embd.weight" and "output.weight" in names))
+
+
+@torch.inference_mode()
+def product_seconds(model, passes: int = 5) -> float:
+    """Seconds of one pass over every `_product_modules` product at one activation row (the
+    products of a batch-1 decode step, each weight streamed once, in model order), best of
+    `passes`: the step's time minus this is its non-product time (attention, norms, dispatch,
+    Python)."""
+    modules = _product_modules(model)
+    inputs = [torch.randn(1, getattr(m, "in_features", None) or m.weight.shape[1])
+              for m in modules]
+    best = math.inf
+    for _ in range(passes + 1):                                       # the first: warm-up
+        start = time.perf_counter()
+        for module, x in zip(modules, inputs):
+            module(x)
+        best = min(best, time.perf_counter() - start)
+    return best

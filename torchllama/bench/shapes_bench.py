@@ -208,18 +208,58 @@ def _versions(engine: str) -> str:
             else peer.peer_version())
 
 
+def read_bandwidth() -> dict:
+    """The memory read bandwidth now (`bench.roofline.measure_read_bandwidth`), printed:
+    {"gbs", "method"}."""
+    from torchllama.bench.roofline import measure_read_bandwidth
+
+    bw = measure_read_bandwidth()
+    print(bw.summary(), flush=True)
+    return {"gbs": bw.best_gbs, "method": bw.method}
+
+
+def roofline_of(model, path: str, measure) -> dict:
+    """`measure()`'s figures with the roofline around them, in this process: the read
+    bandwidth before and after (the better kept), the bytes a decode step of each engine reads
+    (ours: its product modules' tensors; llama.cpp: the file's matrices) and the seconds of our
+    step's products alone (`bench.roofline`)."""
+    from torchllama.bench.roofline import (gguf_bytes_per_token, product_seconds,
+                                           weight_bytes_per_token)
+
+    before = read_bandwidth()
+    figures = measure()
+    after = read_bandwidth()
+    best = max(before, after, key=lambda r: r["gbs"])
+    products = product_seconds(model)
+    print(f"torchllama: a decode step's products alone {products * 1e3:.2f} ms", flush=True)
+    return {"figures": figures, "roofline": {
+        "read_gbs": best["gbs"], "read_method": best["method"],
+        "read_gbs_before_after": [before["gbs"], after["gbs"]],
+        "bytes_per_token": {"torchllama": weight_bytes_per_token(model),
+                            "llama.cpp": gguf_bytes_per_token(path)},
+        "product_s": products}}
+
+
 def child_engine(engine: str, path: str, cfg: ShapesConfig) -> dict:
     """One engine's load figures on `path` and, unless `cfg.load_only`, its throughput figures
-    (`measure_figures`) in the same process."""
+    (`measure_figures`, ours with the roofline: `roofline_of`) in the same process."""
     runs, load_s, rss = (load_torchllama if engine == "torchllama" else
                          load_llama_cpp)(path, cfg)
     print(f"{engine}: load to first forward {load_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    roofline = None
     try:
-        figures = {} if cfg.load_only else measure_figures(runs, cfg)
+        if cfg.load_only:
+            figures = {}
+        elif engine == "torchllama":
+            measured = roofline_of(runs.model, path, lambda: measure_figures(runs, cfg))
+            figures, roofline = measured["figures"], measured["roofline"]
+        else:
+            figures = measure_figures(runs, cfg)
     finally:
         runs.close()
     return {"engine": engine, "version": _versions(engine), "load_s": load_s,
-            "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(), "settings": figures}
+            "rss_load_gb": rss, "rss_peak_gb": peak_rss_gb(), "settings": figures,
+            "roofline": roofline}
 
 
 def child_both(path: str, cfg: ShapesConfig) -> dict:
@@ -242,10 +282,10 @@ def child_both(path: str, cfg: ShapesConfig) -> dict:
     both = EngineRuns(settings, make("prefill"), make("decode"),
                       lambda run: owner.pop(id(run)).release(run), ours_runs.vocab_size)
     try:
-        figures = measure_figures(both, cfg)
+        measured = roofline_of(ours_runs.model, path, lambda: measure_figures(both, cfg))
     finally:
         peer_runs.close()
-    return {"engine": "both", "settings": figures}
+    return {"engine": "both", "settings": measured["figures"], "roofline": measured["roofline"]}
 
 
 def child_main(argv: list[str]) -> int:
@@ -307,6 +347,7 @@ class ModelResult:
     label: str
     path: str
     engines: dict[str, dict] = field(default_factory=dict)
+    roofline: Optional[dict] = None
 
 
 
@@ -362,6 +403,36 @@ def verbose_table(results: list[ModelResult], cfg: ShapesConfig) -> list[str]:
                 lines.append(f"| {r.label} | {setting} | " + " | ".join(cells) +
                              f" | {res['load_s']:.1f} | {res['rss_load_gb']:.2f} / "
                              f"{res['rss_peak_gb']:.2f} |")
+    return lines
+
+
+def roofline_table(results: list[ModelResult], cfg: ShapesConfig) -> list[str]:
+    """Decode at batch 1 against the memory read bandwidth measured in the same process (before
+    and after the figures, the better): each engine's weight bytes per token, tokens/s at the
+    smallest context, and the fraction bytes × tokens/s ÷ bandwidth; our step's products alone
+    and the rest of the step (attention, norms, dispatch, Python)."""
+    from torchllama.bench.roofline import decode_fraction
+
+    key = decode_key(1, min(cfg.contexts))
+    lines = [f"| model | read GB/s | engine | weights MB/token | decode b1 @{min(cfg.contexts)}"
+             " tok/s | fraction | step ms: products + rest |", "|---" * 7 + "|"]
+    for r in results:
+        roof = r.roofline
+        if not roof:
+            continue
+        for engine, res in r.engines.items():
+            rate = fastest(res)["decode"].get(key) if "error" not in res else None
+            if rate is None:
+                continue
+            nbytes = roof["bytes_per_token"][engine]
+            split = "–"
+            if engine == "torchllama":
+                step = 1e3 / rate
+                split = f"{step:.1f}: {roof['product_s'] * 1e3:.1f} + " \
+                        f"{step - roof['product_s'] * 1e3:.1f}"
+            lines.append(f"| {r.label} | {roof['read_gbs']:.1f} | {engine} | {nbytes / 1e6:.0f} "
+                         f"| {rate:.1f} | {decode_fraction(nbytes, rate, roof['read_gbs']):.2f} "
+                         f"| {split} |")
     return lines
 
 
@@ -425,7 +496,8 @@ def run_shapes_bench(shapes: list[str], types: list[str], cfg: ShapesConfig,
         path = shape_files.ensure_shape_file(shape, qtype, progress=progress)
         label = f"{shape.name.upper()} {qtype.upper()} ({shape.model})"
         results.append(measure_file(label, shape.name, qtype, path, cfg, peer, print_fn))
-    for line in ["", *markdown_table(results, cfg), "", *verbose_table(results, cfg)]:
+    for line in ["", *markdown_table(results, cfg), "", *verbose_table(results, cfg), "",
+                 *roofline_table(results, cfg)]:
         print_fn(line)
     if json_path is not None:
         _write_json(Path(json_path), results, cfg, _header(cfg, peer))
@@ -451,6 +523,7 @@ def measure_file(label: str, shape: str, qtype: str, path: Path, cfg: ShapesConf
     if peer != "llama.cpp":
         print_fn(f"{label}: torchllama …")
         result.engines["torchllama"] = run_engine("torchllama", path, cfg, print_fn)
+        result.roofline = result.engines["torchllama"].get("roofline")
         return result
     read_through(path)                 # both loads start from the page cache, not the disk
     for engine in ENGINES:
@@ -458,6 +531,7 @@ def measure_file(label: str, shape: str, qtype: str, path: Path, cfg: ShapesConf
         result.engines[engine] = run_engine(engine, path, replace(cfg, load_only=True), print_fn)
     print_fn(f"{label}: both engines, runs interleaved …")
     both = run_engine("both", path, cfg, print_fn)
+    result.roofline = both.get("roofline")
     for engine, res in result.engines.items():
         if "error" in both and "error" not in res:
             res["error"] = f"side-by-side runs: {both['error']}"
@@ -502,6 +576,24 @@ def _write_json(path: Path, results: list[ModelResult], cfg: ShapesConfig,
 
 
 
+def _roofline_figures(r: ModelResult, cfg: ShapesConfig, best_ours: dict,
+                      best_peer: Optional[dict]) -> list:
+    """The roofline's figures of one file: the read bandwidth, and decode b1's fraction of it
+    (ours beside llama.cpp's)."""
+    from torchllama.bench.results import Figure
+    from torchllama.bench.roofline import decode_fraction
+
+    roof, key = r.roofline, decode_key(1, min(cfg.contexts))
+    if not roof or key not in best_ours["decode"]:
+        return []
+    share = lambda engine, best: decode_fraction(                        # noqa: E731
+        roof["bytes_per_token"][engine], best["decode"][key], roof["read_gbs"])
+    peer = share("llama.cpp", best_peer) if best_peer and key in best_peer["decode"] else None
+    return [Figure("memory read bandwidth", "GB/s", roof["read_gbs"], None),
+            Figure(f"decode b1 @{min(cfg.contexts)}, fraction of the read bandwidth", "",
+                   share("torchllama", best_ours), peer)]
+
+
 def result_runs(results: list[ModelResult], cfg: ShapesConfig):
     """The summary table's figures as `torchllama.bench.results` runs, one per file: each
     throughput figure (llama.cpp's faster setting), the load seconds and the peak RSS."""
@@ -520,6 +612,7 @@ def result_runs(results: list[ModelResult], cfg: ShapesConfig):
         figures += [Figure("load", "s", ours["load_s"], peer and peer.get("load_s"), False),
                     Figure("peak RSS after loading", "GB", ours["rss_load_gb"],
                            peer and peer.get("rss_load_gb"), False)]
+        figures += _roofline_figures(r, cfg, best_ours, best_peer)
         runs.append(Run(r.label, figures, "llama.cpp" if peer else None,
                         "flash attention on and off, the faster of each figure" if peer
                         else None, {"threads": cfg.threads, "runs": cfg.runs,
