@@ -868,3 +868,28 @@ def test_info_names_each_tensors_kernel_and_the_types_that_fall_back(tmp_path, c
     out = capsys.readouterr().out
     assert "IQ2_XXS" in out and "dequantized to float32 (no kernel" in out
     assert "blk.0.attn_q.weight" in out
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_half_precision_matrices_stay_as_stored_and_give_the_float32_bits(qtype, tmp_path):
+    """dtype auto keeps F16 / BF16 matrices as stored (`HalfLinear`: half the bytes of
+    float32) where the kernels run, and its logits are the float32 load's bit for bit (each
+    weight converted exactly as f32_linear loads it)."""
+    from torchllama import kernels
+    from torchllama.blocks.linear import HalfLinear
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    rng = np.random.default_rng(3)
+    weights = random_weights(SMALL, seed=3)
+    tensors = {n: (encode(w, Q.F32 if w.ndim == 1 else qtype, rng),
+                   Q.F32 if w.ndim == 1 else qtype) for n, w in weights.items()}
+    path = write_gguf(tmp_path / "half.gguf", tensors)
+    kept, _ = torchllama.load(path, progress=False)
+    exact, _ = torchllama.load(path, dtype="float32", progress=False)
+    assert isinstance(kept.layers[0].attention.wq, HalfLinear)
+    assert kept.layers[0].attention.wq.weight.dtype == (torch.float16 if qtype == Q.F16
+                                                         else torch.bfloat16)
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.inference_mode():
+        assert torch.equal(kept(ids), exact(ids))

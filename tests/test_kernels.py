@@ -309,6 +309,8 @@ wl = torch.randn(37, 100, generator=g)                  # f32_linear: K and N of
 xl = torch.randn(65, 100, generator=g)                  # both layouts, alone and in tiles
 wc = wl.t().contiguous().t()                            # (65 rows: a packed column-major W)
 layers += [ops.f32_linear(xl[:m], w_) for m in (1, 2, 3, 7, 9, 65) for w_ in (wl, wc)]
+layers += [ops.f32_linear(xl[:m], wl.to(t)) for m in (1, 3, 65)          # half-precision W
+           for t in (torch.float16, torch.bfloat16)]
 np.save(sys.argv[1], np.concatenate([y.numpy().ravel(), y7.numpy().ravel()] +
                                     [t.numpy().ravel() for t in layers]))
 print(kernels.isa())
@@ -837,3 +839,16 @@ def test_a_killed_builds_lock_is_removed_only_when_stale(tmp_path):
     kernels._remove_stale_lock(tmp_path)
     assert not lock.exists()
     kernels._remove_stale_lock(tmp_path)                     # no lock: nothing to do
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_weights_give_the_float32_weights_bits(dtype):
+    """f32_linear on F16 / BF16 weights as stored (converted as they are loaded) equals it on
+    the same weights in float32, bit for bit, alone and in tiles; and both are the product."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(37, 100, generator=g) * 0.1).to(dtype)             # K, N off the vectors
+    x = torch.randn(9, 100, generator=g)
+    for m in (1, 3, 9):
+        ours = torch.ops.torchllama.f32_linear(x[:m], w)
+        assert torch.equal(ours, torch.ops.torchllama.f32_linear(x[:m], w.float()))
+        torch.testing.assert_close(ours, x[:m].double().mm(w.double().t()).float())

@@ -5,6 +5,7 @@ its file type (torchllama.blocks' registry says which type lands in which form).
     Q8Blocks:  w[n, k] = d[n, b] · q[n, k]               q ∈ [-128, 127], b = k // B (B = 32 or 16)
 
 run on torchllama's kernels (`q4_rows`, `q8_rows`: blocks.linear's `Q4Linear`, `Q8Linear`);
+`HalfMatrix` keeps GGUF's F16 / BF16 matrices as stored (`HalfLinear`, on f32_linear);
 Int8Weight and Int4Weight are torch's own weight-only forms (the fallback without our kernels,
 transforms.quantize's `Int8Linear`, `Int4Linear`). For the K-quants the loader also hands over
 the scales' two factors (`ScaleFactors`): the kernels then keep the f16 super-scale and the
@@ -252,7 +253,33 @@ class Q8Blocks:
         return tuple(self.map_rows(lambda t, a=a, b=b: t[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
+@dataclass
+class HalfMatrix:
+    """A (N, K) float matrix kept as the file stores it, in half precision (GGUF's F16 and BF16
+    matrices): run by f32_linear, each weight converted to float32 exactly as it is loaded.
+
+    Attributes:
+        values: (N, K) float16 or bfloat16.
+    """
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 weights (exact)."""
+        return self.values.float()
+
+    def map_rows(self, fn) -> "HalfMatrix":
+        return HalfMatrix(fn(self.values))
+
+    def split_rows(self, sizes) -> tuple["HalfMatrix", ...]:
+        return tuple(HalfMatrix(t) for t in self.values.split(list(sizes)))
+
+
 BlockWeight = Union[Q4Blocks, Q8Blocks]
 
 
-QuantizedWeight = Union[Int8Weight, Int4Weight, Q4Blocks, Q8Blocks]
+QuantizedWeight = Union[Int8Weight, Int4Weight, Q4Blocks, Q8Blocks, HalfMatrix]

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from torchllama.blocks.forms import BlockWeight, Q4Blocks, Q8Blocks
+from torchllama.blocks.forms import BlockWeight, HalfMatrix, Q4Blocks, Q8Blocks
 from torchllama.blocks.packing import (lut_indices, pack_q4_codes, pack_q4_scales, pack_rows,
                                        pack_rows_six, pack_scales, unpack_codes, unpack_high,
                                        unpack_lut_codes, unpack_scales)
@@ -259,3 +259,51 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, q{self.bits} blocks"
+
+
+class HalfLinear(WeightOnlyLinear):
+    """y = x · Wᵀ (+ b) with W kept in half precision as the file stores it (`HalfMatrix`: GGUF's
+    F16 and BF16 matrices), on torchllama's `f32_linear`, which converts each weight to float32
+    exactly as it loads it: the float32 weights' bits, in half their bytes.
+
+    Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffer (not
+    persistent): weight (N, K) float16 or bfloat16, row-major.
+    """
+
+    def __init__(self, weight: HalfMatrix, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.values.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()                                          # (N, K) fp32
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)                                # (M, K)
+        y = torch.ops.torchllama.f32_linear(x2 if x2.dtype == torch.float32 else x2.float(),
+                                            self.weight)                    # (M, N) fp32
+        y = y.view(*x.shape[:-1], self.out_features)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{str(self.weight.dtype).removeprefix('torch.')}")
+
+
+class HalfEmbedding(nn.Module):
+    """Token embeddings looked up in a half-precision table (a `HalfMatrix`, or the tied output
+    projection's `HalfLinear` weight, shared): (B, T) int64 ids → (B, T, dim) float32."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.register_buffer("weight", table, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight[tokens].float()                                  # (B, T, D)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"{str(self.weight.dtype).removeprefix('torch.')}")

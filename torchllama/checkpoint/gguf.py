@@ -56,7 +56,7 @@ from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted, Stacked
 from torchllama.blocks import block_type, convert_blocks
-from torchllama.blocks.forms import Q4Blocks, Q8Blocks
+from torchllama.blocks.forms import HalfMatrix, Q4Blocks, Q8Blocks
 from torchllama.blocks.linear import BlockLinear
 from torchllama.transforms.quantize import (Scheme, fits, quantize_weight, quantized_linear,
                                             scheme_for)
@@ -712,6 +712,8 @@ def _quantized(t: Any, quant, source: str, no_kernel: set):
     if quant == "auto":
         if kind is not None:
             return read_blocks(t, source)
+        if typ in _HALF_TYPES and len(t.shape) == 2:
+            return _half_matrix(t, source)
         if typ not in _FLOAT_TYPES:
             no_kernel.add(typ.name)
         return None
@@ -719,6 +721,30 @@ def _quantized(t: Any, quant, source: str, no_kernel: set):
             (typ == gguf.GGMLQuantizationType.Q8_0 and quant == Scheme(8)):
         return read_blocks(t, source)
     return quantize_weight(_dequantize(t, source).reshape(-1, int(t.shape[0])), quant)
+
+
+#: Float types whose matrices `dtype="auto"` keeps as stored (`HalfMatrix`, on f32_linear).
+_HALF_TYPES = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def _half_matrix(t: Any, source: str) -> HalfMatrix | None:
+    """An F16 / BF16 matrix as stored (a copy out of the file mapping), or None without
+    torchllama's kernels (then it loads as float32).
+
+    Raises:
+        ModelFileError: data cut short.
+    """
+    from torchllama import kernels
+
+    if not kernels.available():
+        return None
+    dtype = torch.float16 if t.tensor_type == gguf.GGMLQuantizationType.F16 else torch.bfloat16
+    try:
+        raw = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), 2 * int(t.shape[0]))
+    except ValueError as e:
+        raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
+    values = torch.from_numpy(raw.view(np.uint16).copy()).view(dtype)          # (N, K)
+    return HalfMatrix(values)
 
 
 def _scheme_of(w) -> Scheme:
@@ -903,7 +929,8 @@ def kernel_plan(path: str | os.PathLike) -> list[TensorPlan]:
             runs_on = (f"{kind.kernel} ({levels[kind.kernel]}): {kind.storage}" if levels else
                        "torch's int4/int8 kernels (torchllama's kernels unavailable)")
         elif t.tensor_type in _FLOAT_TYPES:
-            runs_on = (f"f32_linear ({levels['linear_rows']}): float32" if levels else
+            kept = "as stored" if t.tensor_type in _HALF_TYPES else "float32"
+            runs_on = (f"f32_linear ({levels['linear_rows']}): {kept}" if levels else
                        "torch's float32 matmul")
         else:
             runs_on = "dequantized to float32 (no kernel for this type)"

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchllama.errors import ArgumentError
-from torchllama.blocks.forms import (BlockWeight, Int4Weight, Int8Weight, Q4Blocks, Q8Blocks,
-                                     QuantizedWeight)
-from torchllama.blocks.linear import (BlockEmbedding, BlockLinear, Q4Linear, Q8Linear,
-                                      WeightOnlyLinear)
+from torchllama.blocks.forms import (BlockWeight, HalfMatrix, Int4Weight, Int8Weight, Q4Blocks,
+                                     Q8Blocks, QuantizedWeight)
+from torchllama.blocks.linear import (BlockEmbedding, BlockLinear, HalfEmbedding, HalfLinear,
+                                      Q4Linear, Q8Linear, WeightOnlyLinear)
 from torchllama.transforms import fuse
 
 #: Group sizes `_weight_int4pack_mm_for_cpu` accepts.
@@ -237,6 +237,9 @@ def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = Non
     16, which torch's int4 kernel needs)."""
     from torchllama import kernels
 
+    if isinstance(weight, HalfMatrix):                      # F16 / BF16 as stored
+        return HalfLinear(weight, bias) if kernels.available() else \
+            Int8Linear(Int8Weight.from_float(weight.dequantize()), bias)
     if isinstance(weight, (Q4Blocks, Q8Blocks)):
         if kernels.available():
             return (Q4Linear if isinstance(weight, Q4Blocks) else Q8Linear)(weight, bias)
@@ -253,6 +256,10 @@ def quantized_embedding(weight: QuantizedWeight, linear: Optional[nn.Module] = N
     buffers shared), or `weight` alone."""
     if isinstance(linear, BlockLinear):
         return BlockEmbedding(linear)
+    if isinstance(linear, HalfLinear):
+        return HalfEmbedding(linear.weight)
+    if isinstance(weight, HalfMatrix):
+        return HalfEmbedding(weight.values)
     if isinstance(linear, Int8Linear):
         return QuantizedEmbedding(Int8Weight(linear.weight_int8, linear.scale_fp32), linear)
     if isinstance(weight, (Q4Blocks, Q8Blocks)):

@@ -86,9 +86,13 @@ struct AttnArgs {
 
 // One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major
 // (for linear_rows) or Wᵀ as a contiguous (K, N) (a column-major weight, for linear_cols).
+// A row-major W may also be stored in half precision (GGUF's F16, BF16 matrices): w16 with
+// w16_type 1 (IEEE float16) or 2 (bfloat16), w null; each weight is converted to float32 (exact)
+// in the registers, so the products are the float32 weights' bit for bit.
 struct LinearArgs {
   const float* x; const float* w; float* y;
   int64_t M, N, K;
+  const uint16_t* w16 = nullptr; int32_t w16_type = 0;
 };
 
 // ---- the table ------------------------------------------------------------------------------

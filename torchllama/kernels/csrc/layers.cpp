@@ -24,7 +24,9 @@
 //       (B, T, H·dv) copies nothing.
 //   f32_linear(x (M, K) f32, w (N, K) f32) → (M, N) = x · wᵀ (nn.Linear without its bias);
 //       w row-major, or column-major (the transpose of a contiguous (K, N): torchllama's
-//       loaders store float32 weights so), any other layout is copied row-major first.
+//       loaders store float32 weights so), any other layout is copied row-major first; or w
+//       float16 / bfloat16 (GGUF's F16, BF16 matrices kept as stored), row-major, each weight
+//       converted to float32 exactly as it is loaded: the float32 weights' bits.
 //
 // f32_linear's invariance: y[m, n] = dot(x_m, w_n, K) of layers_impl.h, whatever M, the tile,
 // the thread, the instruction set or w's layout: 16 lanes, lane l the fused multiply-add chain
@@ -323,17 +325,25 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // (row-major) or of 16-column vectors (column-major), at least ~64k multiply-adds each.
 at::Tensor f32_linear(const at::Tensor& x_, const at::Tensor& w_) {
   check_f32(x_, "f32_linear", "x");
-  check_f32(w_, "f32_linear", "w");
+  const auto wt = w_.scalar_type();
+  const bool half = wt == at::kHalf || wt == at::kBFloat16;   // row-major, converted exactly
+  if (!half) check_f32(w_, "f32_linear", "w");
+  TORCH_CHECK(w_.device().is_cpu(), "f32_linear: w must be a CPU tensor");
   TORCH_CHECK(x_.dim() == 2 && w_.dim() == 2 && x_.size(1) == w_.size(1),
               "f32_linear: x must be (M, K) and w (N, K), got ", x_.sizes(), " and ",
               w_.sizes());
   const at::Tensor x = x_.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w_.size(0);
-  const bool col = !w_.is_contiguous() && w_.t().is_contiguous();
+  const bool col = !half && !w_.is_contiguous() && w_.t().is_contiguous();
   const at::Tensor w = col ? w_ : w_.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const LinearArgs a{x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
+  LinearArgs a{x.data_ptr<float>(), half ? nullptr : w.data_ptr<float>(), y.data_ptr<float>(),
+               M, N, K};
+  if (half) {
+    a.w16 = static_cast<const uint16_t*>(w.data_ptr());
+    a.w16_type = wt == at::kHalf ? 1 : 2;
+  }
   const auto kernel = col ? table().linear_cols : table().linear_rows;
   const int64_t unit = col ? 16 : 4;             // columns per work unit (a thread's share)
   const int64_t per_unit = std::max<int64_t>(1, M * K * unit);

@@ -39,11 +39,59 @@ constexpr int RM = 3, RN = 2, CM = 3, CV = 2, CV1 = 4;
 constexpr int RM = 1, RN = 1, CM = 1, CV = 1, CV1 = 1;
 #endif
 
+// Weights in half precision (LinearArgs::w16): the stored bits, converted to float32 exactly
+// where they are loaded (F16C / AVX-512's vcvtph2ps for float16, a 16-bit shift for bfloat16).
+struct f16w { uint16_t bits; };
+struct bf16w { uint16_t bits; };
+static inline float to_f32(float w) { return w; }
+static inline float to_f32(bf16w w) {
+  const uint32_t u = uint32_t(w.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline float to_f32(f16w w) {
+#if ISA_LEVEL == 0
+  return c10::detail::fp16_ieee_to_fp32_value(w.bits);
+#else
+  return _cvtsh_ss(w.bits);
+#endif
+}
+static inline v16 load16(const f16w* p) {
+#if ISA_LEVEL == 2
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif ISA_LEVEL == 1
+  return v16{(v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+             (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+#else
+  float t[LANES];
+  for (int l = 0; l < LANES; ++l) t[l] = to_f32(p[l]);
+  return load16(t);
+#endif
+}
+static inline v16 load16(const bf16w* p) {
+#if ISA_LEVEL == 2
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif ISA_LEVEL == 1
+  const auto half = [](const bf16w* q) {
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)q)), 16));
+  };
+  return v16{half(p), half(p + 8)};
+#else
+  float t[LANES];
+  for (int l = 0; l < LANES; ++l) t[l] = to_f32(p[l]);
+  return load16(t);
+#endif
+}
+
 // dot's tail: lane l takes element k0 + l of the last K − k0 (< 16) elements.
-static inline v16 tail16(v16 acc, const float* a, const float* b, int64_t k0, int64_t K) {
+template <typename W>
+static inline v16 tail16(v16 acc, const float* a, const W* b, int64_t k0, int64_t K) {
   float t[LANES];
   store16(t, acc);
-  for (int l = 0; k0 < K; ++k0, ++l) t[l] = std::fma(a[k0], b[k0], t[l]);
+  for (int l = 0; k0 < K; ++k0, ++l) t[l] = std::fma(a[k0], to_f32(b[k0]), t[l]);
   return load16(t);
 }
 
@@ -61,8 +109,8 @@ struct Ahead {
 
 // y[i][j] = dot(x_i, w_j, K) for i < TM, j < TN: x TM rows and w TN rows at stride K, y rows at
 // stride ldy. Each 16 elements of a row of x or W are loaded once for the whole tile.
-template <int TM, int TN>
-static inline void row_tile(const float* x, const float* w, int64_t K, float* y, int64_t ldy,
+template <int TM, int TN, typename W>
+static inline void row_tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy,
                             Ahead& ahead) {
   v16 acc[TM][TN];
 #pragma GCC unroll 16
@@ -98,45 +146,56 @@ static inline void row_tile(const float* x, const float* w, int64_t K, float* y,
 }
 
 // Rows m .. m + tm − 1 of x (tm ≤ RM) against W rows [n0, n1): tiles of tm × TN, then single rows.
-template <int TM>
-static void row_span(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1, Ahead& ahead) {
+template <int TM, typename W>
+static void row_span(const LinearArgs& a, const W* w, int64_t m, int64_t n0, int64_t n1,
+                     Ahead& ahead) {
   constexpr int TN = TM == 1 ? 4 : RN;
   const float* x = a.x + m * a.K;
   float* y = a.y + m * a.N;
   int64_t n = n0;
-  for (; n + TN <= n1; n += TN) row_tile<TM, TN>(x, a.w + n * a.K, a.K, y + n, a.N, ahead);
-  for (; n < n1; ++n) row_tile<TM, 1>(x, a.w + n * a.K, a.K, y + n, a.N, ahead);
+  for (; n + TN <= n1; n += TN) row_tile<TM, TN>(x, w + n * a.K, a.K, y + n, a.N, ahead);
+  for (; n < n1; ++n) row_tile<TM, 1>(x, w + n * a.K, a.K, y + n, a.N, ahead);
 }
 
-static void row_span_any(int tm, const LinearArgs& a, int64_t m, int64_t n0, int64_t n1,
-                         Ahead& ahead) {
+template <typename W>
+static void row_span_any(int tm, const LinearArgs& a, const W* w, int64_t m, int64_t n0,
+                         int64_t n1, Ahead& ahead) {
   switch (tm) {                                  // tm ≤ RM
-    case 1: row_span<1>(a, m, n0, n1, ahead); break;
-    case 2: row_span<2 <= RM ? 2 : 1>(a, m, n0, n1, ahead); break;
-    case 3: row_span<3 <= RM ? 3 : 1>(a, m, n0, n1, ahead); break;
-    case 4: row_span<4 <= RM ? 4 : 1>(a, m, n0, n1, ahead); break;
-    case 5: row_span<5 <= RM ? 5 : 1>(a, m, n0, n1, ahead); break;
-    default: row_span<RM>(a, m, n0, n1, ahead); break;
+    case 1: row_span<1>(a, w, m, n0, n1, ahead); break;
+    case 2: row_span<2 <= RM ? 2 : 1>(a, w, m, n0, n1, ahead); break;
+    case 3: row_span<3 <= RM ? 3 : 1>(a, w, m, n0, n1, ahead); break;
+    case 4: row_span<4 <= RM ? 4 : 1>(a, w, m, n0, n1, ahead); break;
+    case 5: row_span<5 <= RM ? 5 : 1>(a, w, m, n0, n1, ahead); break;
+    default: row_span<RM>(a, w, m, n0, n1, ahead); break;
   }
 }
 
-// y[:, n0:n1) for a row-major W (N, K): blocks of W rows that stay in L2 (~128 KiB) while
-// every tile of x rows passes over them, the next block prefetched meanwhile (several rows of
-// x; a lone row streams W, which the hardware prefetchers follow).
-static void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+// y[:, n0:n1) for a row-major W (N, K) of element type W: blocks of W rows that stay in L2
+// (~128 KiB of float32) while every tile of x rows passes over them, the next block prefetched
+// meanwhile (several rows of x; a lone row streams W, which the hardware prefetchers follow).
+template <typename W>
+static void linear_rows_of(const LinearArgs& a, const W* w, int64_t n0, int64_t n1) {
   const int64_t NB = std::max<int64_t>(4, (32768 / std::max<int64_t>(a.K, 1)) / 4 * 4);
   for (int64_t nb = n0; nb < n1; nb += NB) {
     const int64_t ne = std::min(n1, nb + NB), next = std::min(n1, ne + NB);
     Ahead ahead;                                 // spread over the block's k-steps
     if (a.M > 1 && next > ne) {
       const int64_t steps = (a.M + RM - 1) / RM * ((ne - nb + RN - 1) / RN) * (a.K / LANES);
-      ahead = Ahead{reinterpret_cast<const char*>(a.w + ne * a.K),
-                    reinterpret_cast<const char*>(a.w + next * a.K),
-                    ((next - ne) * a.K / 16 + steps - 1) / std::max<int64_t>(steps, 1)};
+      const int64_t lines = (next - ne) * a.K * int64_t(sizeof(W)) / 64;
+      ahead = Ahead{reinterpret_cast<const char*>(w + ne * a.K),
+                    reinterpret_cast<const char*>(w + next * a.K),
+                    (lines + steps - 1) / std::max<int64_t>(steps, 1)};
     }
     for (int64_t m = 0; m < a.M; m += RM)
-      row_span_any(int(std::min<int64_t>(RM, a.M - m)), a, m, nb, ne, ahead);
+      row_span_any(int(std::min<int64_t>(RM, a.M - m)), a, w, m, nb, ne, ahead);
   }
+}
+
+// The table's entry: float32 weights, or half-precision ones (LinearArgs::w16_type).
+static void linear_rows(const LinearArgs& a, int64_t n0, int64_t n1) {
+  if (a.w16_type == 1) linear_rows_of(a, reinterpret_cast<const f16w*>(a.w16), n0, n1);
+  else if (a.w16_type == 2) linear_rows_of(a, reinterpret_cast<const bf16w*>(a.w16), n0, n1);
+  else linear_rows_of(a, a.w, n0, n1);
 }
 
 // ---- column-major W ----------------------------------------------------------------------------
