@@ -638,8 +638,8 @@ def convert(src: str, dst: str, *, to: str, dtype: Optional[str] = None,
         src: the checkpoint to read (a .gguf file, a Meta folder or a Hugging Face folder).
         dst: the output: a folder for meta and hf, a file for gguf. Must not exist unless --force.
         to: output format: meta, hf or gguf.
-        dtype: output dtype: float32, bfloat16 or float16 (default: float32), or q8_0, q4_0
-            or q4_1 for gguf (matrices quantized by the gguf library).
+        dtype: output dtype: float32, bfloat16 or float16 (default: float32), or q8_0, q5_0,
+            q5_1, q4_0 or q4_1 for gguf (matrices quantized by the gguf library).
         force: replace an existing output.
     """
     from torchllama.checkpoint import convert as convert_checkpoint

@@ -774,11 +774,10 @@ def _layout_rows(mapping: Mapping, q, args) -> tuple:
 # Writing
 # ---------------------------------------------------------------------------------------------
 
-# Tensor types we write: float types, and Q8_0, Q4_0 or Q4_1 for the matrices (norms stay F32,
-# as llama.cpp), quantized by the `gguf` library.
-WRITE_TYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
-               "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0,
-               "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+# Tensor types we write: float types, and Q8_0, Q5_0, Q5_1, Q4_0 or Q4_1 for the matrices (norms
+# stay F32, as llama.cpp), quantized by the `gguf` library (the types it quantizes).
+WRITE_TYPES = {name: gguf.GGMLQuantizationType[name]
+               for name in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")}
 
 # GGUF tokenizer key → GGUFWriter method (each writes the value with the type llama.cpp expects).
 _TOKENIZER_WRITERS = {
@@ -837,8 +836,8 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
         model: a `Transformer`.
         tokenizer_fields: GGUF `tokenizer.*` keys → values (`Tokenizer.gguf_fields()`).
         path: output file; written directly (callers write to a temporary path and rename).
-        qtype: 'F32', 'F16', 'BF16', 'Q8_0', 'Q4_0' or 'Q4_1' for the matrices (quantized
-            with the `gguf` library); 1-D norms are always F32.
+        qtype: 'F32', 'F16', 'BF16', 'Q8_0', 'Q5_0', 'Q5_1', 'Q4_0' or 'Q4_1' for the
+            matrices (quantized with the `gguf` library); 1-D norms are always F32.
         name: general.name.
         progress: show a progress bar.
 
@@ -855,11 +854,8 @@ def save_gguf(model, tokenizer_fields: dict[str, Any], path: str | os.PathLike,
     writer = gguf.GGUFWriter(os.fspath(path), family.gguf_architecture)
     writer.add_name(name)
     family.gguf_metadata(writer, args)
-    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                          "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                          "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                          "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else
+                         gguf.LlamaFileType[f"MOSTLY_{qtype}"])
     for key, value in tokenizer_fields.items():
         if key == "tokenizer.ggml.add_space_prefix":
             writer.add_bool(key, bool(value))

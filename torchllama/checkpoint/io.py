@@ -124,7 +124,7 @@ def load(path: Optional[str | os.PathLike] = None, *, dtype: str | torch.dtype =
 FORMATS = ("meta", "hf", "gguf")
 # --dtype of a GGUF output → the tensor type its matrices are written with.
 GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "q8_0": "Q8_0",
-              "q4_0": "Q4_0", "q4_1": "Q4_1"}
+              "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str] = None, *,
@@ -139,7 +139,7 @@ def save(model, tokenizer, dst: str | os.PathLike, to: str, dtype: Optional[str]
             `Tokenizer.save_meta`),
             'hf' (config.json, model.safetensors, tokenizer files) or 'gguf'.
         dtype: 'float32', 'bfloat16' or 'float16' (default: the model's); for GGUF also
-            'q8_0', 'q4_0' or 'q4_1' (matrices quantized by the `gguf` library, norms in
+            'q8_0', 'q5_0', 'q5_1', 'q4_0' or 'q4_1' (matrices quantized by the `gguf` library, norms in
             float32).
         force: replace an existing dst.
         progress: show progress bars.
