@@ -201,14 +201,15 @@ def _product_modules(model) -> list:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of the weights one decode step reads (the `_product_modules`' tensors, each
-    storage once): the numerator of `decode_fraction` for our model."""
+    storage once, by their elements: a huge-page mapping's alignment slack is address space,
+    never read): the numerator of `decode_fraction` for our model."""
     seen, total = set(), 0
     for module in _product_modules(model):
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             key = t.untyped_storage().data_ptr()
             if key not in seen and t.dim() > 0:
                 seen.add(key)
-                total += t.untyped_storage().nbytes()
+                total += t.numel() * t.element_size()
     return total
 
 

@@ -205,11 +205,12 @@ class Q8Blocks:
     row: w = d·q.
 
     Attributes:
-        codes: (N, K) int8.
+        codes: (N, K) int8; or, with `lut`, (N, K/2) uint8 4-bit indices into it, in Q4's
+            nibble order (byte j of block b: index 32b + j low, 32b + j + 16 high).
         d: (N, K/B) float32.
         d_factors: the same d as products (`ScaleFactors`, Q6_K: d·sc_j), or None.
-        lut: None, or (16,) int8: every code is one of these values (IQ4's non-linear grid,
-            Q3_K's [−4, 3]), so the kernels keep each code as its 4-bit index into the table.
+        lut: None, or (16,) int8: the value of each 4-bit index (IQ4's non-linear grid, Q3_K's
+            [−4, 3]): code = lut[index].
     """
 
     codes: torch.Tensor
@@ -219,17 +220,28 @@ class Q8Blocks:
 
     @property
     def shape(self) -> torch.Size:
-        return self.codes.shape
+        N, width = self.codes.shape
+        return torch.Size((N, 2 * width if self.lut is not None else width))
 
     @property
     def block(self) -> int:
-        return self.codes.shape[1] // self.d.shape[1]
+        return self.shape[1] // self.d.shape[1]
+
+    def values(self) -> torch.Tensor:
+        """(N, K) int8 codes (looked up in `lut` where given)."""
+        if self.lut is None:
+            return self.codes
+        N = self.codes.shape[0]
+        c = self.codes.view(N, -1, 16)                                      # (N, K/32, 16)
+        idx = torch.cat([c & 15, c >> 4], dim=-1).view(N, -1)               # (N, K)
+        return self.lut[idx.long()]
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32 weights."""
-        N, K = self.codes.shape
+        N, K = self.shape
         B = self.block
-        return (self.codes.float().view(N, K // B, B) * self.d.float()[..., None]).view(N, K)
+        q = self.values().float().view(N, K // B, B)
+        return (q * self.d.float()[..., None]).view(N, K)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Q8Blocks":

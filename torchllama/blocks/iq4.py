@@ -3,20 +3,20 @@ kvalues_iq4nl, block_iq4_nl, block_iq4_xs; values: ggml-quants.c dequantize_row_
 _iq4_xs). Their C++ conversion: kernels/csrc/types/iq4.cpp.
 
     IQ4_NL  w = d·kv[i] per 32,              i ∈ [0, 15]
-            → Q8 form, B = 32, lut kv: codes kv[i], d
+            → Q8 form, B = 32, lut kv: the indices i as stored, d
     IQ4_XS  w = (d·(ls_j − 32))·kv[i] per 32 of 256, i ∈ [0, 15], ls_j ∈ [0, 63]
-            → Q8 form, B = 32, lut kv: codes kv[i], d = d·(ls_j − 32), and its factors
+            → Q8 form, B = 32, lut kv: the indices i as stored, d = d·(ls_j − 32), and its
+              factors
 
-Each 32 weights are 16 bytes as a Q4_0 block's: weight j in the low nibble of byte j, weight
-j + 16 in its high nibble. The codes are the grid's values, so the kernels keep each as its
-index again (`Q8Blocks.lut`).
+Each 32 weights are 16 bytes as a Q4_0 block's: index j in the low nibble of byte j, index
+j + 16 in its high nibble: the Q8 form's 4-bit indices (`Q8Blocks.lut`), the file's bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from torchllama.blocks.legacy import nibbles, q8_arrays
+from torchllama.blocks.legacy import nibbles
 from torchllama.blocks.registry import BlockType, GGMLType, f16, register
 
 #: ggml-common.h kvalues_iq4nl: the value of each 4-bit index.
@@ -28,17 +28,22 @@ IQ4_XS_BLOCK = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4
                          ("qs", "u1", 128)])
 
 
+def iq4_nl_arrays(rows: int, K: int) -> list[np.ndarray]:
+    """Q8 form with a table: [indices (rows, K/2) u8, d (rows, K/32) f32]."""
+    return [np.empty((rows, K // 2), np.uint8), np.empty((rows, K // 32), np.float32)]
+
+
 def iq4_xs_arrays(rows: int, K: int) -> list[np.ndarray]:
-    """Q8 form [codes (rows, K) i8, d (rows, K/32) f32], then d's factors (super (rows, K/256)
-    f16, ls_j − 32 (rows, K/32) i8)."""
-    return q8_arrays(rows, K) + [np.empty((rows, K // 256), np.float16),
-                                 np.empty((rows, K // 32), np.int8)]
+    """`iq4_nl_arrays`, then d's factors (super (rows, K/256) f16, ls_j − 32 (rows, K/32)
+    i8)."""
+    return iq4_nl_arrays(rows, K) + [np.empty((rows, K // 256), np.float16),
+                                     np.empty((rows, K // 32), np.int8)]
 
 
 # ---- IQ4_NL: one f16 scale per 32 --------------------------------------------------------------
 
 def _convert_iq4_nl(b: np.ndarray, out: list[np.ndarray]) -> None:
-    out[0].reshape(b.shape[0], b.shape[1], 32)[:] = KVALUES[nibbles(b["qs"])]
+    out[0].reshape(b.shape[0], b.shape[1], 16)[:] = b["qs"]           # the stored indices
     out[1][:] = b["d"]                                                   # f16 → f32, exact
 
 
@@ -62,12 +67,11 @@ def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
 
 def _iq4_xs_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndarray,
                  sub: np.ndarray) -> None:
-    """IQ4_XS super-blocks (rows, K/256) → int8 codes kv[i] and one scale d·(ls_j − 32) per
-    32 weights, and its factors d, ls_j − 32 (ggml-common.h block_iq4_xs): the 128 bytes of
-    qs are eight IQ4_NL-ordered blocks of 16."""
+    """IQ4_XS super-blocks (rows, K/256) → their indices as stored and one scale
+    d·(ls_j − 32) per 32 weights, and its factors d, ls_j − 32 (ggml-common.h block_iq4_xs):
+    the 128 bytes of qs are eight IQ4_NL-ordered blocks of 16."""
     rows, nb = b.shape
-    qs = b["qs"].reshape(rows, nb, 8, 16)
-    codes.reshape(rows, nb, 8, 32)[:] = KVALUES[nibbles(qs)]
+    codes.reshape(rows, nb, 128)[:] = b["qs"]
     sc = _iq4_xs_scales(b)
     d_super[:], sub[:] = b["d"], sc.reshape(rows, -1)
     d[:] = (b["d"].astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(rows, -1)
@@ -84,7 +88,7 @@ def _reference_iq4_xs(b: np.ndarray) -> np.ndarray:
 
 LUT = tuple(int(v) for v in KVALUES)
 
-IQ4_NL = register(BlockType(GGMLType.IQ4_NL, IQ4_NL_BLOCK, 32, "q8", q8_arrays,
+IQ4_NL = register(BlockType(GGMLType.IQ4_NL, IQ4_NL_BLOCK, 32, "q8", iq4_nl_arrays,
                             _convert_iq4_nl, _reference_iq4_nl, lut=LUT))
 IQ4_XS = register(BlockType(GGMLType.IQ4_XS, IQ4_XS_BLOCK, 256, "q8", iq4_xs_arrays,
                             lambda b, out: _iq4_xs_rows(b, *out), _reference_iq4_xs, lut=LUT))

@@ -4,7 +4,7 @@ block_q6_K; values: ggml-quants.c dequantize_row_q3_K / _q4_K / _q5_K / _q6_K). 
 conversion: kernels/csrc/types/k_quants.cpp.
 
     Q3_K  w = (d·(sc_j − 32))·q per 16,        q ∈ [−4, 3], sc_j ∈ [0, 63]
-          → Q8 form, B = 16, lut [−4, 3]: codes q, d = d·(sc_j − 32), and its factors
+          → Q8 form, B = 16, lut [−4, 3]: indices q + 4, d = d·(sc_j − 32), and its factors
     Q4_K  w = (d·sc_j)·q − dmin·mn_j per 32,  q ∈ [0, 15], sc_j, mn_j ∈ [0, 63]
           → Q4 form: d = d·sc_j, m = −dmin·mn_j, and their factors (d, sc_j), (−dmin, mn_j)
     Q5_K  as Q4_K with q ∈ [0, 31]
@@ -44,9 +44,15 @@ def q5_k_arrays(rows: int, K: int) -> list[np.ndarray]:
     return a[:3] + [np.empty((rows, K // 8), np.uint8)] + a[3:]
 
 
+def q3_k_arrays(rows: int, K: int) -> list[np.ndarray]:
+    """Q8 form with a table [indices (rows, K/2) u8, d (rows, K/16) f32], then d's factors
+    (super (rows, K/256) f16, sc_j − 32 (rows, K/16) i8)."""
+    return [np.empty((rows, K // 2), np.uint8)] + q6_k_arrays(rows, K)[1:]
+
+
 def q6_k_arrays(rows: int, K: int) -> list[np.ndarray]:
     """Q8 form [codes (rows, K) i8, d (rows, K/16) f32], then d's factors (super (rows, K/256)
-    f16, sc_j (rows, K/16) i8); Q3_K's too (sc_j − 32)."""
+    f16, sc_j (rows, K/16) i8)."""
     return [np.empty((rows, K), np.int8), np.empty((rows, K // 16), np.float32),
             np.empty((rows, K // 256), np.float16), np.empty((rows, K // 16), np.int8)]
 
@@ -126,7 +132,8 @@ def _q5_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray,
 
 def _q3_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndarray,
                sub: np.ndarray) -> None:
-    """Q3_K super-blocks (rows, K/256) → int8 codes q ∈ [−4, 3] and one scale d·(sc_j − 32)
+    """Q3_K super-blocks (rows, K/256) → indices q + 4 ∈ [0, 7] (the table's: code q) in Q4's
+    nibble order, and one scale d·(sc_j − 32)
     per 16 weights, and its factors d, sc_j − 32 (ggml-common.h block_q3_K, ggml-quants.c
     dequantize_row_q3_K): each 128 weights take 32 bytes of qs, weight l + 32·k of the 128
     (l < 32) bits 2k, 2k+1 of qs[l]; weight e's third bit is bit e // 32 of hmask[e % 32]:
@@ -136,12 +143,14 @@ def _q3_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndar
     rows, nb = b.shape
     hm = _words(b, np.uint64, 0, 32).reshape(rows, nb, 1, 4)        # (…, 1, 4 words of l)
     qs = _words(b, np.uint64, 32, 96).reshape(rows, nb, 2, 4)       # (…, 128s, 4 words of l)
-    out = codes.view(np.uint64).reshape(rows, nb, 2, 4, 4)          # (…, 128s, k, 4 words)
+    q4 = np.empty((rows, nb * 256), np.uint8)                       # q + 4, natural order
+    out = q4.view(np.uint64).reshape(rows, nb, 2, 4, 4)             # (…, 128s, k, 4 words)
     first = np.array([[0], [4]], np.uint64)                         # 128s: hmask bits 0-3, 4-7
     for k in range(4):
         third = (hm >> (first + k)) & _LOW1                         # (…, 128s, 4 words)
         np.bitwise_or((qs >> (2 * k)) & _LOW2, third << 2, out=out[..., k, :])  # q + 4
-    codes -= 4                                                               # q, int8
+    halves = q4.reshape(rows, -1, 2, 16)                            # per 32: weights j, j + 16
+    np.bitwise_or(halves[:, :, 0], halves[:, :, 1] << 4, out=codes.reshape(rows, -1, 16))
     s = _words(b, np.uint32, 96, 108)                               # (rows, K/256, 3): 12 bytes
     # word w of the result holds sc_{4w}..sc_{4w+3}: low nibbles of bytes 0-7, then high ones
     low = (s[..., [0, 1, 0, 1]] >> np.array([0, 0, 4, 4], np.uint32)) & _LOW4_32
@@ -238,7 +247,7 @@ def _reference_q6_k(b: np.ndarray) -> np.ndarray:
     return (d * q.reshape(rows, nb, 2, 4, 2, 16)).reshape(rows, -1)
 
 
-Q3_K = register(BlockType(GGMLType.Q3_K, Q3_K_BLOCK, 256, "q8", q6_k_arrays,
+Q3_K = register(BlockType(GGMLType.Q3_K, Q3_K_BLOCK, 256, "q8", q3_k_arrays,
                           lambda b, out: _q3_k_rows(b, *out), _reference_q3_k,
                           lut=(-4, -3, -2, -1, 0, 1, 2, 3) + (0,) * 8))
 Q4_K = register(BlockType(GGMLType.Q4_K, Q4_K_BLOCK, 256, "q4", q4_k_arrays,

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from torchllama.blocks.forms import BlockWeight, HalfMatrix, Q4Blocks, Q8Blocks
-from torchllama.blocks.packing import (lut_indices, pack_q4_codes, pack_q4_scales, pack_rows,
-                                       pack_rows_six, pack_scales, unpack_codes, unpack_high,
-                                       unpack_lut_codes, unpack_scales)
+from torchllama.blocks.packing import (pack_q4_codes, pack_q4_scales, pack_rows, pack_rows_six,
+                                       pack_scales, unpack_codes, unpack_high,
+                                       unpack_lut_indices, unpack_scales)
 
 
 class _InputGradient(torch.autograd.Function):
@@ -145,9 +145,8 @@ class Q8Linear(BlockLinear):
 
     def __init__(self, weight: Q8Blocks, bias: Optional[torch.Tensor] = None):
         N, K = weight.shape
-        if weight.lut is not None:
-            idx = lut_indices(weight.codes, weight.lut)                     # (N, K/2)
-            codes = pack_rows(idx, K // 32, 4).view(torch.int8)             # (G, K/32, 128)
+        if weight.lut is not None:                                   # 4-bit indices, as Q4's
+            codes = pack_rows(weight.codes, K // 32, 4).view(torch.int8)    # (G, K/32, 128)
             small = weight.lut.to(torch.int8).contiguous()                   # (16,)
         else:
             span = _code_range(weight.codes)
@@ -181,8 +180,7 @@ class Q8Linear(BlockLinear):
         """The canonical blocks (a copy): every row, or the given (R,) row indices."""
         r = self.out_features if rows is None else rows
         lut = self.lut
-        codes = unpack_codes(self.codes, r) if lut is None else \
-            unpack_lut_codes(self.codes, lut, r)
+        codes = unpack_codes(self.codes, r) if lut is None else unpack_lut_indices(self.codes, r)
         return Q8Blocks(codes, *unpack_scales(self.d, r), lut)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +247,7 @@ class BlockEmbedding(nn.Module):
             return Q4Blocks(unpack_codes(self.codes, flat), d, unpack_scales(self.m, flat, d)[0],
                             high=unpack_high(self.codes, flat))
         if self.small.dim() == 1:                                           # 4-bit indices
-            return Q8Blocks(unpack_lut_codes(self.codes, self.small, flat), d)
+            return Q8Blocks(unpack_lut_indices(self.codes, flat), d, lut=self.small)
         return Q8Blocks(unpack_codes(self.codes, flat), d)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

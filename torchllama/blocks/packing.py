@@ -136,29 +136,10 @@ def pack_q4_codes(w: Q4Blocks) -> torch.Tensor:
     return out
 
 
-def lut_indices(codes: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """int8 codes (N, K), each one of `lut`'s 16 values, → their indices (N, K/2) uint8 in Q4's
-    nibble order (byte j of a block: index j low, j + 16 high). ValueError for a code the
-    table lacks."""
-    inverse = torch.full((256,), 255, dtype=torch.uint8)
-    for i in reversed(range(16)):                                # the first index of a value
-        inverse[int(lut[i]) & 255] = i
-    idx = inverse[codes.view(torch.uint8).long()]                           # (N, K)
-    if bool((idx == 255).any()):
-        raise ValueError("a code is not one of the table's values")
-    N, K = codes.shape
-    halves = idx.view(N, K // 32, 2, 16)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(N, K // 2)
-
-
-def unpack_lut_codes(packed: torch.Tensor, lut: torch.Tensor, rows: torch.Tensor | int
-                     ) -> torch.Tensor:
-    """Codes stored as 4-bit indices ((G, b, 128), `lut_indices` packed) → (R, K) int8."""
-    nibbles = unpack_rows(packed.view(torch.uint8), 4, rows)                # (R, K/2)
-    R = nibbles.shape[0]
-    c = nibbles.view(R, -1, 16)
-    idx = torch.cat([c & 15, c >> 4], dim=-1).view(R, -1)                   # (R, K)
-    return lut[idx.long()]
+def unpack_lut_indices(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
+    """Codes stored as 4-bit indices ((G, b, 128), `Q8Blocks.lut`'s form packed) → the rows'
+    (R, K/2) uint8 indices in Q4's nibble order (`Q8Blocks.codes` with a table)."""
+    return unpack_rows(packed.view(torch.uint8), 4, rows)
 
 
 def unpack_codes(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:

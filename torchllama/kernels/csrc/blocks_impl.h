@@ -886,13 +886,13 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
                  [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
     return;
   }
-  if (a.M < TL_DECODE_ROWS && w.lut) {
-    drive_decode(a.M, g0, g1,
+  if (a.M == 1 && w.lut) {             // more rows: expanded once a tile (prefill's path),
+    drive_decode(a.M, g0, g1,          // not looked up again for every row
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, true>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, true>(a, m, w, g, y); });
     return;
   }
-  if (a.M < TL_DECODE_ROWS) {
+  if (a.M < TL_DECODE_ROWS && !w.lut) {
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
                  [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL>(a, m, w, g, y); });

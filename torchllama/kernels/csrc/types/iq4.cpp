@@ -2,30 +2,19 @@
 // block_iq4_nl, block_iq4_xs; values: ggml-quants.c dequantize_row_iq4_nl / _iq4_xs),
 // converted for the kernels (torchllama/blocks/iq4.py is the readable form and names the
 // arrays):
-//   IQ4_NL → Q8 form: codes (rows, K) i8 = kv[i], d (rows, K/32) f32
-//   IQ4_XS → Q8 form: codes (rows, K) i8 = kv[i], d = d·(ls_j − 32) (rows, K/32) f32, then d
-//            (rows, K/256) f16 and ls_j − 32 (rows, K/32) i8
+//   IQ4_NL → Q8 form with a table (kv): indices (rows, K/2) u8 as stored, d (rows, K/32) f32
+//   IQ4_XS → the same, d = d·(ls_j − 32) (rows, K/32) f32, then d (rows, K/256) f16 and
+//            ls_j − 32 (rows, K/32) i8
 
 #include "types.h"
 
 namespace torchllama {
 namespace {
 
-// ggml-common.h kvalues_iq4nl: the value of each 4-bit index.
-constexpr int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                1,    13,   25,  38,  53,  69,  89,  113};
-
-std::vector<int64_t> iq4_nl_widths(int64_t K) { return {K, K / 8}; }
-std::vector<int64_t> iq4_xs_widths(int64_t K) { return {K, K / 8, K / 128, K / 32}; }
-
-// 16 bytes → 32 codes, as a Q4_0 block: weight l in the low nibble of byte l, weight l + 16 in
-// its high nibble.
-inline void iq4_codes(const uint8_t* qs, int8_t* c) {
-  for (int l = 0; l < 16; ++l) {
-    c[l] = kvalues[qs[l] & 15];
-    c[l + 16] = kvalues[qs[l] >> 4];
-  }
-}
+// The indices (ggml-common.h kvalues_iq4nl's) stay as stored: weight l of a block in the low
+// nibble of byte l, weight l + 16 in its high nibble, the Q8 form's 4-bit order.
+std::vector<int64_t> iq4_nl_widths(int64_t K) { return {K / 2, K / 8}; }
+std::vector<int64_t> iq4_xs_widths(int64_t K) { return {K / 2, K / 8, K / 128, K / 32}; }
 
 // IQ4_NL: w = d·kv[i]; the f16 d, then 16 bytes of indices.
 int64_t iq4_nl_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
@@ -33,7 +22,7 @@ int64_t iq4_nl_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
   int64_t bad = 0;
   for (int64_t i = 0; i < nb; ++i, b += 18) {
     d[i] = half_at(b);
-    iq4_codes(b + 2, reinterpret_cast<int8_t*>(out[0]) + 32 * i);
+    std::memcpy(out[0] + 16 * i, b + 2, 16);
     bad += !std::isfinite(d[i]);
   }
   return bad;
@@ -57,8 +46,8 @@ int64_t iq4_xs_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
       sub[8 * i + j] = int8_t(ls - 32);
       dd[8 * i + j] = d * float(ls - 32);
       bad += !std::isfinite(dd[8 * i + j]);
-      iq4_codes(b + 8 + 16 * j, reinterpret_cast<int8_t*>(out[0]) + 256 * i + 32 * j);
     }
+    std::memcpy(out[0] + 128 * i, b + 8, 128);
   }
   return bad;
 }

@@ -2,8 +2,9 @@
 // block_q4_K, block_q5_K, block_q6_K; values: ggml-quants.c dequantize_row_q3_K / _q4_K /
 // _q5_K / _q6_K), converted for the kernels (torchllama/blocks/k_quants.py is the readable
 // form and names the arrays):
-//   Q3_K → Q8 form: codes (rows, K) i8 = q ∈ [−4, 3], d = d·(sc_j − 32) (rows, K/16) f32,
-//          then d (rows, K/256) f16 and sc_j − 32 (rows, K/16) i8
+//   Q3_K → Q8 form with a table ([−4, 3]): indices (rows, K/2) u8 = q + 4 in Q4's nibble order,
+//          d = d·(sc_j − 32) (rows, K/16) f32, then d (rows, K/256) f16 and sc_j − 32
+//          (rows, K/16) i8
 //   Q4_K → Q4 form: codes (rows, K/2) u8 in Q4 blocks of 32 (byte i: weights i and i + 16),
 //          d = d·sc_j, m = −dmin·mn_j (rows, K/32) f32, then their factors: d (rows, K/256)
 //          f16, sc_j (rows, K/32) u8, −dmin (rows, K/256) f16, mn_j u8
@@ -25,6 +26,7 @@ std::vector<int64_t> q4_k_widths(int64_t K) {
 std::vector<int64_t> q5_k_widths(int64_t K) {
   return {K / 2, K / 8, K / 8, K / 8, K / 128, K / 32, K / 128, K / 32};
 }
+std::vector<int64_t> q3_k_widths(int64_t K) { return {K / 2, K / 4, K / 128, K / 16}; }
 std::vector<int64_t> q6_k_widths(int64_t K) { return {K, K / 4, K / 128, K / 16}; }
 
 // Q4_K/Q5_K super-block i's scales: its f16 d and dmin at b, then the eight 6-bit sc_j, mn_j
@@ -115,14 +117,18 @@ int64_t q3_k_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
       dd[16 * i + j] = d * float(sc - 32);
       bad += !std::isfinite(dd[16 * i + j]);
     }
-    int8_t* c = reinterpret_cast<int8_t*>(out[0]) + 256 * i;
+    uint8_t q4[256];                                   // q + 4 ∈ [0, 7], natural order
     for (int h = 0; h < 2; ++h)
       for (int k = 0; k < 4; ++k)
         for (int l = 0; l < 32; ++l) {
           const int low = (qs[32 * h + l] >> (2 * k)) & 3;
           const int third = (hm[l] >> (4 * h + k)) & 1;
-          c[128 * h + 32 * k + l] = int8_t(low - (third ? 0 : 4));
+          q4[128 * h + 32 * k + l] = uint8_t(low | (third << 2));
         }
+    uint8_t* idx = out[0] + 128 * i;                   // Q4's nibble order, per 32 weights
+    for (int blk = 0; blk < 8; ++blk)
+      for (int j = 0; j < 16; ++j)
+        idx[16 * blk + j] = uint8_t(q4[32 * blk + j] | (q4[32 * blk + 16 + j] << 4));
   }
   return bad;
 }
@@ -158,7 +164,7 @@ int64_t q6_k_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
 }
 
 const bool registered =
-    register_block_type({11, "Q3_K", 110, 256, q6_k_widths, q3_k_row}) &&
+    register_block_type({11, "Q3_K", 110, 256, q3_k_widths, q3_k_row}) &&
     register_block_type({12, "Q4_K", 144, 256, q4_k_widths, q4_k_row}) &&
     register_block_type({13, "Q5_K", 176, 256, q5_k_widths, q5_k_row}) &&
     register_block_type({14, "Q6_K", 210, 256, q6_k_widths, q6_k_row});
