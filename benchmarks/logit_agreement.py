@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_agreement import _compare, _ours, _theirs  # noqa: E402
+from moe_agreement import report  # noqa: E402
 
 
 def main() -> None:
@@ -43,18 +43,8 @@ def main() -> None:
     ids = torch.randint(0, VOCAB_SIZE, (args.positions,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     for qtype in args.types.split(","):
-        path = str(ensure_shape_file(args.shape, qtype))
-        theirs = _theirs(path, ids)
-        ours = _ours(path, "auto", ids)
-        label = f"{args.shape} {qtype}"
-        print(f"{label} (logit std {float(theirs.std()):.3f}): ours vs llama.cpp: "
-              f"{_compare(ours, theirs)}")
-        print(f"{label}: llama.cpp flash attention on vs off (its own floor): "
-              f"{_compare(_theirs(path, ids, flash_attn=True), theirs)}", flush=True)
-        if args.float:
-            exact = _ours(path, "float32", ids)
-            print(f"{label}: float32 of the same weights vs llama.cpp: "
-                  f"{_compare(exact, theirs)}; vs ours: {_compare(exact, ours)}", flush=True)
+        report(str(ensure_shape_file(args.shape, qtype)), ids, f"{args.shape} {qtype}",
+               args.float)
 
 
 if __name__ == "__main__":

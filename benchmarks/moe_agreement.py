@@ -72,18 +72,22 @@ def main() -> None:
     ids = torch.randint(0, VOCAB_SIZE, (args.positions,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     for name in args.shapes.split(","):
-        path = str(ensure_shape_file(name, "q4_0"))
-        theirs = _theirs(path, ids)
-        ours = _ours(path, "auto", ids)
-        spread = float(theirs.std())
-        print(f"{name} (logit std {spread:.3f}): ours Q4_0 vs llama.cpp Q4_0: "
-              f"{_compare(ours, theirs)}")
-        print(f"{name}: llama.cpp flash attention on vs off (its own run-to-run floor): "
-              f"{_compare(_theirs(path, ids, flash_attn=True), theirs)}")
-        if args.float:
-            exact = _ours(path, "float32", ids)
-            print(f"{name}: float32 of the same weights vs llama.cpp Q4_0: "
-                  f"{_compare(exact, theirs)}; vs ours Q4_0: {_compare(exact, ours)}")
+        report(str(ensure_shape_file(name, "q4_0")), ids, f"{name} Q4_0", args.float)
+
+
+def report(path: str, ids: list[int], label: str, with_float: bool) -> None:
+    """Print ours (dtype auto) against llama.cpp on one file, llama.cpp's flash-on/off floor,
+    and with `with_float` the float32 computation of the same weights against both."""
+    theirs = _theirs(path, ids)
+    ours = _ours(path, "auto", ids)
+    print(f"{label} (logit std {float(theirs.std()):.3f}): ours vs llama.cpp: "
+          f"{_compare(ours, theirs)}")
+    print(f"{label}: llama.cpp flash attention on vs off (its own floor): "
+          f"{_compare(_theirs(path, ids, flash_attn=True), theirs)}", flush=True)
+    if with_float:
+        exact = _ours(path, "float32", ids)
+        print(f"{label}: float32 of the same weights vs llama.cpp: "
+              f"{_compare(exact, theirs)}; vs ours: {_compare(exact, ours)}", flush=True)
 
 
 if __name__ == "__main__":
