@@ -5,9 +5,9 @@
 //   0  scalar (any CPU): plain loops, the reference,
 //   1  AVX2 + FMA + F16C: _mm256_maddubs_epi16 / _mm256_madd_epi16 (llama.cpp's
 //      ggml-cpu/quants.c idiom) on 8 weight rows at once,
-//   2  AVX-512 F/VL/BW + VNNI: the activation quantization 16 lanes at a time, and Q4's decode
-//      tiles by vpdpbusd on two row groups per zmm (`q4_tile_vnni`); every other tile is
-//      AVX2's, compiled again here.
+//   2  AVX-512 F/VL/BW + VNNI: the activation quantization 16 lanes at a time, Q4's decode and
+//      prefill tiles by vpdpbusd on two row groups per zmm (`q4_tile_vnni`), Q8's prefill tiles
+//      (`q8_tile_vnni`); Q8's decode tiles are AVX2's, compiled again here.
 // Every level computes each output with the same float operations in the same order (the
 // integer sums are exact, so they are equal however they are formed): one answer on every CPU,
 // for every batch size (see blocks.cpp for the contract). The arguments (Act, Q4Weight,
@@ -23,6 +23,10 @@
 //       its low 4 bits in Q4's arrangement (chunk c = 0..3: the low nibbles hold Q8's chunk c,
 //       the high nibbles Q8's chunk 4 + c), then 32 bytes of the top 2 bits of the low nibbles'
 //       weights (lane l: chunk c's at bits 2c, 2c + 1) and 32 of the high nibbles' (`six_to_eight`);
+//   Q4 in 5 bits (Q5_1, Q5_K): Q4's 128 bytes, then a 32-byte plane of the fifth bits (lane l:
+//       bit c that of chunk c's low-nibble weight, bit 4 + c its high-nibble one), 160 bytes;
+//   Q8 as 4-bit indices (Q8Weight::lut: IQ4, Q3_K): Q4's 128-byte arrangement of the indices,
+//       each looked up in the 16-value table (`lut_to_eight`, `lut_chunk`);
 //   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8), float32 or
 //       float16; or (K-quants) super-blocks: per 8 (Q4_K) or 16 (Q6_K) consecutive scales of
 //       a row group, the 8 rows' float16 D, then the sub-scales s, 8 rows side by side

@@ -10,8 +10,8 @@
 //   arch/avx2.cpp         every kernel but rope_head, AVX2 + FMA + F16C (f32_to_f16 the last level
 //                         that has it: AVX-512 has nothing to add)
 //   arch/avx512.cpp       the float32 layer kernels, AVX-512 F/VL/BW (no VNNI needed)
-//   arch/avx512_vnni.cpp  the activation quantization and the Q4 block products (vpdpbusd),
-//                         AVX-512 F/VL/BW + VNNI (the other block kinds' products are AVX2's)
+//   arch/avx512_vnni.cpp  the activation quantization and the block products (vpdpbusd: Q4's
+//                         decode and prefill tiles, Q8's prefill tiles), AVX-512 F/VL/BW + VNNI
 // Each fills one `Kernels`, leaving null what it does not provide, and is one row of
 // dispatch.cpp's ISAS; dispatch.cpp takes each kernel from the highest level the CPU has that
 // provides it (the fallback is data: a CPU with
