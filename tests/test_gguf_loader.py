@@ -715,7 +715,7 @@ def test_data_past_the_end_of_the_file_names_the_tensor(tmp_path, smollm2_bytes)
 _SCALE_OFFSETS = {Q.Q4_0: {"d": 0}, Q.Q4_1: {"d": 0, "m": 2}, Q.Q8_0: {"d": 0},
                   Q.Q5_0: {"d": 0}, Q.Q5_1: {"d": 0, "m": 2}, Q.Q4_K: {"d": 0, "dmin": 2},
                   Q.Q5_K: {"d": 0, "dmin": 2}, Q.Q6_K: {"d": 208}, Q.Q3_K: {"d": 108},
-                  Q.IQ4_NL: {"d": 0}, Q.IQ4_XS: {"d": 0}}
+                  Q.Q2_K: {"d": 80, "dmin": 82}, Q.IQ4_NL: {"d": 0}, Q.IQ4_XS: {"d": 0}}
 
 
 def test_the_registry_names_the_f16_scale_fields_ggml_does():

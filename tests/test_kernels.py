@@ -174,13 +174,41 @@ def test_six_bit_codes_pack_and_read_back():
         rows = torch.tensor([N - 1, 0, 5, 5])
         assert torch.equal(unpack_codes(packed, rows), codes[rows])
     six = Q8Linear(Q8Blocks(codes, torch.ones(64, 3)))
-    with pytest.raises(RuntimeError, match="6-bit codes are small"):    # the flag must agree
+    with pytest.raises(RuntimeError, match="6- and 2-bit codes are small"):    # the flag must agree
         torch.ops.torchllama.q8_linear(torch.randn(1, 96), six.codes, six.d,
                                        torch.tensor(False))
     with pytest.raises(RuntimeError, match=r"lie in \[-32, 31\], got \[0, 32\]"):
         bad = torch.zeros(16, 32, dtype=torch.int8)
         bad[9, 3] = 32
         torch.ops.torchllama.pack_six(bad)
+
+
+def test_two_bit_codes_pack_and_read_back():
+    """Codes in [0, 3] (Q2_K's) are kept in 2 bits: each chunk's codes at the bits
+    `two_to_eight` reads them from, read back exactly (every row, or a tied embedding's rows),
+    and the products of 2-bit and 8-bit storage of the same codes are the same bits."""
+    from torchllama.blocks.packing import pack_two, unpack_codes, unpack_two
+
+    g = torch.Generator().manual_seed(13)
+    codes = torch.randint(0, 4, (13, 96), generator=g, dtype=torch.int8)
+    packed = pack_two(pack_rows(codes, 3, 4))
+    assert packed.shape == (2, 3, 64) and packed.dtype == torch.int8
+    eight = pack_rows(codes, 3, 4)                                          # (2, 3, 256)
+    u = packed.view(torch.uint8)
+    c, lane = 5, 7                                          # chunk 5 = 4·1 + 2·0 + 1: bits 6, 7
+    assert torch.equal(((u[..., lane] >> 6) & 3).to(torch.int8), eight[..., 32 * c + lane])
+    assert torch.equal(unpack_two(packed), eight)
+    assert torch.equal(unpack_codes(packed, 13), codes)
+    rows = torch.tensor([12, 0, 5, 5])
+    assert torch.equal(unpack_codes(packed, rows), codes[rows])
+    x = torch.randn(5, 96, generator=g)
+    d = torch.rand(13, 3, generator=g)
+    two = Q8Linear(Q8Blocks(codes, d))
+    assert two.codes.shape[-1] == 64
+    for M in (1, 5):
+        y = torch.ops.torchllama.q8_linear(x[:M], two.codes, two.d, two.small)
+        y8 = torch.ops.torchllama.q8_linear(x[:M], eight.contiguous(), two.d, two.small)
+        assert torch.equal(y, y8)
 
 
 @pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)

@@ -2,7 +2,7 @@
 its file type (torchllama.blocks' registry says which type lands in which form).
 
     Q4Blocks:  w[n, k] = d[n, b] · q[n, k] + m[n, b]     q ∈ [0, 15],   b = k // 32
-    Q8Blocks:  w[n, k] = d[n, b] · q[n, k]               q ∈ [-128, 127], b = k // B (B = 32 or 16)
+    Q8Blocks:  w[n, k] = d[n, b] · q[n, k] (+ m[n, b])   q ∈ [-128, 127], b = k // B (B = 32 or 16)
 
 run on torchllama's kernels (`q4_rows`, `q8_rows`: blocks.linear's `Q4Linear`, `Q8Linear`);
 `HalfMatrix` keeps GGUF's F16 / BF16 matrices as stored (`HalfLinear`, on f32_linear);
@@ -202,7 +202,7 @@ class Q4Blocks:
 @dataclass
 class Q8Blocks:
     """A (N, K) matrix as int8 codes with one scale per block of B = 32 (or 16) weights of a
-    row: w = d·q.
+    row: w = d·q, or w = d·q + m with offsets (Q2_K).
 
     Attributes:
         codes: (N, K) int8; or, with `lut`, (N, K/2) uint8 4-bit indices into it, in Q4's
@@ -211,12 +211,16 @@ class Q8Blocks:
         d_factors: the same d as products (`ScaleFactors`, Q6_K: d·sc_j), or None.
         lut: None, or (16,) int8: the value of each 4-bit index (IQ4's non-linear grid, Q3_K's
             [−4, 3]): code = lut[index].
+        m: None, or (N, K/B) float32 offsets (Q2_K's −dmin·mn_j, with codes in [0, 3]).
+        m_factors: m as products (`ScaleFactors`: −dmin and mn_j), or None.
     """
 
     codes: torch.Tensor
     d: torch.Tensor
     d_factors: Optional[ScaleFactors] = None
     lut: Optional[torch.Tensor] = None
+    m: Optional[torch.Tensor] = None
+    m_factors: Optional[ScaleFactors] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -237,11 +241,12 @@ class Q8Blocks:
         return self.lut[idx.long()]
 
     def dequantize(self) -> torch.Tensor:
-        """(N, K) float32 weights."""
+        """(N, K) float32 weights d·q (+ m)."""
         N, K = self.shape
         B = self.block
         q = self.values().float().view(N, K // B, B)
-        return (q * self.d.float()[..., None]).view(N, K)
+        w = q * self.d.float()[..., None]
+        return (w if self.m is None else w + self.m.float()[..., None]).view(N, K)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Q8Blocks":
@@ -258,7 +263,8 @@ class Q8Blocks:
         return Int8Weight.from_float(self.dequantize())
 
     def map_rows(self, fn) -> "Q8Blocks":
-        return Q8Blocks(fn(self.codes), fn(self.d), _map_factors(self.d_factors, fn), self.lut)
+        return Q8Blocks(fn(self.codes), fn(self.d), _map_factors(self.d_factors, fn), self.lut,
+                        None if self.m is None else fn(self.m), _map_factors(self.m_factors, fn))
 
     def split_rows(self, sizes) -> tuple["Q8Blocks", ...]:
         bounds = np.cumsum([0] + list(sizes)).tolist()

@@ -1,8 +1,11 @@
 """The K-quants: super-blocks of 256 weights, an f16 scale d (and min dmin) per super-block and
-small integer sub-scales per 32 or 16 weights (ggml-common.h block_q3_K, block_q4_K, block_q5_K,
-block_q6_K; values: ggml-quants.c dequantize_row_q3_K / _q4_K / _q5_K / _q6_K). Their C++
-conversion: kernels/csrc/types/k_quants.cpp.
+small integer sub-scales per 32 or 16 weights (ggml-common.h block_q2_K, block_q3_K, block_q4_K,
+block_q5_K, block_q6_K; values: ggml-quants.c dequantize_row_q2_K / _q3_K / _q4_K / _q5_K /
+_q6_K). Their C++ conversion: kernels/csrc/types/k_quants.cpp.
 
+    Q2_K  w = (d·sc_j)·q − dmin·mn_j per 16,   q ∈ [0, 3], sc_j, mn_j ∈ [0, 15]
+          → Q8 form with offsets, B = 16: codes q (2 bits packed), d = d·sc_j, m = −dmin·mn_j,
+            and their factors (d, sc_j), (−dmin, mn_j)
     Q3_K  w = (d·(sc_j − 32))·q per 16,        q ∈ [−4, 3], sc_j ∈ [0, 63]
           → Q8 form, B = 16, lut [−4, 3]: indices q + 4, d = d·(sc_j − 32), and its factors
     Q4_K  w = (d·sc_j)·q − dmin·mn_j per 32,  q ∈ [0, 15], sc_j, mn_j ∈ [0, 63]
@@ -22,6 +25,7 @@ import numpy as np
 
 from torchllama.blocks.registry import BlockType, GGMLType, f16, register
 
+Q2_K_BLOCK = np.dtype([("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")])
 Q3_K_BLOCK = np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")])
 Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
 Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32),
@@ -42,6 +46,15 @@ def q5_k_arrays(rows: int, K: int) -> list[np.ndarray]:
     """Q4_K's arrays with the fifth bits `high` (rows, K/8) u8 right after d and m."""
     a = q4_k_arrays(rows, K)
     return a[:3] + [np.empty((rows, K // 8), np.uint8)] + a[3:]
+
+
+def q2_k_arrays(rows: int, K: int) -> list[np.ndarray]:
+    """Q8 form with offsets [codes (rows, K) i8, d, m (rows, K/16) f32], then d's factors
+    (super (rows, K/256) f16, sc_j (rows, K/16) u8) and m's (−dmin, mn_j)."""
+    sup = lambda: np.empty((rows, K // 256), np.float16)                 # noqa: E731
+    sub = lambda: np.empty((rows, K // 16), np.uint8)                    # noqa: E731
+    return [np.empty((rows, K), np.int8), np.empty((rows, K // 16), np.float32),
+            np.empty((rows, K // 16), np.float32), sup(), sub(), sup(), sub()]
 
 
 def q3_k_arrays(rows: int, K: int) -> list[np.ndarray]:
@@ -130,6 +143,26 @@ def _q5_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray,
     high.reshape(rows, nb, 8, 4)[:] = np.packbits(planes, axis=-1, bitorder="little")
 
 
+def _q2_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray,
+               d_super: np.ndarray, sc: np.ndarray, m_super: np.ndarray, mn: np.ndarray) -> None:
+    """Q2_K super-blocks (rows, K/256) → codes q ∈ [0, 3] and per 16 weights d·sc_j and
+    −dmin·mn_j, and their factors (ggml-common.h block_q2_K, ggml-quants.c
+    dequantize_row_q2_K): each 128 weights take 32 bytes of qs, weight l + 32·k of the 128
+    (l < 32) bits 2k, 2k+1 of qs[l]; scales[j] holds sc_j (low nibble) and mn_j (high) of
+    weights 16j..16j+15."""
+    rows, nb = b.shape
+    qs = _words(b, np.uint64, 16, 80).reshape(rows, nb, 2, 4)       # (…, 128s, 4 words of l)
+    out = codes.view(np.uint64).reshape(rows, nb, 2, 4, 4)          # (…, 128s, k, 4 words)
+    for k in range(4):
+        np.bitwise_and(qs >> np.uint64(2 * k), _LOW2, out=out[..., k, :])
+    s = b["scales"]                                                 # (rows, nb, 16)
+    sc[:], mn[:] = (s & 15).reshape(rows, -1), (s >> 4).reshape(rows, -1)
+    d_super[:], m_super[:] = b["d"], -b["dmin"]                     # f16, exact
+    d[:] = (b["d"].astype(np.float32)[..., None] * (s & 15).astype(np.float32)).reshape(rows, -1)
+    m[:] = -(b["dmin"].astype(np.float32)[..., None] * (s >> 4).astype(np.float32)
+             ).reshape(rows, -1)
+
+
 def _q3_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndarray,
                sub: np.ndarray) -> None:
     """Q3_K super-blocks (rows, K/256) → indices q + 4 ∈ [0, 7] (the table's: code q) in Q4's
@@ -179,6 +212,18 @@ def _q6_k_rows(b: np.ndarray, codes: np.ndarray, d: np.ndarray, d_super: np.ndar
     d_super[:], sc[:] = b["d"], b["scales"].reshape(rows, -1)
     d[:] = (b["d"].astype(np.float32)[..., None] * b["scales"].astype(np.float32)
             ).reshape(rows, -1)                                            # (rows, K/16)
+
+
+def _reference_q2_k(b: np.ndarray) -> np.ndarray:
+    """dequantize_row_q2_K: weight l + 32·k of each 128 (l < 32) is
+    y = (d·sc)·((qs[l] >> 2k) & 3) − dmin·mn, (sc, mn) the nibbles of its 16's scales byte."""
+    rows, nb = b.shape
+    s = b["scales"].reshape(rows, nb, 2, 4, 2, 1)                        # (…, 128s, k, half)
+    dl = f16(b, "d")[..., None, None, None, None] * (s & 15).astype(np.float32)
+    ml = f16(b, "dmin")[..., None, None, None, None] * (s >> 4).astype(np.float32)
+    qs = b["qs"].reshape(rows, nb, 2, 1, 32)                             # (…, 128s, 1, l)
+    q = ((qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).astype(np.float32)
+    return (dl * q.reshape(rows, nb, 2, 4, 2, 16) - ml).reshape(rows, -1)
 
 
 def _reference_q3_k(b: np.ndarray) -> np.ndarray:
@@ -247,6 +292,8 @@ def _reference_q6_k(b: np.ndarray) -> np.ndarray:
     return (d * q.reshape(rows, nb, 2, 4, 2, 16)).reshape(rows, -1)
 
 
+Q2_K = register(BlockType(GGMLType.Q2_K, Q2_K_BLOCK, 256, "q8", q2_k_arrays,
+                          lambda b, out: _q2_k_rows(b, *out), _reference_q2_k, offsets=True))
 Q3_K = register(BlockType(GGMLType.Q3_K, Q3_K_BLOCK, 256, "q8", q3_k_arrays,
                           lambda b, out: _q3_k_rows(b, *out), _reference_q3_k,
                           lut=(-4, -3, -2, -1, 0, 1, 2, 3) + (0,) * 8))

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from torchllama.blocks.forms import BlockWeight, HalfMatrix, Q4Blocks, Q8Blocks
-from torchllama.blocks.packing import (pack_q4_codes, pack_q4_scales, pack_rows, pack_rows_six,
-                                       pack_scales, unpack_codes, unpack_high,
-                                       unpack_lut_indices, unpack_scales)
+from torchllama.blocks.packing import (is_pair_form, pack_pair_scales, pack_q4_codes,
+                                       pack_q4_scales, pack_rows, pack_rows_six, pack_scales,
+                                       pack_two, unpack_codes, unpack_high, unpack_lut_indices,
+                                       unpack_pair_scales, unpack_scales)
 
 
 class _InputGradient(torch.autograd.Function):
@@ -135,8 +136,10 @@ class Q8Linear(BlockLinear):
     Shapes: x (..., in_features) float32 → (..., out_features) float32. Buffers (not
     persistent), packed (`pack_rows`): codes (G, K/32, 256) int8; or (G, K/32, 128), 4-bit
     indices into a table of 16 values (`Q8Blocks.lut`: IQ4_NL, IQ4_XS, Q3_K); or (G, K/32, 192)
-    in 6 bits where every code is in [−32, 31] (`pack_six`: Q6_K, Q5_0); d (`pack_scales`):
-    (G, K/B, 8) float16 where exact, else float32, or int8 super-blocks (G, K/256, 16 + 8·S);
+    in 6 bits where every code is in [−32, 31] (`pack_six`: Q6_K, Q5_0); or (G, K/32, 64) in 2
+    bits where every code is in [0, 3] (`pack_two`: Q2_K); d (`pack_scales`): (G, K/B, 8)
+    float16 where exact, else float32, or int8 super-blocks (G, K/256, 16 + 8·S); with offsets
+    (`Q8Blocks.m`: Q2_K) d and m in one buffer (G, K/256, 160) uint8 (`pack_pair_scales`);
     small: a bool scalar, every |code| ≤ 32 (Q6_K, Q5_0), which lets the kernel sum longer in
     int16 (the same bits either way), or with 4-bit codes the (16,) int8 table.
     """
@@ -150,18 +153,22 @@ class Q8Linear(BlockLinear):
             small = weight.lut.to(torch.int8).contiguous()                   # (16,)
         else:
             span = _code_range(weight.codes)
-            if _six_bit(span):
+            if _two_bit(span):
+                codes = pack_two(pack_rows(weight.codes, K // 32, 4))       # (G, K/32, 64)
+            elif _six_bit(span):
                 codes = pack_rows_six(weight.codes, K // 32)                # (G, K/32, 192)
             else:
                 codes = pack_rows(weight.codes, K // 32, 4)                 # (G, K/32, 256)
             small = torch.tensor(_small(span))
-        self._init(N, K, [codes, pack_scales(weight.d, weight.d_factors), small], bias)
+        self._init(N, K, [codes, _pack_q8_scales(weight), small], bias)
 
     @property
     def block(self) -> int:
         """Weights per scale: 32, or 16 (Q6_K, Q3_K)."""
         nd = self.d.shape[1]
-        if self.d.dtype not in (torch.float32, torch.float16):              # super-blocks
+        if is_pair_form(self.d):                                           # scales and offsets
+            nd *= 16
+        elif self.d.dtype not in (torch.float32, torch.float16):           # super-blocks
             nd *= (self.d.shape[2] - 16) // 8
         return self.in_features // nd
 
@@ -181,6 +188,9 @@ class Q8Linear(BlockLinear):
         r = self.out_features if rows is None else rows
         lut = self.lut
         codes = unpack_codes(self.codes, r) if lut is None else unpack_lut_indices(self.codes, r)
+        if is_pair_form(self.d):
+            d, d_factors, m, m_factors = unpack_pair_scales(self.d, r)
+            return Q8Blocks(codes, d, d_factors, m=m, m_factors=m_factors)
         return Q8Blocks(codes, *unpack_scales(self.d, r), lut)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,6 +202,28 @@ class Q8Linear(BlockLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"q8 blocks of {self.block}")
+
+
+def _pack_q8_scales(weight: Q8Blocks) -> torch.Tensor:
+    """Q8's packed d (`pack_scales`), or with offsets d and m in one buffer (`pack_pair_scales`).
+
+    Raises:
+        ValueError: offsets not given as the products the kernels take (Q2_K's factors, 16
+            sub-blocks of at most 4 bits a super-block).
+    """
+    if weight.m is None:
+        return pack_scales(weight.d, weight.d_factors)
+    f = (weight.d_factors, weight.m_factors)
+    if any(x is None or x.sub.dtype != torch.uint8 or x.sub.shape[1] != 16 * x.super.shape[1]
+           or (x.sub.numel() and int(x.sub.max()) > 15) for x in f):
+        raise ValueError("Q8 blocks with offsets need the scales and offsets as products of "
+                         "a float16 and 4-bit integers, 16 a super-block (Q2_K's)")
+    return pack_pair_scales(*f)
+
+
+def _two_bit(span: tuple[int, int]) -> bool:
+    """Codes of this (min, max) all lie in [0, 3] (Q2_K's): the kernels keep them in 2 bits."""
+    return span[0] >= 0 and span[1] <= 3
 
 
 def _code_range(codes: torch.Tensor) -> tuple[int, int]:
@@ -229,9 +261,9 @@ class BlockEmbedding(nn.Module):
         else:
             self.num_embeddings, self.embedding_dim = weight.shape
             self.bits = 4 if isinstance(weight, Q4Blocks) else 8
-            names = ("codes", "d", "m", "high") if self.bits == 4 else ("codes", "d")
-            tensors = [weight.codes, weight.d] + ([weight.m, weight.high] if self.bits == 4
-                                                  else [])
+            names = ("codes", "d", "m", "high") if self.bits == 4 else ("codes", "d", "m")
+            tensors = [weight.codes, weight.d, weight.m] + ([weight.high] if self.bits == 4
+                                                            else [])
         for name, t in zip(names, tensors):
             self.register_buffer(name, t, persistent=False)
 
@@ -241,7 +273,11 @@ class BlockEmbedding(nn.Module):
             if self.bits == 4:
                 high = None if self.high is None else self.high[flat]
                 return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat], high=high)
-            return Q8Blocks(self.codes[flat], self.d[flat])
+            return Q8Blocks(self.codes[flat], self.d[flat],
+                            m=None if self.m is None else self.m[flat])
+        if self.bits == 8 and is_pair_form(self.d):                         # with offsets
+            d, _, m, _ = unpack_pair_scales(self.d, flat)
+            return Q8Blocks(unpack_codes(self.codes, flat), d, m=m)
         d = unpack_scales(self.d, flat)[0]                                  # (R, nd)
         if self.bits == 4:
             return Q4Blocks(unpack_codes(self.codes, flat), d, unpack_scales(self.m, flat, d)[0],

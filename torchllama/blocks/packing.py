@@ -1,7 +1,8 @@
 """The kernels' packed layout (kernels/csrc/blocks_impl.h explains it): weight rows in groups of 8,
 interleaved `chunk` bytes at a time within each block, so one 32-byte load holds 4 weights of 8
-rows; codes in 6 bits where they fit (`pack_six`); block scales float16 where exact, float32, or
-the K-quants' super-block form (`pack_scales`). The `unpack_*` functions are their inverses (the
+rows; codes in 6 or 2 bits where they fit (`pack_six`, `pack_two`); block scales float16 where
+exact, float32, or the K-quants' super-block form (`pack_scales`; with offsets, Q2_K's,
+`pack_pair_scales`). The `unpack_*` functions are their inverses (the
 tests' round trips, a tied embedding's rows, fusion's checks).
 """
 
@@ -78,6 +79,26 @@ def pack_six(packed: torch.Tensor) -> torch.Tensor:
                      dim=2).view(torch.int8)                            # (G, b, 192)
 
 
+def pack_two(packed: torch.Tensor) -> torch.Tensor:
+    """Packed int8 codes (G, blocks, 256), every one in [0, 3], → their 2-bit form (G, blocks, 64)
+    int8 (blocks_impl.h `two_to_eight`): Q8 chunk c = 4h + 2k + e's codes at bits 4h + 2e of
+    the 32 bytes at 32·k."""
+    G, blocks, _ = packed.shape
+    u = packed.view(torch.uint8).view(G, blocks, 2, 2, 2, 32)          # (G, b, h, k, e, lane)
+    shifts = (4 * torch.arange(2, dtype=torch.uint8).view(2, 1, 1, 1) +
+              2 * torch.arange(2, dtype=torch.uint8).view(1, 1, 2, 1))      # (h, 1, e, 1)
+    out = (u << shifts).sum(dim=(2, 4), dtype=torch.uint8)              # (G, b, k, lane)
+    return huge_pages.adopt(out.reshape(G, blocks, 64).view(torch.int8))
+
+
+def unpack_two(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_two`: (…, 64) → (…, 256) int8 codes in [0, 3]."""
+    p = packed.view(torch.uint8).unflatten(-1, (1, 2, 1, 32))           # (…, 1, k, 1, lane)
+    shifts = (4 * torch.arange(2, dtype=torch.uint8).view(2, 1, 1, 1) +
+              2 * torch.arange(2, dtype=torch.uint8).view(1, 1, 2, 1))
+    return ((p >> shifts) & 3).to(torch.int8).flatten(-4)              # (…, 256)
+
+
 def pack_rows_six(codes: torch.Tensor, blocks: int) -> torch.Tensor:
     """`pack_six(pack_rows(codes, blocks, 4))` of int8 codes (N, K): torchllama's op where the
     kernels are built (one pass, no temporaries: a 7B head is 131 M codes), else that."""
@@ -144,15 +165,16 @@ def unpack_lut_indices(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.
 
 def unpack_codes(packed: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
     """`unpack_rows` of packed codes of any kind (Q4's (G, b, 128) uint8, Q8's (G, b, 256)
-    int8 or their 6-bit form (G, b, 192)): only the rows' groups are expanded. Q4's 5-bit
+    int8 or their 6- or 2-bit forms (G, b, 192 | 64)): only the rows' groups are expanded. Q4's 5-bit
     form (G, b, 160): its 4-bit codes (`unpack_high` gives the fifth bits)."""
     if packed.shape[-1] == 160:
         return unpack_rows(packed[..., :128], 4, rows)
-    if packed.shape[-1] != 192:
+    if packed.shape[-1] not in (192, 64):
         return unpack_rows(packed, 4, rows)
+    expand = unpack_six if packed.shape[-1] == 192 else unpack_two
     if isinstance(rows, int):
-        return unpack_rows(unpack_six(packed[:(rows + 7) // 8]), 4, rows)
-    groups = unpack_six(packed[rows // 8])                                  # (R, b, 256)
+        return unpack_rows(expand(packed[:(rows + 7) // 8]), 4, rows)
+    groups = expand(packed[rows // 8])                                      # (R, b, 256)
     return unpack_rows(groups, 4, 8 * torch.arange(len(rows)) + rows % 8)   # (R, K)
 
 
@@ -184,15 +206,51 @@ def pack_scales(values: torch.Tensor, factors: Optional[ScaleFactors] = None,
     return torch.cat([D, s], dim=2)                                         # (G, nu, 16+8S)
 
 
+def pack_pair_scales(d: ScaleFactors, m: ScaleFactors) -> torch.Tensor:
+    """Scales d and offsets m of 16 sub-blocks a super-block, given as products (Q2_K: d·sc_j and
+    (−dmin)·mn_j, sc_j, mn_j ≤ 15), in one buffer (kernels.h scale_pair_u4): (G, nd/16, 160)
+    uint8, each row group's super-block the 8 rows' float16 D, their float16 M, then the 16
+    sub-blocks' s | t << 4, 8 rows side by side."""
+    nu = d.super.shape[1]
+    D = pack_rows(d.super.contiguous(), nu, 1).view(torch.uint8)            # (G, nu, 16)
+    M = pack_rows(m.super.contiguous(), nu, 1).view(torch.uint8)
+    st = (d.sub | (m.sub << 4)).contiguous()                                # (N, nd) u8
+    s = pack_rows(st, st.shape[1], 1).view(D.shape[0], nu, 128)             # (G, nu, 8·16)
+    return torch.cat([D, M, s], dim=2)                                      # (G, nu, 160)
+
+
+def is_pair_form(packed: torch.Tensor) -> bool:
+    """Whether packed scales are `pack_pair_scales`' (scales and offsets in one buffer)."""
+    return packed.dim() == 3 and packed.dtype == torch.uint8 and packed.shape[2] == 160
+
+
+def unpack_pair_scales(packed: torch.Tensor, rows: torch.Tensor | int
+                       ) -> tuple[torch.Tensor, ScaleFactors, torch.Tensor, ScaleFactors]:
+    """The inverse of `pack_pair_scales`: rows 0..rows−1 or the (R,) row indices → (d, its
+    factors, m, its factors), d and m (R, nd) float32."""
+    idx = torch.arange(rows) if isinstance(rows, int) else rows            # (R,)
+    G, nu, _ = packed.shape
+    lane, at = idx % 8, torch.arange(len(idx))
+    groups = packed[idx // 8]                                               # (R, nu, 160)
+    D = groups[..., :16].contiguous().view(torch.float16)[at, :, lane]      # (R, nu)
+    M = groups[..., 16:32].contiguous().view(torch.float16)[at, :, lane]
+    st = groups[..., 32:].reshape(-1, nu, 16, 8)[at, :, :, lane].reshape(len(idx), -1)
+    d = ScaleFactors(D.contiguous(), (st & 15).contiguous())
+    m = ScaleFactors(M.contiguous(), (st >> 4).contiguous())
+    return d.values(), d, m.values(), m
+
+
 def unpack_scales(packed: torch.Tensor, rows: torch.Tensor | int,
                   d: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[ScaleFactors]]:
     """The inverse of `pack_scales` (and of Q4's m = c·d, a scalar c, given the rows' d):
     rows 0..rows−1 or the (R,) row indices → ((R, nd) float32 values, their `ScaleFactors` or
-    None). Only the rows' groups are read."""
+    None); of `pack_pair_scales`, the scales d. Only the rows' groups are read."""
     if packed.dim() == 0:                                                   # m = c·d
         return d * packed, None
     if packed.dtype in (torch.float32, torch.float16):
         return unpack_rows(packed, 1, rows).float(), None
+    if is_pair_form(packed):
+        return unpack_pair_scales(packed, rows)[:2]
     idx = torch.arange(rows) if isinstance(rows, int) else rows            # (R,)
     G, nu, W = packed.shape
     S, lane, at = (W - 16) // 8, idx % 8, torch.arange(len(idx))

@@ -40,6 +40,8 @@ class BlockType:
             (rows, K/8) uint8 right after d and m (Q5_1, Q5_K).
         lut: q8 form only: the 16 values every code is one of (`Q8Blocks.lut`; IQ4, Q3_K), or
             None.
+        offsets: q8 form only: an offset m per scale too (`Q8Blocks.m`, Q2_K's −dmin·mn_j),
+            `arrays` holding m right after d and its factors after d's.
     """
 
     ggml: GGMLType
@@ -51,6 +53,7 @@ class BlockType:
     reference: Callable[[np.ndarray], np.ndarray]
     high: bool = False
     lut: tuple[int, ...] | None = None
+    offsets: bool = False
 
     @property
     def name(self) -> str:
@@ -68,12 +71,14 @@ class BlockType:
             return ("5" if self.high else "4") + "-bit codes, a scale and an offset per block"
         if self.lut is not None:
             return "4-bit indices into a table of 16 values, a scale per block"
+        if self.offsets:
+            return "2-bit codes, a scale and an offset per block"
         return "int8 codes (in 6 bits where they fit), a scale per block"
 
     @property
     def n_scales(self) -> int:
-        """How many of `arrays` after the codes are block scales (d, and m for Q4)."""
-        return 2 if self.form == "q4" else 1
+        """How many of `arrays` after the codes are block scales (d, and m for Q4 and offsets)."""
+        return 2 if self.form == "q4" or self.offsets else 1
 
     def weight(self, arrays: list[np.ndarray]) -> Union[Q4Blocks, Q8Blocks]:
         """`arrays`, filled, as the kernel form (sharing their memory): [codes, d(, m)], the
@@ -85,6 +90,8 @@ class BlockType:
             factors += [None] * (2 - len(factors))
             return Q4Blocks(*t[:3], *factors, high=t[3] if self.high else None)
         lut = None if self.lut is None else torch.tensor(self.lut, dtype=torch.int8)
+        if self.offsets:
+            return Q8Blocks(t[0], t[1], factors[0], m=t[2], m_factors=factors[1])
         return Q8Blocks(*t[:2], *(factors or [None]), lut=lut)
 
 

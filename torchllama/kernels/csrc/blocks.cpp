@@ -17,7 +17,10 @@
 //   q4_linear(x (M, K) f32, codes (N/8, K/32, 128) u8, d (N/8, K/32, 8), m (same)) → (M, N) f32
 //   q8_linear(x (M, K) f32, codes (N/8, K/32, 256) i8, d (N/8, K/B, 8), small) → (M, N) f32,
 //       B = 32 or 16; small: every |code| ≤ 32 (a speed hint the packer checks; same bits);
-//       codes (N/8, K/32, 192): 6-bit codes, every one in [−32, 31] (Q6_K, Q5_0; small)
+//       codes (N/8, K/32, 192): 6-bit codes, every one in [−32, 31] (Q6_K, Q5_0; small);
+//       (N/8, K/32, 64): 2-bit codes in [0, 3] (Q2_K; small), and d may then hold offsets too
+//       (scale_pair_u4: w = d·q + m per 16, Q2_K's −dmin·mn_j; y += m_w · (d_x · Σ q_x) after
+//       each scale's product)
 //   (the weights in the packed layout of blocks_impl.h: 8 rows interleaved 4 bytes at a time;
 //   torchllama.blocks.packing packs them)
 //   (d and m in one of kernels.h's ScaleForms, told apart by dtype and shape: float32
@@ -148,10 +151,10 @@ static int32_t scale_form(const at::Tensor& t, int64_t G, int64_t nd) {
   if ((type == at::kFloat || type == at::kHalf) && t.size(1) == nd && t.size(2) == 8)
     return type == at::kFloat ? scale_f32 : scale_f16;
   if (type != at::kByte && type != at::kChar) return -1;
-  for (int32_t form : {scale_super_u8, scale_super_i8, scale_super_i8_8}) {
+  for (int32_t form : {scale_super_u8, scale_super_i8, scale_super_i8_8, scale_pair_u4}) {
     const int64_t S = subs_per_super(form);                              // subs per super
     if ((type == at::kChar) == signed_subs(form) && nd % S == 0 && t.size(1) == nd / S &&
-        t.size(2) == 16 + 8 * S)
+        t.size(2) == super_head(form) + 8 * S)
       return form;
   }
   return -1;
@@ -195,10 +198,11 @@ static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, const at
               small_.sizes(), " ", small_.scalar_type());
   const int64_t width = has_lut ? 128 : codes.size(-1);
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == width && (width == 256 || width == 192 ||
-              width == 128) && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
+              width == 128 || width == 64) && codes.scalar_type() == at::kChar &&
+              codes.is_contiguous(), op,
               ": codes must be contiguous int8 (N/8, K/32, 256) (the packed layout), (N/8, K/32, "
-              "192) (6-bit codes) or, with a table, (N/8, K/32, 128) (4-bit), got ",
-              codes.sizes());
+              "192) (6-bit codes), (N/8, K/32, 64) (2-bit codes) or, with a table, (N/8, K/32, "
+              "128) (4-bit), got ", codes.sizes());
   const int8_t* lut = has_lut ? small_.data_ptr<int8_t>() : nullptr;
   bool small = !has_lut && small_.item<bool>();
   if (has_lut) {
@@ -206,8 +210,9 @@ static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, const at
     for (int i = 0; i < 16; ++i) small = small && lut[i] >= -32 && lut[i] <= 32;
   }
   const int64_t G = codes.size(0), nb = codes.size(1);
-  const bool six = codes.size(2) == 192;
-  TORCH_CHECK(!six || small, op, ": 6-bit codes are small (within ±32): small must be true");
+  const bool six = codes.size(2) == 192, two = codes.size(2) == 64;
+  TORCH_CHECK(!(six || two) || small, op, ": 6- and 2-bit codes are small (within ±32): small "
+              "must be true");
   int64_t block = 32;
   int32_t d_form = scale_form(d, G, nb);
   if (d_form != scale_f32 && d_form != scale_f16 && d_form != scale_super_i8_8) {
@@ -215,12 +220,17 @@ static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, const at
     d_form = scale_form(d, G, 2 * nb);
   }
   TORCH_CHECK(d_form == scale_f32 || d_form == scale_f16 || (d_form == scale_super_i8 &&
-              block == 16) || (d_form == scale_super_i8_8 && block == 32), op,
-              ": d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), or "
-              "int8 super-blocks of 16 scales (N/8, K/256, 144) or of 8 (N/8, K/256, 80); got ",
+              block == 16) || (d_form == scale_super_i8_8 && block == 32) ||
+              (d_form == scale_pair_u4 && block == 16), op,
+              ": d must be contiguous float32 or float16 (N/8, K/32 or K/16, 8), "
+              "int8 super-blocks of 16 scales (N/8, K/256, 144) or of 8 (N/8, K/256, 80), or "
+              "uint8 super-blocks of 16 scale and offset pairs (N/8, K/256, 160); got ",
               d.sizes(), " ", d.scalar_type());
-  return Q8Weight{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six,
-                  lut};
+  Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six,
+             lut};
+  w.two = two;
+  if (d_form == scale_pair_u4) w.m = w.d, w.m_form = d_form;   // d and m in one buffer
+  return w;
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
@@ -248,6 +258,7 @@ static Q8Weight expert_weight(Q8Weight w, int64_t e, int64_t Ge, const at::Tenso
                               const at::Tensor& d, const at::Tensor&) {
   w.codes = static_cast<const int8_t*>(groups_at(codes, e * Ge));
   w.d = groups_at(d, e * Ge);
+  if (w.m) w.m = w.d;                                  // offsets: in d's buffer
   w.G = Ge;
   return w;
 }

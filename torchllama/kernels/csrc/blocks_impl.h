@@ -112,7 +112,7 @@ static inline void quantize_block(const float* xb, int8_t* qb, float* d, float* 
 template <int F>
 static inline const uint8_t* super_block(const void* p, int64_t g, int64_t j, int64_t nd) {
   constexpr int64_t S = subs_per_super(F);                        // sub-scales per super-block
-  return static_cast<const uint8_t*>(p) + (g * (nd / S) + j / S) * (16 + 8 * S);
+  return static_cast<const uint8_t*>(p) + (g * (nd / S) + j / S) * (super_head(F) + 8 * S);
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -123,7 +123,8 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-template <int F>
+// OFFSET: scale_pair_u4's m = M·t instead of its d = D·s (other forms: p is m's own buffer).
+template <int F, bool OFFSET = false>
 static inline float scale_at(const void* p, int64_t g, int64_t j, int64_t nd, int r) {
   if constexpr (F == scale_f32) {
     return static_cast<const float*>(p)[(g * nd + j) * 8 + r];
@@ -133,8 +134,9 @@ static inline float scale_at(const void* p, int64_t g, int64_t j, int64_t nd, in
     constexpr int64_t S = subs_per_super(F);
     const uint8_t* u = super_block<F>(p, g, j, nd);
     uint16_t D;
-    std::memcpy(&D, u + 2 * r, 2);
-    const uint8_t sub = u[16 + 8 * (j % S) + r];
+    std::memcpy(&D, u + (OFFSET ? 16 : 0) + 2 * r, 2);
+    uint8_t sub = u[super_head(F) + 8 * (j % S) + r];
+    if (F == scale_pair_u4) sub = OFFSET ? sub >> 4 : sub & 15;
     return half_to_float(D) * float(signed_subs(F) ? int(int8_t(sub)) : int(sub));
   }
 }
@@ -164,6 +166,14 @@ static inline void lut_to_eight(const uint8_t* p, const int8_t* lut, int8_t* out
       out[32 * c + l] = lut[p[32 * c + l] & 15];
       out[32 * (4 + c) + l] = lut[p[32 * c + l] >> 4];
     }
+}
+
+// One 2-bit block of a row group (64 bytes) as Q8's 256 int8 codes in [0, 3]: chunk c's codes
+// at bits 2·(c & 1) + 4·(c >> 2) of the 32 bytes at 32·((c & 3) >> 1) (the layout above).
+static inline void two_to_eight(const uint8_t* p, int8_t* out) {
+  for (int c = 0; c < 8; ++c)
+    for (int l = 0; l < 32; ++l)
+      out[32 * c + l] = int8_t((p[32 * ((c & 3) >> 1) + l] >> (2 * (c & 1) + 4 * (c >> 2))) & 3);
 }
 
 // Bytes of one block of a row group: 4-bit codes, or 5-bit ones (their fifth bits' plane after
@@ -211,14 +221,23 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
           const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
           if (w.six) six_to_eight(raw + (g * nb + b) * 192, expanded);
           if (w.lut) lut_to_eight(raw + (g * nb + b) * 128, w.lut, expanded);
-          const int8_t* blk = w.six || w.lut ? expanded : w.codes + (g * nb + b) * 256;
+          if (w.two) two_to_eight(raw + (g * nb + b) * 64, expanded);
+          const bool narrow = w.six || w.lut || w.two;
+          const int8_t* blk = narrow ? expanded : w.codes + (g * nb + b) * 256;
           const int8_t* x = a.q + m * a.K + 32 * b;
           for (int h = 0; h < 32 / B; ++h) {          // the block's one or two scales
-            int32_t isum = 0;
+            int32_t isum = 0, xsum = 0;
             for (int c = h * B / 4; c < (h + 1) * B / 4; ++c)
-              for (int j = 0; j < 4; ++j) isum += int32_t(blk[32 * c + 4 * r + j]) * x[4 * c + j];
-            const float dd = scale_at<DF>(w.d, g, b * (32 / B) + h, nd, r) * a.d[m * nb + b];
+              for (int j = 0; j < 4; ++j) {
+                isum += int32_t(blk[32 * c + 4 * r + j]) * x[4 * c + j];
+                xsum += x[4 * c + j];
+              }
+            const float dx = a.d[m * nb + b];
+            const float dd = scale_at<DF>(w.d, g, b * (32 / B) + h, nd, r) * dx;
             acc = std::fma(float(isum), dd, acc);
+            if (w.m)                                   // the offset: m_w · (d_x · Σ q_x)
+              acc = std::fma(scale_at<DF, true>(w.m, g, b * (32 / B) + h, nd, r),
+                             dx * float(xsum), acc);
           }
         }
         y[m * N + 8 * g + r] = acc;
@@ -226,8 +245,8 @@ static void q8_rows_b(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
 }
 #else
 // ---- AVX2: TM activation rows × TG groups of 8 weight rows per tile ---------------------------
-// The 8 rows' scale j of group g (`scale_at`, 8 lanes).
-template <int F>
+// The 8 rows' scale j of group g (`scale_at`, 8 lanes; OFFSET as there).
+template <int F, bool OFFSET = false>
 static inline __m256 scales8(const void* p, int64_t g, int64_t j, int64_t nd) {
   if constexpr (F == scale_f32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + (g * nd + j) * 8);
@@ -237,9 +256,11 @@ static inline __m256 scales8(const void* p, int64_t g, int64_t j, int64_t nd) {
   } else {
     constexpr int64_t S = subs_per_super(F);
     const uint8_t* u = super_block<F>(p, g, j, nd);
-    const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)u));
-    const __m128i s8 = _mm_loadl_epi64((const __m128i*)(u + 16 + 8 * (j % S)));
-    const __m256i s32 = signed_subs(F) ? _mm256_cvtepi8_epi32(s8) : _mm256_cvtepu8_epi32(s8);
+    const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(u + (OFFSET ? 16 : 0))));
+    const __m128i s8 = _mm_loadl_epi64((const __m128i*)(u + super_head(F) + 8 * (j % S)));
+    __m256i s32 = signed_subs(F) ? _mm256_cvtepi8_epi32(s8) : _mm256_cvtepu8_epi32(s8);
+    if (F == scale_pair_u4)
+      s32 = OFFSET ? _mm256_srli_epi32(s32, 4) : _mm256_and_si256(s32, _mm256_set1_epi32(15));
     return _mm256_mul_ps(D, _mm256_cvtepi32_ps(s32));                  // exact
   }
 }
@@ -535,9 +556,11 @@ static inline void q4_decode_vnni(const Act& a, const Q4Weight& w, float* y, int
 // Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
 // can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
 // |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
-// Codes as 4-bit indices (Q8Weight::lut): chunk c's int8 codes, looked up (vpshufb) in the
-// table of 16 values from the indices in the low (c < 4) or high (c ≥ 4) nibbles of the block's
-// bytes of chunk c % 4 (the layout above).
+// How the codes are stored (ST): int8 (Q8_0), 4-bit indices (Q8Weight::lut: chunk c's int8
+// codes looked up, vpshufb, in the table of 16 values from the indices in the low (c < 4) or
+// high (c ≥ 4) nibbles of the block's bytes of chunk c % 4), or 2 bits (Q8Weight::two: codes in
+// [0, 3], already unsigned, so maddubs takes them as they are). The layouts: see above.
+enum CodeStore : int { store_int8 = 0, store_lut = 1, store_two = 2 };
 static inline __m256i lut_chunk(const uint8_t* blk, int c, __m256i table) {
   const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 32 * (c & 3)));
   const __m256i idx = _mm256_and_si256(c < 4 ? raw : _mm256_srli_epi16(raw, 4),
@@ -547,14 +570,26 @@ static inline __m256i lut_chunk(const uint8_t* blk, int c, __m256i table) {
 static inline __m256i lut_table(const int8_t* lut) {             // the 16 values, both lanes
   return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)lut));
 }
+static inline __m256i two_chunk(const uint8_t* blk, int c) {     // two_to_eight's chunk c
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 32 * ((c & 3) >> 1)));
+  return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * (c & 1) + 4 * (c >> 2))),
+                          _mm256_set1_epi8(3));
+}
+static constexpr int64_t q8_block_bytes(int store) {
+  return store == store_lut ? 128 : store == store_two ? 64 : 256;
+}
 
-template <int TM, int TG, int B, int DF, bool SMALL, bool LUT = false>
-static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y) {
+// With offsets (OFF: Q2_K's m per scale), each scale's fma is followed by m's, the Q4 form's
+// order per 16 or 32 weights: y = fma(m_w, d_x · Σ q_x, y), Σ q_x over the scale's weights
+// (sx: Σ q_x per 16 activations of each row, `SumBuffer`; null without offsets).
+template <int TM, int TG, int B, int DF, bool SMALL, int ST = store_int8, bool OFF = false>
+static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y,
+                           const int32_t* sx = nullptr) {
   constexpr int H = 32 / B;                          // scales per block
-  constexpr int64_t BB = LUT ? 128 : 256;            // bytes of a group's block
+  constexpr int64_t BB = q8_block_bytes(ST);         // bytes of a group's block
   const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i table = LUT ? lut_table(w.lut) : _mm256_setzero_si256();
+  const __m256i table = ST == store_lut ? lut_table(w.lut) : _mm256_setzero_si256();
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
@@ -570,18 +605,20 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
       for (int c = 4 * q; c < 4 * q + 4; ++c) {
         __m256i wv[TG], wa[TG];
         for (int g = 0; g < TG; ++g) {
-          const int8_t* blk = w.codes + ((g0 + g) * nb + b) * BB;
-          const int8_t* p = blk + 32 * (LUT ? c & 3 : c);
-          if (TM == 1 && c % 2 == 0 && (!LUT || c < 4))
+          const uint8_t* blk = reinterpret_cast<const uint8_t*>(w.codes) +
+                               ((g0 + g) * nb + b) * BB;
+          const uint8_t* p = blk + 32 * (ST == store_lut ? c & 3 : c);
+          if (TM == 1 && c % 2 == 0 && 32 * c < BB)
             _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * BB)), _MM_HINT_T0);
-          wv[g] = LUT ? lut_chunk(reinterpret_cast<const uint8_t*>(blk), c, table)
-                      : _mm256_loadu_si256((const __m256i*)p);
-          wa[g] = _mm256_abs_epi8(wv[g]);
+          wv[g] = ST == store_lut ? lut_chunk(blk, c, table)
+                : ST == store_two ? two_chunk(blk, c) : _mm256_loadu_si256((const __m256i*)p);
+          wa[g] = ST == store_two ? wv[g] : _mm256_abs_epi8(wv[g]);
         }
         for (int i = 0; i < TM; ++i) {
           const __m256i xv = bcast4(a.q + (m0 + i) * a.K + 32 * b + 4 * c);
           for (int g = 0; g < TG; ++g) {
-            const __m256i p16 = _mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(xv, wv[g]));
+            const __m256i p16 = _mm256_maddubs_epi16(
+                wa[g], ST == store_two ? xv : _mm256_sign_epi8(xv, wv[g]));
             if (SMALL) s16[i][g] = _mm256_add_epi16(s16[i][g], p16);
             else s32[q * H / 2][i][g] = _mm256_add_epi32(s32[q * H / 2][i][g],
                                                          _mm256_madd_epi16(p16, ones));
@@ -595,13 +632,24 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
                                                     _mm256_madd_epi16(s16[i][g], ones));
     }
     for (int h = 0; h < H; ++h) {
-      __m256 dw[TG];
-      for (int g = 0; g < TG; ++g) dw[g] = scales8<DF>(w.d, g0 + g, b * H + h, nd);
+      __m256 dw[TG], mw[TG];
+      for (int g = 0; g < TG; ++g) {
+        dw[g] = scales8<DF>(w.d, g0 + g, b * H + h, nd);
+        if (OFF) mw[g] = scales8<DF, true>(w.m, g0 + g, b * H + h, nd);
+      }
       for (int i = 0; i < TM; ++i) {
-        const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
-        for (int g = 0; g < TG; ++g)
+        const float dxf = a.d[(m0 + i) * nb + b];
+        const __m256 dx = _mm256_set1_ps(dxf);
+        __m256 sxv = _mm256_setzero_ps();
+        if (OFF) {
+          const int32_t* si = sx + (m0 + i) * (a.K / 16) + 2 * b;
+          sxv = _mm256_set1_ps(dxf * float(H == 2 ? si[h] : si[0] + si[1]));
+        }
+        for (int g = 0; g < TG; ++g) {
           acc[i][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][i][g]),
                                       _mm256_mul_ps(dw[g], dx), acc[i][g]);
+          if (OFF) acc[i][g] = _mm256_fmadd_ps(mw[g], sxv, acc[i][g]);
+        }
       }
     }
   }
@@ -625,6 +673,9 @@ static inline __m256i six_u(const uint8_t* p) {
 // six_to_eight8's).
 static inline void lut_to_eight8(const uint8_t* p, __m256i table, int8_t* out) {
   for (int c = 0; c < 8; ++c) _mm256_storeu_si256((__m256i*)(out + 32 * c), lut_chunk(p, c, table));
+}
+static inline void two_to_eight8(const uint8_t* p, int8_t* out) {   // 2-bit codes, the same
+  for (int c = 0; c < 8; ++c) _mm256_storeu_si256((__m256i*)(out + 32 * c), two_chunk(p, c));
 }
 
 // The block at p as Q8's 8 chunks of int8 codes (prefill expands a tile's blocks once per chunk
@@ -711,8 +762,9 @@ static thread_local SumBuffer sum_buffer;
 // Q8 prefill on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the weights go in
 // as u = code + 128 (an xor of the sign bit) and each (sub-)block's exact ⟨code, q_x⟩ is
 // ⟨u, q_x⟩ − 128·Σ q_x (sx: Σ q_x per 16 activations, `SumBuffer`); groups g, g + 1 side by
-// side in a zmm (q4_tile_vnni's pairs), and the float steps are q8_tile's: the same bits.
-template <int TM, int TG, int B>
+// side in a zmm (q4_tile_vnni's pairs), and the float steps are q8_tile's (offsets too, OFF:
+// m float32 as the scales): the same bits.
+template <int TM, int TG, int B, bool OFF = false>
 static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0,
                                 float* y, const int32_t* sx) {
   constexpr int TP = TG / 2, H = 32 / B;
@@ -742,12 +794,16 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
       }
       for (int t = 0; t < TP; ++t) {
         const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
+        const __m512 mw = OFF ? scales16<scale_f32>(w.m, g0 + 2 * t, b * H + h, nd)
+                              : _mm512_setzero_ps();
         for (int i = 0; i < TM; ++i) {
           const int32_t* sxi = sx + (m0 + i) * (a.K / 16) + 2 * b;
           const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
           const __m512i isum = _mm512_sub_epi32(s32[i][t], _mm512_set1_epi32(128 * sum_x));
-          const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * nb + b]);
+          const float dxf = a.d[(m0 + i) * nb + b];
+          const __m512 dx = _mm512_set1_ps(dxf);
           acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
+          if (OFF) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxf * float(sum_x)), acc[i][t]);
         }
       }
     }
@@ -880,35 +936,21 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
         [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
 }
 
-template <int B, int DF, bool SMALL>
-static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+// Q8 prefill: codes stored narrower than int8 (6 bits, 4-bit indices, 2 bits) expanded once per
+// chunk and group tile, scales (and offsets) as float32 (ScaleBuffer), then the 8-bit tiles.
+template <int B, int DF, bool SMALL, bool OFF>
+static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1,
+                       const int32_t* sx) {
   constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
-  if (a.M < TL_DECODE_ROWS && w.six) {
-    const int32_t* sx = sum_buffer.sums(a);
-    drive_decode(a.M, g0, g1,
-                 [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, sx + m * a.K / 16); },
-                 [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, sx + m * a.K / 16); });
-    return;
-  }
-  if (a.M == 1 && w.lut) {             // more rows: expanded once a tile (prefill's path),
-    drive_decode(a.M, g0, g1,          // not looked up again for every row
-                 [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, true>(a, m, w, g, y); },
-                 [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, true>(a, m, w, g, y); });
-    return;
-  }
-  if (a.M < TL_DECODE_ROWS && !w.lut) {
-    drive_decode(a.M, g0, g1,
-                 [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL>(a, m, w, g, y); },
-                 [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL>(a, m, w, g, y); });
-    return;
-  }
   const int64_t nb = w.K / 32, nd = w.K / B;
-  const bool narrow = w.six || w.lut;                    // codes in 6 or 4 bits
+  const bool narrow = w.six || w.lut || w.two;           // codes in 6, 4 or 2 bits
   const int64_t GB = std::max(PG, VNNI_TILES[1]);        // groups of a tile, any level
-  float* buf = scale_buffer.get(size_t(GB * nd * 8 + (narrow ? GB * nb * 64 : 0)));
-  int8_t* expanded = reinterpret_cast<int8_t*>(buf + GB * nd * 8);   // those codes as int8
+  const int64_t ns = GB * nd * 8;                        // a tile's scales (and offsets)
+  float* buf = scale_buffer.get(size_t((OFF ? 2 : 1) * ns + (narrow ? GB * nb * 64 : 0)));
+  int8_t* expanded = reinterpret_cast<int8_t*>(buf + (OFF ? 2 : 1) * ns);  // codes as int8
   Q8Weight view = w;
-  view.d = buf, view.d_form = scale_f32, view.six = false, view.lut = nullptr;
+  view.d = buf, view.d_form = scale_f32, view.six = view.two = false, view.lut = nullptr;
+  view.m = OFF ? buf + ns : nullptr, view.m_form = scale_f32;
   const __m256i table = w.lut ? lut_table(w.lut) : _mm256_setzero_si256();
   int64_t gv = 0;
   auto prep = [&](int64_t g, int64_t groups) {
@@ -916,33 +958,71 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
     view.codes = w.codes + g * nb * 256;
     if (narrow) {
       view.codes = expanded;
-      const int64_t BB = w.six ? 192 : 128;
+      const int64_t BB = w.six ? 192 : w.lut ? 128 : 64;
       const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * BB;
       for (int64_t i = 0; i < groups * nb; ++i) {
         if (w.six) six_to_eight8(p + BB * i, expanded + 256 * i);
-        else lut_to_eight8(p + BB * i, table, expanded + 256 * i);
+        else if (w.lut) lut_to_eight8(p + BB * i, table, expanded + 256 * i);
+        else two_to_eight8(p + BB * i, expanded + 256 * i);
       }
     }
     for (int64_t i = 0; i < groups; ++i)
-      for (int64_t j = 0; j < nd; ++j)
+      for (int64_t j = 0; j < nd; ++j) {
         _mm256_storeu_ps(buf + (i * nd + j) * 8, scales8<DF>(w.d, g + i, j, nd));
+        if (OFF) _mm256_storeu_ps(buf + ns + (i * nd + j) * 8, scales8<DF, true>(w.m, g + i, j, nd));
+      }
   };
   constexpr int F = scale_f32;
+  constexpr int I8 = store_int8;
 #if ISA_LEVEL == 2
   constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
-  const int32_t* sx = sum_buffer.sums(a);
+  const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
   drive_prefill<VM, VG>(a.M, g0, g1, prep,
-      [&](int64_t m, int64_t g) { q8_tile_vnni<VM, VG, B>(a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q8_tile_vnni<1, VG, B>(a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); });
+      [&](int64_t m, int64_t g) { q8_tile_vnni<VM, VG, B, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
+      [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
+      [&](int64_t m, int64_t g) { q8_tile_vnni<1, VG, B, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
+      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); });
   return;
 #endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
-      [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q8_tile<1, PG, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL>(a, m, view, g - gv, y + 8 * gv); });
+      [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](int64_t m, int64_t g) { q8_tile<1, PG, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); });
+}
+
+// Q8's products: decode tiles by how the codes are stored (6 bits: six_tile; 4-bit indices and
+// 2 bits, one row: q8_tile on them; int8: q8_tile), prefill (and 2–8 rows of narrow codes,
+// expanded once a tile rather than unpacked for every row) by q8_prefill.
+template <int B, int DF, bool SMALL, bool OFF = false>
+static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+  const int32_t* sx = OFF ? sum_buffer.sums(a) : nullptr;
+  if (a.M < TL_DECODE_ROWS && w.six) {
+    const int32_t* s16 = sum_buffer.sums(a);
+    drive_decode(a.M, g0, g1,
+                 [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, s16 + m * a.K / 16); },
+                 [&](int64_t m, int64_t g) { six_tile<1, B, DF>(a, m, w, g, y, s16 + m * a.K / 16); });
+    return;
+  }
+  if (a.M == 1 && (w.lut || w.two)) {
+    auto one = [&](auto st) {
+      constexpr int ST = decltype(st)::value;
+      drive_decode(a.M, g0, g1,
+          [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, ST, OFF>(a, m, w, g, y, sx); },
+          [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, ST, OFF>(a, m, w, g, y, sx); });
+    };
+    if (w.lut) one(std::integral_constant<int, store_lut>{});
+    else one(std::integral_constant<int, store_two>{});
+    return;
+  }
+  if (a.M < TL_DECODE_ROWS && !w.lut && !w.two) {
+    constexpr int I8 = store_int8;
+    drive_decode(a.M, g0, g1,
+        [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, I8, OFF>(a, m, w, g, y, sx); },
+        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, I8, OFF>(a, m, w, g, y, sx); });
+    return;
+  }
+  q8_prefill<B, DF, SMALL, OFF>(a, w, y, g0, g1, sx);
 }
 
 template <int B, int DF>
@@ -969,6 +1049,15 @@ static void q4_rows(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64
 }
 
 static void q8_rows(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
+#if ISA_LEVEL > 0
+  if (w.d_form == scale_pair_u4) {                      // Q2_K: codes in [0, 3], offsets
+    q8_rows_k<16, scale_pair_u4, true, true>(a, w, y, g0, g1);
+    return;
+  }
+#else
+  if (w.d_form == scale_pair_u4) q8_rows_b<16, scale_pair_u4>(a, w, y, g0, g1);
+  else
+#endif
   if (w.d_form == scale_super_i8) q8_rows_b<16, scale_super_i8>(a, w, y, g0, g1);
   else if (w.d_form == scale_super_i8_8) q8_rows_b<32, scale_super_i8_8>(a, w, y, g0, g1);
   else if (w.block == 16 && w.d_form == scale_f16) q8_rows_b<16, scale_f16>(a, w, y, g0, g1);

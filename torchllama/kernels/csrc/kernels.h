@@ -37,23 +37,33 @@ struct Act {            // int8 activations: q (M, K), d and s (M, K/32)
 //   scale_super_i8           (G, nd/16, 144) bytes: the same with 16 signed sub-scales (Q6_K,
 //                            Q3_K);
 //   scale_super_i8_8         (G, nd/8, 80) bytes: 8 signed sub-scales a super-block (IQ4_XS);
-//   scale_times_d            (Q4's m only) one float c: m = c·d (Q4_0: c = −8).
+//   scale_times_d            (Q4's m only) one float c: m = c·d (Q4_0: c = −8);
+//   scale_pair_u4            (Q8's d and m in one buffer) (G, nd/16, 160) bytes: per
+//                            super-block of 16 scales, the 8 rows' float16 D, their float16 M,
+//                            then 16 × 8 bytes s | t << 4: d = D·s, m = M·t (Q2_K: D = d,
+//                            M = −dmin, s = sc_j, t = mn_j).
 enum ScaleForm : int32_t {
   scale_f32 = 0, scale_f16 = 1, scale_super_u8 = 2, scale_super_i8 = 3, scale_times_d = 4,
-  scale_super_i8_8 = 5
+  scale_super_i8_8 = 5, scale_pair_u4 = 6
 };
-// Sub-scales per super-block of a super form, and whether they are signed.
+// Sub-scales per super-block of a super form, whether they are signed, and the bytes of a
+// super-block's float16 part (the 8 rows' D, and M for scale_pair_u4).
 constexpr int64_t subs_per_super(int32_t form) {
   return form == scale_super_u8 || form == scale_super_i8_8 ? 8 : 16;
 }
-constexpr bool signed_subs(int32_t form) { return form != scale_super_u8; }
+constexpr bool signed_subs(int32_t form) {
+  return form != scale_super_u8 && form != scale_pair_u4;
+}
+constexpr int64_t super_head(int32_t form) { return form == scale_pair_u4 ? 32 : 16; }
 // Weights in the packed layout (blocks_impl.h): G groups of 8 rows. Q4: codes (G, K/32, 128)
 // u8, d and m one scale per block of 32; five: 5-bit codes, (G, K/32, 160): the 4-bit codes, then
 // a plane of their fifth bits (Q5_1, Q5_K). Q8: codes (G, K/32, 256) i8, d one scale per block
 // of `block` (32 or 16); small: every |code| ≤ 32 (Q6_K, Q5_0, Q3_K), which lets int16 sums run
 // longer; six: every code in [−32, 31] (Q6_K, Q5_0), stored in 6 bits, (G, K/32, 192) bytes;
 // lut: every code one of 16 values (IQ4's grid, Q3_K's [−4, 3]), stored as 4-bit indices in
-// Q4's arrangement, (G, K/32, 128) bytes, with the table of 16 int8 values (null: not so).
+// Q4's arrangement, (G, K/32, 128) bytes, with the table of 16 int8 values (null: not so);
+// two: every code in [0, 3] (Q2_K), stored in 2 bits, (G, K/32, 64) bytes. m: offsets, one a
+// scale (w = d·q + m: Q2_K's −dmin·mn_j), in form m_form, or null (none).
 struct Q4Weight {
   const uint8_t* codes; const void* d; const void* m; int64_t G, K;
   int32_t d_form, m_form; float m_mult;   // m_mult: c of scale_times_d
@@ -62,6 +72,8 @@ struct Q4Weight {
 struct Q8Weight {
   const int8_t* codes; const void* d; int64_t G, K, block; int32_t d_form; bool small, six;
   const int8_t* lut;
+  bool two = false;
+  const void* m = nullptr; int32_t m_form = scale_f32;
 };
 
 // What a KV cache stores (torchllama.nn.kv_cache): float32, float16, bfloat16, or q8_0 records

@@ -1,7 +1,9 @@
-// The K-quants: super-blocks of 256 weights with sub-block scales (ggml-common.h block_q3_K,
-// block_q4_K, block_q5_K, block_q6_K; values: ggml-quants.c dequantize_row_q3_K / _q4_K /
-// _q5_K / _q6_K), converted for the kernels (torchllama/blocks/k_quants.py is the readable
-// form and names the arrays):
+// The K-quants: super-blocks of 256 weights with sub-block scales (ggml-common.h block_q2_K,
+// block_q3_K, block_q4_K, block_q5_K, block_q6_K; values: ggml-quants.c dequantize_row_q2_K /
+// _q3_K / _q4_K / _q5_K / _q6_K), converted for the kernels (torchllama/blocks/k_quants.py is
+// the readable form and names the arrays):
+//   Q2_K → Q8 form with offsets: codes (rows, K) i8 = q ∈ [0, 3], d = d·sc_j, m = −(dmin·mn_j)
+//          (rows, K/16) f32, then d (rows, K/256) f16, sc_j (rows, K/16) u8, −dmin f16, mn_j u8
 //   Q3_K → Q8 form with a table ([−4, 3]): indices (rows, K/2) u8 = q + 4 in Q4's nibble order,
 //          d = d·(sc_j − 32) (rows, K/16) f32, then d (rows, K/256) f16 and sc_j − 32
 //          (rows, K/16) i8
@@ -25,6 +27,9 @@ std::vector<int64_t> q4_k_widths(int64_t K) {
 }
 std::vector<int64_t> q5_k_widths(int64_t K) {
   return {K / 2, K / 8, K / 8, K / 8, K / 128, K / 32, K / 128, K / 32};
+}
+std::vector<int64_t> q2_k_widths(int64_t K) {
+  return {K, K / 4, K / 4, K / 128, K / 16, K / 128, K / 16};
 }
 std::vector<int64_t> q3_k_widths(int64_t K) { return {K / 2, K / 4, K / 128, K / 16}; }
 std::vector<int64_t> q6_k_widths(int64_t K) { return {K, K / 4, K / 128, K / 16}; }
@@ -97,6 +102,37 @@ int64_t q5_k_row(const uint8_t* __restrict__ b, int64_t nb, uint8_t* const* out)
   return bad;
 }
 
+// Q2_K: 16 bytes of scales (sc_j in the low nibble, mn_j in the high one, per 16 weights), 64 of
+// qs, the f16 d and dmin. Each 128 weights take 32 bytes of qs, weight l + 32·k of the 128
+// (l < 32) bits 2k, 2k+1 of qs[l]; weight e's scale pair is scales[e / 16]:
+// w = (d·sc_j)·q − dmin·mn_j.
+int64_t q2_k_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
+  float* dd = reinterpret_cast<float*>(out[1]);
+  float* mm = reinterpret_cast<float*>(out[2]);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < nb; ++i, b += 84) {
+    const uint8_t *s = b, *qs = b + 16;
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    std::memcpy(out[3] + 2 * i, b + 80, 2);
+    out[5][2 * i] = b[82];
+    out[5][2 * i + 1] = b[83] ^ 0x80;                         // −dmin: the sign bit flipped
+    for (int j = 0; j < 16; ++j) {
+      const int sc = s[j] & 15, mn = s[j] >> 4;
+      out[4][16 * i + j] = uint8_t(sc);
+      out[6][16 * i + j] = uint8_t(mn);
+      dd[16 * i + j] = d * float(sc);
+      mm[16 * i + j] = -(dmin * float(mn));
+    }
+    if (!std::isfinite(d) || !std::isfinite(dmin))
+      bad += count_non_finite(dd + 16 * i, 16) + count_non_finite(mm + 16 * i, 16);
+    int8_t* c = reinterpret_cast<int8_t*>(out[0]) + 256 * i;
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < 32; ++l) c[128 * h + 32 * k + l] = int8_t((qs[32 * h + l] >> (2 * k)) & 3);
+  }
+  return bad;
+}
+
 // Q3_K: 32 bytes of hmask, 64 of qs, 12 of scales, the f16 d. Each 128 weights take 32 bytes
 // of qs, weight l + 32·k of the 128 (l < 32) bits 2k, 2k+1 of qs[l]; weight e's third bit is
 // bit e / 32 of hmask[e % 32] (set: q = those two bits; clear: q = they − 4). The sixteen
@@ -164,6 +200,7 @@ int64_t q6_k_row(const uint8_t* b, int64_t nb, uint8_t* const* out) {
 }
 
 const bool registered =
+    register_block_type({10, "Q2_K", 84, 256, q2_k_widths, q2_k_row}) &&
     register_block_type({11, "Q3_K", 110, 256, q3_k_widths, q3_k_row}) &&
     register_block_type({12, "Q4_K", 144, 256, q4_k_widths, q4_k_row}) &&
     register_block_type({13, "Q5_K", 176, 256, q5_k_widths, q5_k_row}) &&
