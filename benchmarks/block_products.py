@@ -16,7 +16,7 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q5_1,IQ4_XS,IQ4_NL,Q3_K,Q6_K,Q8_0,Q5_0")
+    ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q5_1,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q6_K,Q8_0,Q5_0")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)

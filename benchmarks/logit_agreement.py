@@ -28,7 +28,7 @@ from moe_agreement import report  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1b")
-    ap.add_argument("--types", default="q4_0,q4_k_m,q5_k_m,q3_k_m,iq4_xs,iq4_nl,q5_1")
+    ap.add_argument("--types", default="q4_0,q4_k_m,q5_k_m,q3_k_m,q2_k,iq4_xs,iq4_nl,q5_1")
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--float", action="store_true",
                     help="also our float32 computation of the dequantized weights")

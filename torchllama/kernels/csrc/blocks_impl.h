@@ -27,6 +27,8 @@
 //       bit c that of chunk c's low-nibble weight, bit 4 + c its high-nibble one), 160 bytes;
 //   Q8 as 4-bit indices (Q8Weight::lut: IQ4, Q3_K): Q4's 128-byte arrangement of the indices,
 //       each looked up in the 16-value table (`lut_to_eight`, `lut_chunk`);
+//   Q8 in 2 bits (codes in [0, 3]: Q2_K): 64 bytes, Q8's chunk c = 4h + 2k + e at bits
+//       4h + 2e of the 32 bytes at 32k (`two_to_eight`, `two_chunk`: one shift and mask a chunk);
 //   scales d (and m): the 8 rows' values of a block side by side, (G, K/B, 8), float32 or
 //       float16; or (K-quants) super-blocks: per 8 (Q4_K) or 16 (Q6_K) consecutive scales of
 //       a row group, the 8 rows' float16 D, then the sub-scales s, 8 rows side by side
@@ -43,6 +45,9 @@
 //     Q4:        y = fma(float(isum_b), d_w,b · d_x,b, y);  y = fma(m_w,b, s_x,b, y)
 //     Q8, B=32:  y = fma(float(isum_b), d_w,b · d_x,b, y)
 //     Q8, B=16:  y = fma(float(isum_b,0), d_w,2b · d_x,b, y);  y = fma(float(isum_b,1), d_w,2b+1 · d_x,b, y)
+//     Q8 with offsets (Q2_K, B=16): after each scale's fma, y = fma(m_w,j, d_x,b · Σ_j q_x, y),
+//                Σ_j over the scale's 16 activations (an exact integer; one IEEE product), the
+//                Q4 form's order per 16 weights
 // with isum the exact integer dot product of the block's (sub-block's) codes and q_x, and
 // d_w·d_x one IEEE product; d_w (m_w) as stored, or D·s for a super-block form, and m_w = c·d_w
 // (one IEEE product) where m is stored as a multiple of d (Q4_0's m = −8·d: nothing stored).
