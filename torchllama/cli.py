@@ -411,7 +411,8 @@ def bench_shapes(shape: Optional[list[str]] = None, type: Optional[list[str]] = 
     Args:
         shape: 1b (Llama 3.2 1B), 3b (Llama 3.2 3B), 7b (Llama 2 7B), 8b (Llama 3.1 8B) or tiny;
             comma lists too (default: 1b).
-        type: q4_0, q4_k_m (llama.cpp's Q4_K_M mix) or q8_0; comma lists too (default: q4_0).
+        type: llama.cpp's mixes q4_0, q4_k_m, q8_0, q5_k_m, q5_k_s, q3_k_m, q2_k, iq4_xs,
+            iq4_nl, q5_1 or q5_0; comma lists too (default: q4_0).
         prefill: prompt lengths of the prefill figures (comma list).
         context: decode figures after a prompt filling each context (comma list).
         batch: decode batch sizes (comma list; those above 1 at the smallest context).

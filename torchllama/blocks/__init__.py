@@ -7,7 +7,7 @@ kernel, `Q8Linear` on `q8_rows`). Each type is one `BlockType` row, registered b
 module, which holds the type's file layout, its conversion and its reference dequantization:
 
     legacy.py     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0   blocks of 32: one f16 scale (and offset) a block
-    k_quants.py   Q3_K, Q4_K, Q5_K, Q6_K         super-blocks of 256: an f16 scale, small sub-scales
+    k_quants.py   Q2_K … Q6_K                    super-blocks of 256: an f16 scale, small sub-scales
     iq4.py        IQ4_NL, IQ4_XS                 4-bit indices into a 16-value grid, scaled
 
 and the C++ twin of its conversion in kernels/csrc/types/<family>.cpp (a `BlockType` row of

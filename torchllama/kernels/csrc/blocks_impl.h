@@ -818,6 +818,78 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
 }
 #endif
 
+#if ISA_LEVEL == 2
+// One activation row m against row group g on VNNI, for a single row's decode of codes stored
+// as 4-bit indices (lut) or 2 bits: q4_row_vnni's shape (one group at a time, so a thread's
+// groups are one sequential stream; two blocks per zmm, lanes 0-7 block b, 8-15 block b + 1).
+// Looked-up codes go in as u = code + 128 (q8_tile_vnni's xor), 2-bit ones as they are; each
+// scale's integer sum is then exact and the float steps are q8_tile's, block after block: the
+// same bits. sums: Σ q_x per 16 activations of each row (`SumBuffer`). An odd block count:
+// q8_tile.
+template <int B, int DF, bool SMALL, int ST, bool OFF>
+static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64_t g, float* y,
+                               const int32_t* sums) {
+  constexpr int H = 32 / B;
+  constexpr int64_t BB = q8_block_bytes(ST);
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  if (nb % 2) {
+    q8_tile<1, 1, B, DF, SMALL, ST, OFF>(a, m, w, g, y, sums);
+    return;
+  }
+  const int8_t* x = a.q + m * a.K;
+  const int32_t* S = sums + m * (a.K / 16);
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * BB;
+  const __m512i table = ST == store_lut
+      ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)w.lut)) : _mm512_setzero_si512();
+  __m256 acc = _mm256_setzero_ps();
+  const auto add_block = [&](const __m256i* s32, int64_t b) {     // q8_tile's float steps
+    const float dxf = a.d[m * nb + b];
+    const __m256 dx = _mm256_set1_ps(dxf);
+    for (int h = 0; h < H; ++h) {
+      const int32_t sum_x = H == 2 ? S[2 * b + h] : S[2 * b] + S[2 * b + 1];
+      const __m256i isum = ST == store_lut ? _mm256_sub_epi32(s32[h], _mm256_set1_epi32(128 * sum_x))
+                                           : s32[h];
+      const __m256 dw = scales8<DF>(w.d, g, b * H + h, nd);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, dx), acc);
+      if (OFF) acc = _mm256_fmadd_ps(scales8<DF, true>(w.m, g, b * H + h, nd),
+                                     _mm256_set1_ps(dxf * float(sum_x)), acc);
+    }
+  };
+  const auto x4 = [&](int64_t i) { int32_t v; std::memcpy(&v, x + i, 4); return v; };
+  for (int64_t b = 0; b < nb; b += 2) {
+    const uint8_t* p = codes + b * BB;
+    for (int l = 0; l < 2 * BB; l += 64) _mm_prefetch((const char*)(p + PF_ROW + l), _MM_HINT_T0);
+    __m512i s[H];
+    for (int h = 0; h < H; ++h) s[h] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      __m512i u;
+      if constexpr (ST == store_lut) {
+        const __m512i raw = two_planes(p + 32 * (c & 3), p + BB + 32 * (c & 3));
+        const __m512i idx = _mm512_and_si512(c < 4 ? raw : _mm512_srli_epi16(raw, 4),
+                                             _mm512_set1_epi8(15));
+        u = _mm512_xor_si512(_mm512_shuffle_epi8(table, idx), _mm512_set1_epi8(int8_t(0x80)));
+      } else {
+        const __m512i raw = two_planes(p + 32 * ((c & 3) >> 1), p + BB + 32 * ((c & 3) >> 1));
+        u = _mm512_and_si512(_mm512_srl_epi16(raw, _mm_cvtsi32_si128(2 * (c & 1) + 4 * (c >> 2))),
+                             _mm512_set1_epi8(3));
+      }
+      const int64_t i0 = 32 * b + 4 * c;                                 // blocks b, b + 1
+      const __m512i xv = _mm512_inserti64x4(_mm512_set1_epi32(x4(i0)),
+                                            _mm256_set1_epi32(x4(i0 + 32)), 1);
+      s[c * H / 8] = _mm512_dpbusd_epi32(s[c * H / 8], u, xv);
+    }
+    __m256i lo[H], hi[H];
+    for (int h = 0; h < H; ++h) {
+      lo[h] = _mm512_castsi512_si256(s[h]);
+      hi[h] = _mm512_extracti64x4_epi64(s[h], 1);
+    }
+    add_block(lo, b);
+    add_block(hi, b + 1);
+  }
+  _mm256_storeu_ps(y + m * N + 8 * g, acc);
+}
+#endif
+
 // ---- drivers: groups [g_begin, g_end) of W for every activation row --------------------------
 // Decode (M < 4): 1 × 4-group tiles (32 weight rows, four independent chains per row), reading
 // the scales as stored. Prefill: PM × PG tiles over chunks of MC activation rows, so a weight
@@ -1012,6 +1084,11 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
   if (a.M == 1 && (w.lut || w.two)) {
     auto one = [&](auto st) {
       constexpr int ST = decltype(st)::value;
+#if ISA_LEVEL == 2                     // one row: VNNI, group after group
+      const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
+      for (int64_t g = g0; g < g1; ++g) q8_row_vnni<B, DF, SMALL, ST, OFF>(a, 0, w, g, y, s16);
+      return;
+#endif
       drive_decode(a.M, g0, g1,
           [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, ST, OFF>(a, m, w, g, y, sx); },
           [&](int64_t m, int64_t g) { q8_tile<1, 1, B, DF, SMALL, ST, OFF>(a, m, w, g, y, sx); });
