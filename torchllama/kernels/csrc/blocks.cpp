@@ -70,14 +70,15 @@ static std::vector<std::string> kernel_levels_of(const std::string& isa) {
 }
 
 // Activation quantization (O(M·K), small next to the product's O(M·N·K)): each block by the
-// table's `quantize_block` (blocks_impl.h), the same bits on every level.
-static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+// table's `quantize_block` (blocks_impl.h), the same bits on every level. Row m of x at x + m·ld.
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                          int64_t ld) {
   const int64_t nb = K / 32;
   const auto quantize_block = table().quantize_block;
   auto rows = [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m)
       for (int64_t b = 0; b < nb; ++b)
-        quantize_block(x + m * K + 32 * b, q + m * K + 32 * b, d + m * nb + b, s + m * nb + b);
+        quantize_block(x + m * ld + 32 * b, q + m * K + 32 * b, d + m * nb + b, s + m * nb + b);
   };
   if (M * K < 65536) rows(0, M);                 // decode: not worth waking a thread
   else at::parallel_for(0, M, 16, rows);
@@ -87,11 +88,11 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  Act quantize(const float* x, int64_t M, int64_t K) {
+  Act quantize(const float* x, int64_t M, int64_t K, int64_t ld) {
     q.resize(size_t(M * K));
     d.resize(size_t(M * K / 32));
     s.resize(size_t(M * K / 32));
-    quantize_rows(x, M, K, q.data(), d.data(), s.data());
+    quantize_rows(x, M, K, q.data(), d.data(), s.data(), ld);
     return Act{q.data(), d.data(), s.data(), M, K};
   }
 };
@@ -107,7 +108,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_act(const at::Ten
   at::Tensor d = at::empty({M, K / 32}, x.options());
   at::Tensor s = at::empty({M, K / 32}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                s.data_ptr<float>());
+                s.data_ptr<float>(), K);
   return {q, d, s};
 }
 
@@ -130,14 +131,38 @@ static void check_x(const at::Tensor& x, int64_t K, const char* op) {
 static auto rows_kernel(const Q4Weight&) { return table().q4_rows; }
 static auto rows_kernel(const Q8Weight&) { return table().q8_rows; }
 
-// y (M, 8·G) f32 = x · Wᵀ: x quantized per block of 32, W's groups split over the threads.
+// A product's output y (M, N) f32. Those of prefill size are kept for reuse (a few, per
+// thread): malloc serves a fresh allocation of 32 MB or more by mmap, faulted in 4 KB page by
+// page on first use — 7.8 ms for 32 MB here, a fifth of a 512-row w13 product. One is handed
+// out again once nothing but the pool holds its storage.
+static at::Tensor output(int64_t M, int64_t N, const at::TensorOptions& options) {
+  constexpr int64_t POOL_FROM = int64_t(1) << 22;     // floats (16 MB); below, malloc reuses
+  constexpr size_t POOL_SIZE = 4;
+  const int64_t n = M * N;
+  if (n < POOL_FROM) return at::empty({M, N}, options);
+  thread_local std::vector<at::Tensor> pool;          // 1-D float32 buffers
+  at::Tensor* spare = nullptr;
+  for (at::Tensor& t : pool)
+    if (t.storage().use_count() == 1) {
+      if (t.numel() >= n) return t.narrow(0, 0, n).view({M, N});
+      spare = &t;
+    }
+  at::Tensor fresh = at::empty({n}, options);
+  if (spare != nullptr) *spare = fresh;                // a free one too small: replaced
+  else if (pool.size() < POOL_SIZE) pool.push_back(fresh);
+  return fresh.view({M, N});
+}
+
+// y (M, 8·G) f32 = x · Wᵀ: x quantized per block of 32, W's groups split over the threads. x's
+// rows may be strided (a view of every row's first K numbers: the gated half of w13's output).
 template <typename W>
 static at::Tensor product(const at::Tensor& x_, const W& w, const char* op) {
   check_x(x_, w.K, op);
-  const at::Tensor x = x_.contiguous();
+  const bool strided = x_.stride(1) == 1 && x_.stride(0) >= w.K;
+  const at::Tensor x = strided ? x_ : x_.contiguous();
   const int64_t M = x.size(0);
-  const Act a = scratch.quantize(x.data_ptr<float>(), M, w.K);
-  at::Tensor y = at::empty({M, 8 * w.G}, x.options());
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, w.K, M > 1 ? x.stride(0) : w.K);
+  at::Tensor y = output(M, 8 * w.G, x.options());
   float* yp = y.data_ptr<float>();
   const auto rows = rows_kernel(w);
   parallel_groups(M, w.G, w.K, [&](int64_t g0, int64_t g1) { rows(a, w, yp, g0, g1); });
@@ -305,7 +330,7 @@ static at::Tensor expert_product(const at::Tensor& x_, const at::Tensor& tokens_
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t r = 0; r < R; ++r) order[fill[ex[r]]++] = r;           // by expert, stable
-  const Act a = scratch.quantize(x.data_ptr<float>(), M, K);          // each token once
+  const Act a = scratch.quantize(x.data_ptr<float>(), M, K, K);       // each token once
   std::vector<int8_t> q(size_t(R * K));
   std::vector<float> qd(size_t(R * nb)), qs(size_t(R * nb));
   for (int64_t i = 0; i < R; ++i) {                                   // gathered by expert

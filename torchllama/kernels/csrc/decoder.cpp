@@ -300,8 +300,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& nor
                             n_experts, top_k, norm_topk, moe_scale, gelu_tanh).view({B, T, D});
   }
   const auto gate_up = linear(m.view({B * T, D}), w13).chunk(2, -1);           // (BT, F) each
-  const at::Tensor act = gelu_tanh ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
-  at::Tensor f = linear(act * gate_up[1], w2).view({B, T, D});
+  at::Tensor gate = gate_up[0];              // act(gate) ⊙ up in place: w13's output is ours,
+  if (gelu_tanh) at::gelu_(gate, "tanh");    // and w2 reads its rows strided (no new
+  else at::silu_(gate);                      // (BT, F) arrays at prefill)
+  gate.mul_(gate_up[1]);
+  at::Tensor f = linear(gate, w2).view({B, T, D});
   if (norms.size() == 4) f = rms_norm(f, norms[3], eps, unit_offset);
   return h + f;
 }
