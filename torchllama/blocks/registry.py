@@ -72,7 +72,7 @@ class BlockType:
         if self.lut is not None:
             return "4-bit indices into a table of 16 values, a scale per block"
         if self.offsets:
-            return "2-bit codes, a scale and an offset per block"
+            return "2-bit codes, a scale and an offset per 16 weights"
         return "int8 codes (in 6 bits where they fit), a scale per block"
 
     @property
