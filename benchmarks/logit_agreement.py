@@ -22,26 +22,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_agreement import report  # noqa: E402
+from moe_agreement import parse_common, random_ids, report  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--types", default="q4_0,q4_k_m,q5_k_m,q3_k_m,q2_k,iq4_xs,iq4_nl,q5_1")
-    ap.add_argument("--positions", type=int, default=256)
-    ap.add_argument("--float", action="store_true",
-                    help="also our float32 computation of the dequantized weights")
-    args = ap.parse_args()
-    import torch
-
-    from torchllama.bench.shapes import VOCAB_SIZE, ensure_shape_file
+    args = parse_common(ap)
+    from torchllama.bench.shapes import ensure_shape_file
     from torchllama.kernels import isa
 
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, kernels {isa()}, "
-          f"2 threads, {args.positions} positions of random token ids")
-    ids = torch.randint(0, VOCAB_SIZE, (args.positions,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
+    ids = random_ids(args.positions, f", kernels {isa()}")
     for qtype in args.types.split(","):
         report(str(ensure_shape_file(args.shape, qtype)), ids, f"{args.shape} {qtype}",
                args.float)

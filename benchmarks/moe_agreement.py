@@ -59,20 +59,33 @@ def _compare(a, b) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="olmoe-1b-7b,qwen3-30b-a3b-2l,mixtral-8x7b-2l")
+    args = parse_common(ap)
+    from torchllama.bench.shapes import ensure_shape_file
+
+    ids = random_ids(args.positions, "")
+    for name in args.shapes.split(","):
+        report(str(ensure_shape_file(name, "q4_0")), ids, f"{name} Q4_0", args.float)
+
+
+def parse_common(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The agreement benchmarks' shared options (--positions, --float), parsed."""
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--float", action="store_true",
                     help="also our float32 computation of the dequantized weights")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def random_ids(positions: int, kernels: str) -> list[int]:
+    """The prompt both engines read (random token ids, seed 0), after a line naming the CPU
+    (and `kernels`, our kernels' level, where given)."""
     import torch
 
-    from torchllama.bench.shapes import VOCAB_SIZE, ensure_shape_file
+    from torchllama.bench.shapes import VOCAB_SIZE
 
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, 2 threads, "
-          f"{args.positions} positions of random token ids")
-    ids = torch.randint(0, VOCAB_SIZE, (args.positions,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
-    for name in args.shapes.split(","):
-        report(str(ensure_shape_file(name, "q4_0")), ids, f"{name} Q4_0", args.float)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}{kernels}, 2 threads, "
+          f"{positions} positions of random token ids")
+    return torch.randint(0, VOCAB_SIZE, (positions,),
+                         generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def report(path: str, ids: list[int], label: str, with_float: bool) -> None:

@@ -254,7 +254,7 @@ static Q8Weight q8_weight(const at::Tensor& codes, const at::Tensor& d, const at
   Q8Weight w{codes.data_ptr<int8_t>(), d.data_ptr(), G, 32 * nb, block, d_form, small, six,
              lut};
   w.two = two;
-  if (d_form == scale_pair_u4) w.m = w.d, w.m_form = d_form;   // d and m in one buffer
+  if (d_form == scale_pair_u4) w.m = w.d;                      // d and m in one buffer
   return w;
 }
 

@@ -1027,7 +1027,7 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   int8_t* expanded = reinterpret_cast<int8_t*>(buf + (OFF ? 2 : 1) * ns);  // codes as int8
   Q8Weight view = w;
   view.d = buf, view.d_form = scale_f32, view.six = view.two = false, view.lut = nullptr;
-  view.m = OFF ? buf + ns : nullptr, view.m_form = scale_f32;
+  view.m = OFF ? buf + ns : nullptr;                     // m in d's form: float32 too
   const __m256i table = w.lut ? lut_table(w.lut) : _mm256_setzero_si256();
   int64_t gv = 0;
   auto prep = [&](int64_t g, int64_t groups) {

@@ -63,7 +63,8 @@ constexpr int64_t super_head(int32_t form) { return form == scale_pair_u4 ? 32 :
 // lut: every code one of 16 values (IQ4's grid, Q3_K's [−4, 3]), stored as 4-bit indices in
 // Q4's arrangement, (G, K/32, 128) bytes, with the table of 16 int8 values (null: not so);
 // two: every code in [0, 3] (Q2_K), stored in 2 bits, (G, K/32, 64) bytes. m: offsets, one a
-// scale (w = d·q + m: Q2_K's −dmin·mn_j), in form m_form, or null (none).
+// scale (w = d·q + m: Q2_K's −dmin·mn_j), in d's form (scale_pair_u4: m = d, one buffer
+// holding both), or null (none).
 struct Q4Weight {
   const uint8_t* codes; const void* d; const void* m; int64_t G, K;
   int32_t d_form, m_form; float m_mult;   // m_mult: c of scale_times_d
@@ -73,7 +74,7 @@ struct Q8Weight {
   const int8_t* codes; const void* d; int64_t G, K, block; int32_t d_form; bool small, six;
   const int8_t* lut;
   bool two = false;
-  const void* m = nullptr; int32_t m_form = scale_f32;
+  const void* m = nullptr;
 };
 
 // What a KV cache stores (torchllama.nn.kv_cache): float32, float16, bfloat16, or q8_0 records
