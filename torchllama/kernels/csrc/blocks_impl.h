@@ -403,22 +403,32 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
   constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
   const __m512i m4 = _mm512_set1_epi8(15);
-  __m512 acc[TM][TP];
+  const int8_t* xr[TM];                                    // the rows' activations
+  const float *dr[TM], *sr[TM];                            // and their scales
   for (int i = 0; i < TM; ++i)
+    xr[i] = a.q + (m0 + i) * a.K, dr[i] = a.d + (m0 + i) * nb, sr[i] = a.s + (m0 + i) * nb;
+  const uint8_t* wp[TP];                                   // pair t's first group
+  for (int t = 0; t < TP; ++t) wp[t] = w.codes + (g0 + 2 * t) * nb * BB;
+  __m512 acc[TM][TP];
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
     for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i s32[TM][TP], top[TP];
+#pragma GCC unroll 8
     for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
     if (FIVE)
-      for (int t = 0; t < TP; ++t) {
-        const uint8_t* q0 = w.codes + ((g0 + 2 * t) * nb + b) * BB + 128;
-        top[t] = two_planes(q0, q0 + nb * BB);
-      }
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) top[t] = two_planes(wp[t] + b * BB + 128, wp[t] + (nb + b) * BB + 128);
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       __m512i lo[TP], hi[TP];                  // the pairs' weights, unpacked once for TM rows
+#pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) {
-        const uint8_t* p0 = w.codes + ((g0 + 2 * t) * nb + b) * BB + 32 * c;
+        const uint8_t* p0 = wp[t] + b * BB + 32 * c;
         const uint8_t* p1 = p0 + nb * BB;                                   // group g + 1
         if (c == 0) {
           const int64_t ahead = prefetch_ahead(b, nb, TG, BB);
@@ -427,9 +437,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
           _mm_prefetch((const char*)(p1 + ahead), _MM_HINT_T0);
           _mm_prefetch((const char*)(p1 + ahead + 64), _MM_HINT_T0);
         }
-        const __m512i raw = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
-            _mm256_loadu_si256((const __m256i*)p1), 1);
+        const __m512i raw = two_planes(p0, p1);
         lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
         hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
         if (FIVE) {
@@ -438,23 +446,26 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
           top[t] = _mm512_srli_epi16(top[t], 1);
         }
       }
+#pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b;
         int32_t xl, xh;
-        std::memcpy(&xl, x + 4 * c, 4);
-        std::memcpy(&xh, x + 16 + 4 * c, 4);
+        std::memcpy(&xl, xr[i] + 32 * b + 4 * c, 4);
+        std::memcpy(&xh, xr[i] + 32 * b + 16 + 4 * c, 4);
         const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+#pragma GCC unroll 8
         for (int t = 0; t < TP; ++t)
           s32[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s32[i][t], lo[t], vl), hi[t], vh);
       }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < TP; ++t) {
       const __m512 dw = scales16<DF>(w.d, g0 + 2 * t, b, nb);
       const __m512 mw = MF == scale_times_d ? _mm512_mul_ps(dw, _mm512_set1_ps(w.m_mult))
                                             : scales16<MF>(w.m, g0 + 2 * t, b, nb);
+#pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        const __m512 dx = _mm512_set1_ps(a.d[(m0 + i) * nb + b]);
-        const __m512 sx = _mm512_set1_ps(a.s[(m0 + i) * nb + b]);
+        const __m512 dx = _mm512_set1_ps(dr[i][b]);
+        const __m512 sx = _mm512_set1_ps(sr[i][b]);
         acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]), _mm512_mul_ps(dw, dx),
                                     acc[i][t]);
         acc[i][t] = _mm512_fmadd_ps(mw, sx, acc[i][t]);
@@ -775,37 +786,55 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
   constexpr int TP = TG / 2, H = 32 / B;
   const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
   const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
-  __m512 acc[TM][TP];
+  const int8_t* xr[TM];                                    // the rows' activations, their
+  const float* dr[TM];                                     // scales and Σ q_x per 16
+  const int32_t* sr[TM];
   for (int i = 0; i < TM; ++i)
+    xr[i] = a.q + (m0 + i) * a.K, dr[i] = a.d + (m0 + i) * nb, sr[i] = sx + (m0 + i) * (a.K / 16);
+  const uint8_t* wp[TP];                                   // pair t's first group
+  for (int t = 0; t < TP; ++t)
+    wp[t] = reinterpret_cast<const uint8_t*>(w.codes) + (g0 + 2 * t) * nb * 256;
+  __m512 acc[TM][TP];
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
     for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b)
+#pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {                      // a scale's chunks, then its fma
       __m512i s32[TM][TP];
+#pragma GCC unroll 8
       for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
       for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
         __m512i u[TP];
+#pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) {
-          const uint8_t* p0 = reinterpret_cast<const uint8_t*>(w.codes) +
-                              ((g0 + 2 * t) * nb + b) * 256 + 32 * c;
+          const uint8_t* p0 = wp[t] + b * 256 + 32 * c;
           u[t] = _mm512_xor_si512(two_planes(p0, p0 + nb * 256), flip);
         }
+#pragma GCC unroll 8
         for (int i = 0; i < TM; ++i) {
           int32_t x4;
-          std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * b + 4 * c, 4);
+          std::memcpy(&x4, xr[i] + 32 * b + 4 * c, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
+#pragma GCC unroll 8
           for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_dpbusd_epi32(s32[i][t], u[t], xv);
         }
       }
+#pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) {
         const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
         const __m512 mw = OFF ? scales16<scale_f32>(w.m, g0 + 2 * t, b * H + h, nd)
                               : _mm512_setzero_ps();
+#pragma GCC unroll 8
         for (int i = 0; i < TM; ++i) {
-          const int32_t* sxi = sx + (m0 + i) * (a.K / 16) + 2 * b;
+          const int32_t* sxi = sr[i] + 2 * b;
           const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
           const __m512i isum = _mm512_sub_epi32(s32[i][t], _mm512_set1_epi32(128 * sum_x));
-          const float dxf = a.d[(m0 + i) * nb + b];
+          const float dxf = dr[i][b];
           const __m512 dx = _mm512_set1_ps(dxf);
           acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
           if (OFF) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxf * float(sum_x)), acc[i][t]);

@@ -366,27 +366,39 @@ static inline void key_scores(const AttnArgs& a, int64_t q0, const uint8_t* key,
   }
 }
 
-// o_r = Σ_j p_r,j·v_j over the tile's n values (p_r at p + r·ATTN_TILE, o_r at o + r·os).
+// o_r = Σ_j p_r,j·v_j over the tile's n values (p_r at p + r·ATTN_TILE, o_r at o + r·os): C
+// 16-lane chunks of dims from i0 side by side (R·C independent chains, each in j order).
+template <int KT, int R, int C>
+static inline void value_chunks(const AttnArgs& a, const int32_t* idx, int64_t n, const float* p,
+                                float* o, int64_t os, int64_t i0) {
+  v16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = splat16(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* row = a.v + idx[j] * a.v_s;
+    for (int c = 0; c < C; ++c) {
+      const int64_t i = i0 + LANES * c;
+      if constexpr (KT == kv_q8_0) {
+        const float d = record_scale(row, a.dv, i / 32);
+        const v16 vv = codes16(reinterpret_cast<const int8_t*>(row) + i);
+        for (int r = 0; r < R; ++r) acc[r][c] = fma16(splat16(p[r * ATTN_TILE + j] * d), vv, acc[r][c]);
+      } else {
+        const v16 vv = kv_load16<KT>(row, i);
+        for (int r = 0; r < R; ++r) acc[r][c] = fma16(splat16(p[r * ATTN_TILE + j]), vv, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(o + r * os + i0 + LANES * c, acc[r][c]);
+}
+
 template <int KT, int R>
 static inline void value_sums(const AttnArgs& a, const int32_t* idx, int64_t n, const float* p,
                               float* o, int64_t os) {
+  constexpr int C = R <= 2 ? 4 : 16 / R;          // chunks a pass: ≤ 16 accumulators
   int64_t i0 = 0;
-  for (; i0 + LANES <= a.dv; i0 += LANES) {
-    v16 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = splat16(0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint8_t* row = a.v + idx[j] * a.v_s;
-      if constexpr (KT == kv_q8_0) {
-        const float d = record_scale(row, a.dv, i0 / 32);
-        const v16 vv = codes16(reinterpret_cast<const int8_t*>(row) + i0);
-        for (int r = 0; r < R; ++r) acc[r] = fma16(splat16(p[r * ATTN_TILE + j] * d), vv, acc[r]);
-      } else {
-        const v16 vv = kv_load16<KT>(row, i0);
-        for (int r = 0; r < R; ++r) acc[r] = fma16(splat16(p[r * ATTN_TILE + j]), vv, acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) store16(o + r * os + i0, acc[r]);
-  }
+  for (; i0 + C * LANES <= a.dv; i0 += C * LANES) value_chunks<KT, R, C>(a, idx, n, p, o, os, i0);
+  for (; i0 + LANES <= a.dv; i0 += LANES) value_chunks<KT, R, 1>(a, idx, n, p, o, os, i0);
   if constexpr (KT != kv_q8_0) {                   // dv off the 16 lanes (q8_0: dv % 32 == 0)
     for (; i0 < a.dv; ++i0)
       for (int r = 0; r < R; ++r) {
