@@ -296,15 +296,15 @@ y7 = torch.cat([q7(x7), Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, genera
 y7 = torch.cat([y7.ravel(), q7(x7[:1]).ravel()])  # one row: VNNI's group-by-group decode
 from torchllama import blocks                          # every registered type's kernel form:
 rng = np.random.default_rng(5)                         # 5-bit Q4 codes, 4-bit Q8 indices, …
-xt = torch.randn(11, 768, generator=g)                 # 40 rows: a 4-group decode tile and
-for kind in sorted(blocks.TYPES.values(), key=lambda t: t.ggml.value):   # a lone group
-    for K in (768, 224) if kind.weights == 32 else (768,):               # 7 blocks: a lone one
-        raw = rng.integers(0, 256, (40, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
+xt = torch.randn(11, 768, generator=g)                 # 72 rows, 9 groups: a thread's 4-group
+for kind in sorted(blocks.TYPES.values(), key=lambda t: t.ggml.value):   # tiles (decode and
+    for K in (768, 224) if kind.weights == 32 else (768,):               # prefill) and a lone
+        raw = rng.integers(0, 256, (72, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
         b = raw.view(kind.block)
         for f in kind.block.names:
             if kind.block.fields[f][0] == np.float16:
                 b[f] = (rng.choice([-1.0, 1.0], b.shape) * rng.uniform(1e-3, 5e-2, b.shape))
-        arrays = kind.arrays(40, K)
+        arrays = kind.arrays(72, K)                          # group; 7 blocks: a lone one
         kind.convert(b, arrays)
         lin = quantized_linear(kind.weight(arrays))
         y7 = torch.cat([y7] + [lin(xt[:m, :K]).ravel() for m in (1, 3, 11)])  # decode, prefill

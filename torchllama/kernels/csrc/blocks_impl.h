@@ -7,7 +7,8 @@
 //      ggml-cpu/quants.c idiom) on 8 weight rows at once,
 //   2  AVX-512 F/VL/BW + VNNI: the activation quantization 16 lanes at a time, Q4's decode and
 //      prefill tiles by vpdpbusd on two row groups per zmm (`q4_tile_vnni`), Q8's prefill tiles
-//      (`q8_tile_vnni`); Q8's decode tiles are AVX2's, compiled again here.
+//      (`q8_tile_vnni`; `lut_tile_vnni` for 4-bit indices, looked up as stored); Q8's decode
+//      tiles are AVX2's, compiled again here.
 // Every level computes each output with the same float operations in the same order (the
 // integer sums are exact, so they are equal however they are formed): one answer on every CPU,
 // for every batch size (see blocks.cpp for the contract). The arguments (Act, Q4Weight,
@@ -845,6 +846,83 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
     for (int t = 0; t < TP; ++t)
       _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
 }
+
+// Q8 prefill on VNNI for codes stored as 4-bit indices (Q8Weight::lut: IQ4, Q3_K; `lut` its
+// table, `codes` the indices from group 0 of w's scales, `w` the float32 scales), read as
+// stored: q4_tile_vnni's unpacking of a chunk's nibbles, each index then looked up (vpshufb)
+// in the table of u = code + 128, and q8_tile_vnni's float steps (the low nibbles are the
+// block's first 16 codes, the high ones its last 16: with B = 16 each half is one scale's
+// sub-block): the same bits, without expanding the codes to int8 first.
+template <int TM, int TG, int B>
+static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, const int8_t* lut,
+                                 const uint8_t* codes, int64_t g0, float* y, const int32_t* sx) {
+  constexpr int TP = TG / 2, H = 32 / B;
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const __m512i table = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)lut)), _mm512_set1_epi8(int8_t(0x80)));
+  const int8_t* xr[TM];
+  const float* dr[TM];
+  const int32_t* sr[TM];
+  for (int i = 0; i < TM; ++i)
+    xr[i] = a.q + (m0 + i) * a.K, dr[i] = a.d + (m0 + i) * nb, sr[i] = sx + (m0 + i) * (a.K / 16);
+  const uint8_t* wp[TP];
+  for (int t = 0; t < TP; ++t) wp[t] = codes + (g0 + 2 * t) * nb * 128;
+  __m512 acc[TM][TP];
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s32[H][TM][TP];                     // per half (B = 16) or per block
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < TP; ++t) s32[h][i][t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[TP], hi[TP];
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) {
+        const uint8_t* p0 = wp[t] + b * 128 + 32 * c;
+        const __m512i raw = two_planes(p0, p0 + nb * 128);
+        lo[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+        hi[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        int32_t xl, xh;
+        std::memcpy(&xl, xr[i] + 32 * b + 4 * c, 4);
+        std::memcpy(&xh, xr[i] + 32 * b + 16 + 4 * c, 4);
+        const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+#pragma GCC unroll 8
+        for (int t = 0; t < TP; ++t) {
+          s32[0][i][t] = _mm512_dpbusd_epi32(s32[0][i][t], lo[t], vl);
+          s32[H - 1][i][t] = _mm512_dpbusd_epi32(s32[H - 1][i][t], hi[t], vh);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) {
+        const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
+#pragma GCC unroll 8
+        for (int i = 0; i < TM; ++i) {
+          const int32_t* sxi = sr[i] + 2 * b;
+          const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
+          const __m512i isum = _mm512_sub_epi32(s32[h][i][t], _mm512_set1_epi32(128 * sum_x));
+          const __m512 dx = _mm512_set1_ps(dr[i][b]);
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
+        }
+      }
+  }
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t)
+      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+}
 #endif
 
 #if ISA_LEVEL == 2
@@ -1044,6 +1122,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 
 // Q8 prefill: codes stored narrower than int8 (6 bits, 4-bit indices, 2 bits) expanded once per
 // chunk and group tile, scales (and offsets) as float32 (ScaleBuffer), then the 8-bit tiles.
+constexpr bool LUT_VNNI = ISA_LEVEL == 2;    // 4-bit indices' prefill tiles read them as stored
 template <int B, int DF, bool SMALL, bool OFF>
 static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1,
                        const int32_t* sx) {
@@ -1062,7 +1141,7 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   auto prep = [&](int64_t g, int64_t groups) {
     gv = g;
     view.codes = w.codes + g * nb * 256;
-    if (narrow) {
+    if (narrow && !(LUT_VNNI && !OFF && w.lut && groups > 1)) {
       view.codes = expanded;
       const int64_t BB = w.six ? 192 : w.lut ? 128 : 64;
       const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * BB;
@@ -1083,6 +1162,15 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
 #if ISA_LEVEL == 2
   constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
   const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
+  if (!OFF && w.lut) {          // 4-bit indices: the tiles of VG groups read them as stored
+    const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
+    drive_prefill<VM, VG>(a.M, g0, g1, prep,
+        [&](int64_t m, int64_t g) { lut_tile_vnni<VM, VG, B>(a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
+        [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
+        [&](int64_t m, int64_t g) { lut_tile_vnni<1, VG, B>(a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
+        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); });
+    return;
+  }
   drive_prefill<VM, VG>(a.M, g0, g1, prep,
       [&](int64_t m, int64_t g) { q8_tile_vnni<VM, VG, B, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
       [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
