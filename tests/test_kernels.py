@@ -327,7 +327,9 @@ q, k, v = (torch.randn(1, h, s, 64, generator=g) for h, s in ((12, 20), (2, 90),
 layers += [ops.attention(q, k.bfloat16(), v.bfloat16(), None, 0.125, 0.0),  # 6 heads a group:
            ops.attention(q[:, :, -1:], k, v, None, 0.125, 0.0)]             # 4 scored at once
 q, k, v = (torch.randn(1, 2, s, 40, generator=g) for s in (2, 70, 70))    # widths off the lanes
-layers += [ops.attention(q, k.half(), v.half(), None, 0.3, 20.0)]
+layers += [ops.attention(q, k.half(), v.half(), None, 0.3, 20.0),
+           ops.attention(torch.randn(1, 4, 12, 40, generator=g), k.half(), v.half(), None,
+                         0.3, 0.0)]                           # 12 queries: keys in blocks of 16
 xa = torch.randn(7, 160, generator=g) * 5                               # activations with
 xa[2, :32] = 0.0                                                        # a zero block and
 xa[4, :32] = torch.arange(-15.5, 16.5)                                  # ties (scale 1 when
@@ -495,18 +497,21 @@ def test_attention_equals_float64_reference(softcap):
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_is_the_same_bits_alone_padded_and_chunked():
+@pytest.mark.parametrize("hd,dtype", [(64, torch.float32), (40, torch.float16),
+                                      (128, torch.bfloat16)])
+def test_attention_is_the_same_bits_alone_padded_and_chunked(hd, dtype):
     """A row's answer alone equals its answer left-padded (NaN in the padding slots, as an
-    unwritten cache) in a batch with another row, and its queries split into chunks."""
+    unwritten cache) in a batch with another row, and its queries split into chunks (a prompt
+    of 8 or more queries scores its keys 16 at a time, fewer key by key: the same bits)."""
     g = torch.Generator().manual_seed(4)
-    H, KV, L, hd, pad = 9, 3, 37, 64, 11
+    H, KV, L, pad = 9, 3, 37, 11
     q = torch.randn(1, H, L, hd, generator=g)
-    k, v = torch.randn(1, KV, L, hd, generator=g), torch.randn(1, KV, L, hd, generator=g)
+    k, v = (torch.randn(1, KV, L, hd, generator=g).to(dtype) for _ in range(2))
     alone = torch.ops.torchllama.attention(q, k, v, None, 0.125, 0.0)        # causal
-    unwritten = torch.full((2, KV, pad + L, hd), float("nan"))
+    unwritten = torch.full((2, KV, pad + L, hd), float("nan"), dtype=dtype)
     kb, vb = unwritten.clone(), unwritten.clone()
     kb[0, :, pad:], vb[0, :, pad:] = k[0], v[0]
-    kb[1], vb[1] = torch.randn(2, KV, pad + L, hd, generator=g)
+    kb[1], vb[1] = torch.randn(2, KV, pad + L, hd, generator=g).to(dtype)
     qb = torch.cat([q, torch.randn(1, H, L, hd, generator=g)])
     slots = torch.arange(pad + L)
     allowed = (slots[None, :] <= slots[pad:, None]) & (slots[None, :] >= pad)   # (L, S)

@@ -95,6 +95,9 @@ struct AttnArgs {
   const int8_t* qq; const float* qd;    // q8_0: head r rounded to int8 per 32 (quantize_block):
                                         // codes at qq + r·hd, scales at qd + r·hd/32
   int64_t n;                            // query heads
+  const float* kt = nullptr;            // or null: the keys as float32 in blocks of 16 slots
+                                        // (16u … 16u + 15) side by side, block u at
+                                        // kt + u·hd·16, element i of slot 16u + j at [16i + j]
 };
 
 // One f32_linear product: x (M, K) and y (M, N) contiguous; w the (N, K) weight's data, row-major

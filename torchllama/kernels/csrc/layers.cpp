@@ -172,6 +172,21 @@ static int64_t visible_keys(const bool* mp, const at::Tensor& mask, int64_t b, i
   return n;
 }
 
+// Queries a call needs before its keys are laid out in blocks of 16 (key_blocks): the layout
+// costs a pass over the keys, and each query then scores 16 keys a block without a horizontal
+// sum per key (layers_impl.h block_scores: the same bits).
+constexpr int64_t KEY_BLOCK_ROWS = 8;
+
+// k (B, KV, S, hd) float32/float16/bfloat16 as float32 (exact) in blocks of 16 slots, each
+// element's 16 values side by side: (B, KV, ⌈S/16⌉, hd, 16), slots past S zero.
+static at::Tensor key_blocks(const at::Tensor& k) {
+  const int64_t B = k.size(0), KV = k.size(1), S = k.size(2), hd = k.size(3);
+  const int64_t nblk = (S + 15) / 16;
+  at::Tensor kf = at::zeros({B, KV, nblk * 16, hd}, k.options().dtype(at::kFloat));
+  kf.narrow(2, 0, S).copy_(k);
+  return kf.view({B, KV, nblk, 16, hd}).transpose(3, 4).contiguous();
+}
+
 // The answer of one group's state: out_r = o_r / l_r for its n heads (zeros without keys).
 static void finish(const float* state, int64_t n, int64_t dv, int64_t n_keys, float* out,
                    int64_t out_s) {
@@ -188,6 +203,7 @@ struct AttnCall {           // one call's tensors and settings, shared by the wo
   int64_t B, H, T, KV, S, hd, dv, n_rep;
   int32_t type;
   float scale, softcap;
+  at::Tensor kt;                      // (B, KV, ⌈S/16⌉, hd, 16) float32 keys, or undefined
 
   AttnArgs args(int64_t b, int64_t t, int64_t g) const {
     const int64_t h0 = g * n_rep, nb = hd / 32;
@@ -201,9 +217,12 @@ struct AttnCall {           // one call's tensors and settings, shared by the wo
                     q.stride(1),
                     qq.defined() ? qq.data_ptr<int8_t>() + ((b * T + t) * H + h0) * hd : nullptr,
                     qd.defined() ? qd.data_ptr<float>() + ((b * T + t) * H + h0) * nb : nullptr,
-                    n_rep};
+                    n_rep, key_blocks(b, g)};
   }
   int64_t start(int64_t b) const { return key_start ? key_start[b] : 0; }
+  const float* key_blocks(int64_t b, int64_t g) const {    // AttnArgs::kt of (b, g), or null
+    return kt.defined() ? kt.data_ptr<float>() + (b * KV + g) * kt.size(2) * hd * 16 : nullptr;
+  }
   int64_t state_size() const { return n_rep * (dv + 2); }
 };
 
@@ -313,6 +332,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   AttnCall c{q, k, v, mask, {}, {}, ks, B, H, T, KV, S, hd, dv, H / KV, type, float(scale),
              float(softcap)};
   if (q8) std::tie(c.qq, c.qd) = quantize_queries(q);
+  else if (T >= KEY_BLOCK_ROWS) c.kt = key_blocks(k);
   // one task per (row, KV head) when they keep the threads busy; else tiles are the tasks
   if (B * T * KV >= 4 * at::get_num_threads()) attend_groups(c, out.data_ptr<float>());
   else attend_split(c, out.data_ptr<float>());

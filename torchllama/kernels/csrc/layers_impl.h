@@ -33,7 +33,12 @@ static inline void store16(float* p, v16 v) {
   std::memcpy(p + 8, &v.hi, 32);
 }
 static inline v16 splat16(float x) { return v16{v8{} + x, v8{} + x}; }
+static inline v16 bcast16(const float* p) {        // *p in every lane, as it is (−0 kept)
+  const v8 h = (v8)_mm256_broadcast_ss(p);
+  return v16{h, h};
+}
 static inline v16 sub16(v16 a, v16 b) { return v16{a.lo - b.lo, a.hi - b.hi}; }
+static inline v16 add16(v16 a, v16 b) { return v16{a.lo + b.lo, a.hi + b.hi}; }
 static inline v16 fma16(v16 a, v16 b, v16 c) {   // a·b + c rounded once
   return v16{(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo),
              (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
@@ -49,7 +54,17 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 static inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 static inline v16 splat16(float x) { return v16{} + x; }
+static inline v16 bcast16(const float* p) {        // *p in every lane, as it is (−0 kept)
+#if ISA_LEVEL == 2
+  return (v16)_mm512_set1_ps(*p);
+#else
+  v16 r;
+  for (int l = 0; l < LANES; ++l) r[l] = *p;
+  return r;
+#endif
+}
 static inline v16 sub16(v16 a, v16 b) { return a - b; }
+static inline v16 add16(v16 a, v16 b) { return a + b; }
 static inline v16 mul16(v16 a, v16 b) { return a * b; }
 static inline v16 max16(v16 a, v16 b) { return a > b ? a : b; }   // per lane (a NaN gives b)
 
@@ -232,6 +247,9 @@ static inline void f32_to_f16(const float* x, uint16_t* y, int64_t n) {
 // Tiles are counted in *visible* keys, so they hold the same keys whatever the storage around
 // them (padding, other rows, a ring's rotation, a chunked prefill): a row's answer is the same
 // bits alone or batched, and whichever thread computes a tile (the fold's order is fixed).
+// A prompt's call (layers.cpp KEY_BLOCK_ROWS) also lays the keys out in blocks of 16 slots
+// (AttnArgs::kt), and 16 keys that are one block are scored side by side, a key a lane, by the
+// same lanes and tree (`block_scores`): the same bits as key by key.
 // Keys and values are read as the cache stores them (kernels.h KvType): float32; float16 or
 // bfloat16, converted exactly to float32 in registers; q8_0 records, where the query is
 // rounded to int8 per 32 too (the caller does it, `quantize_block`) and
@@ -384,7 +402,7 @@ static inline void value_chunks(const AttnArgs& a, const int32_t* idx, int64_t n
         for (int r = 0; r < R; ++r) acc[r][c] = fma16(splat16(p[r * ATTN_TILE + j] * d), vv, acc[r][c]);
       } else {
         const v16 vv = kv_load16<KT>(row, i);
-        for (int r = 0; r < R; ++r) acc[r][c] = fma16(splat16(p[r * ATTN_TILE + j]), vv, acc[r][c]);
+        for (int r = 0; r < R; ++r) acc[r][c] = fma16(bcast16(p + r * ATTN_TILE + j), vv, acc[r][c]);
       }
     }
   }
@@ -445,15 +463,92 @@ static inline float scaled_max(float* s, int64_t n, float scale, float softcap) 
   return mx;
 }
 
+// Lane l's partial sums of key_scores' dot for 16 keys side by side (a block of a.kt, kt):
+// p_r = Σ fma(q_r,i, k_i) over i ≡ l (mod 16), i < hd, in i order — each key's lane l.
+// NI: hd / 16 when hd is a multiple of 16 known here (the loop unrolled), else 0.
+template <int R, int NI>
+static inline void lane_partials(const AttnArgs& a, const float* const* q, const float* kt,
+                                 int l, v16* p) {
+  for (int r = 0; r < R; ++r) p[r] = splat16(0.f);
+  if constexpr (NI > 0) {
+#pragma GCC unroll 16
+    for (int m = 0; m < NI; ++m) {
+      const v16 k = load16(kt + LANES * (l + LANES * m));
+      for (int r = 0; r < R; ++r) p[r] = fma16(bcast16(q[r] + l + LANES * m), k, p[r]);
+    }
+  } else {
+    for (int64_t i = l; i < a.hd; i += LANES) {
+      const v16 k = load16(kt + LANES * i);
+      for (int r = 0; r < R; ++r) p[r] = fma16(bcast16(q[r] + i), k, p[r]);
+    }
+  }
+}
+
+// a_l = p_l + p_{l+8}, then b_l = a_l + a_{l+4}: tree_sum's first two levels, 16 keys at once.
+template <int R, int NI>
+static inline void tree_b(const AttnArgs& a, const float* const* q, const float* kt, int l,
+                          v16* b) {
+  v16 p[R], p8[R], a0[R];
+  lane_partials<R, NI>(a, q, kt, l, p);
+  lane_partials<R, NI>(a, q, kt, l + 8, p8);
+  for (int r = 0; r < R; ++r) a0[r] = add16(p[r], p8[r]);
+  lane_partials<R, NI>(a, q, kt, l + 4, p);
+  lane_partials<R, NI>(a, q, kt, l + 12, p8);
+  for (int r = 0; r < R; ++r) b[r] = add16(a0[r], add16(p[r], p8[r]));
+}
+
+// key_scores of 16 keys at once, from their block of a.kt: the same lanes and the same tree
+// (c0 = b0 + b2, c1 = b1 + b3, c0 + c1), each key's in its own lane, so the same bits without
+// a horizontal sum per key; into out[r·ATTN_TILE + j], j < 16.
+template <int R, int NI>
+static inline void block_scores(const AttnArgs& a, int64_t q0, const float* kt, float* out) {
+  const float* q[R];
+  for (int r = 0; r < R; ++r) q[r] = a.q + (q0 + r) * a.q_s;
+  v16 b0[R], b2[R], c0[R];
+  tree_b<R, NI>(a, q, kt, 0, b0);
+  tree_b<R, NI>(a, q, kt, 2, b2);
+  for (int r = 0; r < R; ++r) c0[r] = add16(b0[r], b2[r]);
+  tree_b<R, NI>(a, q, kt, 1, b0);
+  tree_b<R, NI>(a, q, kt, 3, b2);
+  for (int r = 0; r < R; ++r) store16(out + r * ATTN_TILE, add16(c0[r], add16(b0[r], b2[r])));
+}
+
+template <int R>
+static inline void block_scores_hd(const AttnArgs& a, int64_t q0, const float* kt, float* out) {
+  switch (a.hd) {
+    case 64: return block_scores<R, 4>(a, q0, kt, out);
+    case 128: return block_scores<R, 8>(a, q0, kt, out);
+    default: return block_scores<R, 0>(a, q0, kt, out);
+  }
+}
+
+// The tile's scores into sc[r·ATTN_TILE + j]: 16 keys at a time where they are one block of
+// a.kt (16 consecutive slots from a multiple of 16; a tile's last keys may be the block's
+// first ones), else key by key.
+template <int KT, int R>
+static void tile_scores(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t n, float* sc) {
+  float s4[4];
+  for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+    const int64_t cnt = std::min<int64_t>(LANES, n - j0);
+    const int32_t first = idx[j0];
+    bool block = KT != kv_q8_0 && a.kt && first % LANES == 0;
+    for (int64_t c = 1; block && c < cnt; ++c) block = idx[j0 + c] == first + c;
+    if (block) {
+      block_scores_hd<R>(a, q0, a.kt + (first / LANES) * a.hd * LANES, sc + j0);
+      continue;
+    }
+    for (int64_t j = j0; j < j0 + cnt; ++j) {
+      key_scores<KT, R>(a, q0, a.k + idx[j] * a.k_s, s4);
+      for (int r = 0; r < R; ++r) sc[r * ATTN_TILE + j] = s4[r];
+    }
+  }
+}
+
 // One tile's partial (m, l, o) for query heads q0..q0+R−1 into part + r·(dv + 2).
 template <int KT, int R>
 static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t n, float* sc,
                       float* part) {
-  float s4[4];
-  for (int64_t j = 0; j < n; ++j) {
-    key_scores<KT, R>(a, q0, a.k + idx[j] * a.k_s, s4);
-    for (int r = 0; r < R; ++r) sc[r * ATTN_TILE + j] = s4[r];
-  }
+  tile_scores<KT, R>(a, q0, idx, n, sc);
   const int64_t stride = a.dv + 2;
   for (int r = 0; r < R; ++r) {
     float* s = sc + r * ATTN_TILE;
@@ -497,10 +592,12 @@ static void tiles_of(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int6
   for (int64_t t = t0; t < t1; ++t) {
     const int32_t* ti = idx + t * ATTN_TILE;
     const int64_t n = std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE);
-    if (t == t0) prefetch_rows(a.k, a.k_s, ti, n, row_bytes<KT>(a.hd));  // its keys, then
-    prefetch_rows(a.v, a.v_s, ti, n, row_bytes<KT>(a.dv));             // its values and
-    prefetch_rows(a.k, a.k_s, ti + n, std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE - n),
-                  row_bytes<KT>(a.hd));                                 // the next tile's keys
+    if (!a.kt) {                     // decode streams them (prefill's are in the cache)
+      if (t == t0) prefetch_rows(a.k, a.k_s, ti, n, row_bytes<KT>(a.hd));  // its keys, then
+      prefetch_rows(a.v, a.v_s, ti, n, row_bytes<KT>(a.dv));             // its values and
+      prefetch_rows(a.k, a.k_s, ti + n, std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE - n),
+                    row_bytes<KT>(a.hd));                                 // the next tile's keys
+    }
     for (int64_t q0 = 0; q0 < a.n; q0 += 4) {
       float* pr = part + q0 * (a.dv + 2);
       switch (std::min<int64_t>(4, a.n - q0)) {

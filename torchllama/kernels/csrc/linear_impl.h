@@ -19,12 +19,6 @@
 
 namespace ISA {
 
-#if ISA_LEVEL == 1
-static inline v16 add16(v16 a, v16 b) { return v16{a.lo + b.lo, a.hi + b.hi}; }
-#else
-static inline v16 add16(v16 a, v16 b) { return a + b; }
-#endif
-
 // Tile shapes per instruction set (registers: 32 zmm on AVX-512, 16 ymm on AVX2, where a v16
 // is two ymm). Row-major: RM rows of x × RN rows of W (RM·RN accumulators), 1 × 4 for a lone
 // row. Column-major: CM rows × CV vectors of 16 columns, 1 × CV1 for a lone row (decode).
