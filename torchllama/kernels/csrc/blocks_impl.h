@@ -803,11 +803,14 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
   for (int64_t b = 0; b < nb; ++b)
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {                      // a scale's chunks, then its fma
-      __m512i s32[TM][TP];
+      __m512i s32[TM][TP];                             // from −128·Σ q_x: ⟨code, q_x⟩
 #pragma GCC unroll 8
-      for (int i = 0; i < TM; ++i)
+      for (int i = 0; i < TM; ++i) {
+        const int32_t* sxi = sr[i] + 2 * b;
+        const __m512i start = _mm512_set1_epi32(-128 * (H == 2 ? sxi[h] : sxi[0] + sxi[1]));
 #pragma GCC unroll 8
-        for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+        for (int t = 0; t < TP; ++t) s32[i][t] = start;
+      }
 #pragma GCC unroll 8
       for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
         __m512i u[TP];
@@ -834,10 +837,9 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
         for (int i = 0; i < TM; ++i) {
           const int32_t* sxi = sr[i] + 2 * b;
           const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
-          const __m512i isum = _mm512_sub_epi32(s32[i][t], _mm512_set1_epi32(128 * sum_x));
           const float dxf = dr[i][b];
           const __m512 dx = _mm512_set1_ps(dxf);
-          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]), _mm512_mul_ps(dw, dx), acc[i][t]);
           if (OFF) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxf * float(sum_x)), acc[i][t]);
         }
       }
@@ -874,13 +876,16 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
 #pragma GCC unroll 8
     for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i s32[H][TM][TP];                     // per half (B = 16) or per block
+    __m512i s32[H][TM][TP];      // per half (B = 16) or per block, from −128·Σ q_x
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
-      for (int i = 0; i < TM; ++i)
+      for (int i = 0; i < TM; ++i) {
+        const int32_t* sxi = sr[i] + 2 * b;
+        const __m512i start = _mm512_set1_epi32(-128 * (H == 2 ? sxi[h] : sxi[0] + sxi[1]));
 #pragma GCC unroll 8
-        for (int t = 0; t < TP; ++t) s32[h][i][t] = _mm512_setzero_si512();
+        for (int t = 0; t < TP; ++t) s32[h][i][t] = start;
+      }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       __m512i lo[TP], hi[TP];
@@ -911,11 +916,9 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
         const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
 #pragma GCC unroll 8
         for (int i = 0; i < TM; ++i) {
-          const int32_t* sxi = sr[i] + 2 * b;
-          const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
-          const __m512i isum = _mm512_sub_epi32(s32[h][i][t], _mm512_set1_epi32(128 * sum_x));
           const __m512 dx = _mm512_set1_ps(dr[i][b]);
-          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc[i][t]);
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[h][i][t]), _mm512_mul_ps(dw, dx),
+                                      acc[i][t]);
         }
       }
   }
