@@ -386,13 +386,18 @@ static inline void key_scores(const AttnArgs& a, int64_t q0, const uint8_t* key,
 
 // o_r = Σ_j p_r,j·v_j over the tile's n values (p_r at p + r·ATTN_TILE, o_r at o + r·os): C
 // 16-lane chunks of dims from i0 side by side (R·C independent chains, each in j order).
+// l: null, or l_r += p_r,j in j order too (the softmax's denominators, R chains in the shadow
+// of the value sums' work instead of on their own).
 template <int KT, int R, int C>
 static inline void value_chunks(const AttnArgs& a, const int32_t* idx, int64_t n, const float* p,
-                                float* o, int64_t os, int64_t i0) {
+                                float* o, int64_t os, int64_t i0, float* l) {
   v16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = splat16(0.f);
+  float lr[R] = {};
   for (int64_t j = 0; j < n; ++j) {
+    if (l)
+      for (int r = 0; r < R; ++r) lr[r] += p[r * ATTN_TILE + j];
     const uint8_t* row = a.v + idx[j] * a.v_s;
     for (int c = 0; c < C; ++c) {
       const int64_t i = i0 + LANES * c;
@@ -408,15 +413,22 @@ static inline void value_chunks(const AttnArgs& a, const int32_t* idx, int64_t n
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) store16(o + r * os + i0 + LANES * c, acc[r][c]);
+  if (l)
+    for (int r = 0; r < R; ++r) l[r] = lr[r];
 }
 
 template <int KT, int R>
 static inline void value_sums(const AttnArgs& a, const int32_t* idx, int64_t n, const float* p,
-                              float* o, int64_t os) {
+                              float* o, int64_t os, float* l) {
   constexpr int C = R <= 2 ? 4 : 16 / R;          // chunks a pass: ≤ 16 accumulators
   int64_t i0 = 0;
-  for (; i0 + C * LANES <= a.dv; i0 += C * LANES) value_chunks<KT, R, C>(a, idx, n, p, o, os, i0);
-  for (; i0 + LANES <= a.dv; i0 += LANES) value_chunks<KT, R, 1>(a, idx, n, p, o, os, i0);
+  for (; i0 + C * LANES <= a.dv; i0 += C * LANES)      // l_r in the first pass
+    value_chunks<KT, R, C>(a, idx, n, p, o, os, i0, i0 == 0 ? l : nullptr);
+  for (; i0 + LANES <= a.dv; i0 += LANES)
+    value_chunks<KT, R, 1>(a, idx, n, p, o, os, i0, i0 == 0 ? l : nullptr);
+  if (l && a.dv < LANES)                           // no pass took them
+    for (int64_t j = 0; j < n; ++j)
+      for (int r = 0; r < R; ++r) l[r] += p[r * ATTN_TILE + j];
   if constexpr (KT != kv_q8_0) {                   // dv off the 16 lanes (q8_0: dv % 32 == 0)
     for (; i0 < a.dv; ++i0)
       for (int r = 0; r < R; ++r) {
@@ -559,11 +571,9 @@ static void tile_part(const AttnArgs& a, int64_t q0, const int32_t* idx, int64_t
     for (; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
     part[r * stride] = mx;
   }
-  float l[R] = {};                                 // l_r = Σ_j p_r,j in j order: R chains
-  for (int64_t j = 0; j < n; ++j)                  // side by side
-    for (int r = 0; r < R; ++r) l[r] += sc[r * ATTN_TILE + j];
+  float l[R] = {};                                 // l_r = Σ_j p_r,j in j order (value_sums)
+  value_sums<KT, R>(a, idx, n, sc, part + 2, stride, l);
   for (int r = 0; r < R; ++r) part[r * stride + 1] = l[r];
-  value_sums<KT, R>(a, idx, n, sc, part + 2, stride);
 }
 
 // state (m, l, o) of a.n heads, each dv + 2 floats, folded with a tile's part: see above.
