@@ -54,3 +54,19 @@ def test_the_committed_results_render_and_the_readme_shows_them():
     table = readme.split(START, 1)[1].split(END, 1)[0]
     assert table.strip() == summary(docs).strip(), \
         "the README's speed table is stale: python -m torchllama.bench.results README.md"
+
+
+def test_the_summary_keeps_each_figures_latest_ratio():
+    """A later run that measured other figures of a model (a 2048-token prefill) updates the
+    figures it measured and keeps the earlier run's others."""
+    from torchllama.bench.results import summary
+
+    first = document("shapes", [Run("1B", [Figure("prefill 512", "tok/s", 500.0, 250.0),
+                                           Figure("decode b1", "tok/s", 80.0, 50.0)],
+                                    "llama.cpp")])
+    later = document("shapes", [Run("1B", [Figure("prefill 2048", "tok/s", 300.0, 200.0),
+                                           Figure("decode b1", "tok/s", 60.0, 50.0)],
+                                    "llama.cpp")])
+    row = summary([first, later]).splitlines()[2]
+    assert row == ("| 1B | llama.cpp | prefill 512 **2.00×** · decode b1 **1.20×** · "
+                   "prefill 2048 **1.50×** |"), row

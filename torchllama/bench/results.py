@@ -251,17 +251,21 @@ def render(docs: list[dict]) -> str:
 
 
 def summary(docs: list[dict]) -> str:
-    """The README's speed table: for each (benchmark, model) measured against a peer, the
-    latest run's ratios, one row each (ours ÷ the peer; > 1: ours is faster)."""
-    latest: dict[tuple, tuple[dict, dict]] = {}
+    """The README's speed table: for each (benchmark, model) measured against a peer, each
+    figure's latest ratio, one row each (ours ÷ the peer; > 1: ours is faster). A figure keeps
+    its latest value even where a later run measured other figures of the same model (a
+    2048-token prefill run does not hide the 128- and 512-token ones)."""
+    latest: dict[tuple, dict[str, dict]] = {}
     for doc in docs:                                       # oldest first: the last one wins
         for run in doc["runs"]:
             if run.get("peer"):
-                latest[(doc["benchmark"], run["model"], run["peer"])] = (doc, run)
+                figures = latest.setdefault((doc["benchmark"], run["model"], run["peer"]), {})
+                for f in run["figures"]:
+                    figures[f["name"]] = f
     lines = ["| model | against | ours ÷ theirs |", "|---|---|---|"]
-    for (_, model, peer), (doc, run) in latest.items():
+    for (_, model, peer), figures in latest.items():
         cells = []
-        for f in run["figures"]:
+        for f in figures.values():
             ratio = Figure(**f).ratio
             if ratio is not None and f["unit"] == "tok/s":
                 cells.append(f"{f['name']} **{ratio:.2f}×**")
