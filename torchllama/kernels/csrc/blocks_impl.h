@@ -397,6 +397,30 @@ static inline __m512i two_planes(const uint8_t* p0, const uint8_t* p1) {
                             _mm256_loadu_si256((const __m256i*)p1), 1);
 }
 
+// A VNNI prefill tile's float sums: zeroed, and stored to y (row i at y + i·N, pair t's 16
+// outputs at 16t).
+template <int TM, int TP>
+static inline void zero_tile(__m512 (&acc)[TM][TP]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+}
+template <int TM, int TP>
+static inline void store_tile(const __m512 (&acc)[TM][TP], float* y, int64_t N) {
+  for (int i = 0; i < TM; ++i)
+    for (int t = 0; t < TP; ++t) _mm512_storeu_ps(y + i * N + 16 * t, acc[i][t]);
+}
+
+// A block's 4 activations x[4c..4c+3] (vl) and x[16+4c..16+4c+3] (vh), each in every int32
+// lane: the ones chunk c's low and high nibbles meet.
+static inline void x_pair(const int8_t* x, int c, __m512i* vl, __m512i* vh) {
+  int32_t l, h;
+  std::memcpy(&l, x + 4 * c, 4);
+  std::memcpy(&h, x + 16 + 4 * c, 4);
+  *vl = _mm512_set1_epi32(l), *vh = _mm512_set1_epi32(h);
+}
+
 template <int TM, int TG, int DF, int MF, bool FIVE = false>
 static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0,
                                 float* y) {
@@ -411,10 +435,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
   const uint8_t* wp[TP];                                   // pair t's first group
   for (int t = 0; t < TP; ++t) wp[t] = w.codes + (g0 + 2 * t) * nb * BB;
   __m512 acc[TM][TP];
-#pragma GCC unroll 8
-  for (int i = 0; i < TM; ++i)
-#pragma GCC unroll 8
-    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i s32[TM][TP], top[TP];
 #pragma GCC unroll 8
@@ -449,10 +470,8 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
       }
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        int32_t xl, xh;
-        std::memcpy(&xl, xr[i] + 32 * b + 4 * c, 4);
-        std::memcpy(&xh, xr[i] + 32 * b + 16 + 4 * c, 4);
-        const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+        __m512i vl, vh;
+        x_pair(xr[i] + 32 * b, c, &vl, &vh);
 #pragma GCC unroll 8
         for (int t = 0; t < TP; ++t)
           s32[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s32[i][t], lo[t], vl), hi[t], vh);
@@ -473,9 +492,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
       }
     }
   }
-  for (int i = 0; i < TM; ++i)
-    for (int t = 0; t < TP; ++t)
-      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+  store_tile(acc, y + m0 * N + 8 * g0, N);
 }
 
 // One activation row m against row group g on VNNI, for a single row's decode: one group at a
@@ -796,10 +813,7 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
   for (int t = 0; t < TP; ++t)
     wp[t] = reinterpret_cast<const uint8_t*>(w.codes) + (g0 + 2 * t) * nb * 256;
   __m512 acc[TM][TP];
-#pragma GCC unroll 8
-  for (int i = 0; i < TM; ++i)
-#pragma GCC unroll 8
-    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b)
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {                      // a scale's chunks, then its fma
@@ -844,9 +858,7 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
         }
       }
     }
-  for (int i = 0; i < TM; ++i)
-    for (int t = 0; t < TP; ++t)
-      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+  store_tile(acc, y + m0 * N + 8 * g0, N);
 }
 
 // Q8 prefill on VNNI for codes stored as 4-bit indices (Q8Weight::lut: IQ4, Q3_K; `lut` its
@@ -871,10 +883,7 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
   const uint8_t* wp[TP];
   for (int t = 0; t < TP; ++t) wp[t] = codes + (g0 + 2 * t) * nb * 128;
   __m512 acc[TM][TP];
-#pragma GCC unroll 8
-  for (int i = 0; i < TM; ++i)
-#pragma GCC unroll 8
-    for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i s32[H][TM][TP];      // per half (B = 16) or per block, from −128·Σ q_x
 #pragma GCC unroll 2
@@ -898,10 +907,8 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
       }
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        int32_t xl, xh;
-        std::memcpy(&xl, xr[i] + 32 * b + 4 * c, 4);
-        std::memcpy(&xh, xr[i] + 32 * b + 16 + 4 * c, 4);
-        const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+        __m512i vl, vh;
+        x_pair(xr[i] + 32 * b, c, &vl, &vh);
 #pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) {
           s32[0][i][t] = _mm512_dpbusd_epi32(s32[0][i][t], lo[t], vl);
@@ -922,9 +929,7 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
         }
       }
   }
-  for (int i = 0; i < TM; ++i)
-    for (int t = 0; t < TP; ++t)
-      _mm512_storeu_ps(y + (m0 + i) * N + 8 * (g0 + 2 * t), acc[i][t]);
+  store_tile(acc, y + m0 * N + 8 * g0, N);
 }
 #endif
 
