@@ -47,6 +47,24 @@ def test_conversion_gives_the_kernel_form_the_same_values(kind):
     np.testing.assert_array_equal(weight.dequantize().numpy(), kind.reference(b))
 
 
+@pytest.mark.parametrize("kind", ROWS, ids=lambda t: t.name)
+def test_an_untied_embedding_of_each_type_gives_ggmls_rows(kind):
+    """An embedding table of its own (an untied model: Llama 2's token_embd, IQ4_XS in
+    llama.cpp's IQ4_XS mix) looks its ids' rows up in the blocks as they are: each row is
+    `gguf`'s dequantization of the file's row (4-bit indices through their table too)."""
+    from torchllama.blocks.linear import BlockEmbedding
+
+    b = random_file_blocks(kind, 10, 2, seed=3)
+    arrays = kind.arrays(10, 2 * kind.weights)
+    kind.convert(b, arrays)
+    table = BlockEmbedding(kind.weight(arrays))
+    ids = torch.tensor([[7, 0, 7], [9, 2, 4]])
+    expected = gguf.quants.dequantize(b.view(np.uint8).reshape(10, -1), kind.ggml)
+    rows = table(ids)
+    assert rows.shape == (2, 3, 2 * kind.weights)
+    np.testing.assert_array_equal(rows.numpy(), expected[ids.numpy()])
+
+
 @pytest.mark.skipif(not kernels.available(), reason="kernels unavailable")
 def test_the_cpp_rows_are_the_python_rows():
     assert sorted(torch.ops.torchllama.gguf_block_types()) == [t.ggml.value for t in ROWS]

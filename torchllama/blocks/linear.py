@@ -261,9 +261,9 @@ class BlockEmbedding(nn.Module):
         else:
             self.num_embeddings, self.embedding_dim = weight.shape
             self.bits = 4 if isinstance(weight, Q4Blocks) else 8
-            names = ("codes", "d", "m", "high") if self.bits == 4 else ("codes", "d", "m")
-            tensors = [weight.codes, weight.d, weight.m] + ([weight.high] if self.bits == 4
-                                                            else [])
+            names = ("codes", "d", "m", "high") if self.bits == 4 else ("codes", "d", "m", "lut")
+            tensors = [weight.codes, weight.d, weight.m,                # 5th bits | 4-bit
+                       weight.high if self.bits == 4 else weight.lut]   # indices' table
         for name, t in zip(names, tensors):
             self.register_buffer(name, t, persistent=False)
 
@@ -273,7 +273,7 @@ class BlockEmbedding(nn.Module):
             if self.bits == 4:
                 high = None if self.high is None else self.high[flat]
                 return Q4Blocks(self.codes[flat], self.d[flat], self.m[flat], high=high)
-            return Q8Blocks(self.codes[flat], self.d[flat],
+            return Q8Blocks(self.codes[flat], self.d[flat], lut=self.lut,
                             m=None if self.m is None else self.m[flat])
         if self.bits == 8 and is_pair_form(self.d):                         # with offsets
             d, _, m, _ = unpack_pair_scales(self.d, flat)
