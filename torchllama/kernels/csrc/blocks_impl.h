@@ -587,6 +587,13 @@ static inline void q4_decode_vnni(const Act& a, const Q4Weight& w, float* y, int
 }
 #endif
 
+// Σ q_x over the activations of scale h of block b (H scales a block of 32), from one row's
+// sums per 16 (`SumBuffer`).
+template <int H>
+static inline int32_t scale_sum(const int32_t* s16, int64_t b, int h) {
+  return H == 2 ? s16[2 * b + h] : s16[2 * b] + s16[2 * b + 1];
+}
+
 // Q8: ⟨q_w, q_x⟩ as |q_w| · (sign(q_w) · q_x) (llama.cpp's idiom; q_x ≠ −128). A maddubs lane
 // can reach 2 · 128 · 127, so full-range codes go to int32 after every chunk; codes with
 // |q| ≤ 32 (Q6_K, Q5_0: `small`) sum the 4 chunks of 16 weights as int16 first (≤ 32512).
@@ -676,8 +683,7 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
         const __m256 dx = _mm256_set1_ps(dxf);
         __m256 sxv = _mm256_setzero_ps();
         if (OFF) {
-          const int32_t* si = sx + (m0 + i) * (a.K / 16) + 2 * b;
-          sxv = _mm256_set1_ps(dxf * float(H == 2 ? si[h] : si[0] + si[1]));
+          sxv = _mm256_set1_ps(dxf * float(scale_sum<H>(sx + (m0 + i) * (a.K / 16), b, h)));
         }
         for (int g = 0; g < TG; ++g) {
           acc[i][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][i][g]),
@@ -764,7 +770,7 @@ static inline void six_tile(const Act& a, int64_t m, const Q8Weight& w, int64_t 
       if (h == 0) six_half<0, TG>(p, x, s32);
       else six_half<1, TG>(p, x, s32);
       if (H == 1 && h == 0) continue;                // one scale: both halves, then the fma
-      const int32_t sum_x = H == 2 ? sx[2 * b + h] : sx[2 * b] + sx[2 * b + 1];
+      const int32_t sum_x = scale_sum<H>(sx, b, h);
       const __m256i off = _mm256_set1_epi32(32 * sum_x);
       for (int g = 0; g < TG; ++g) {
         const __m256 dw = scales8<DF>(w.d, g0 + g, b * H + (H == 2 ? h : 0), nd);
@@ -820,8 +826,7 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
       __m512i s32[TM][TP];                             // from −128·Σ q_x: ⟨code, q_x⟩
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        const int32_t* sxi = sr[i] + 2 * b;
-        const __m512i start = _mm512_set1_epi32(-128 * (H == 2 ? sxi[h] : sxi[0] + sxi[1]));
+        const __m512i start = _mm512_set1_epi32(-128 * scale_sum<H>(sr[i], b, h));
 #pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) s32[i][t] = start;
       }
@@ -849,12 +854,12 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
                               : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < TM; ++i) {
-          const int32_t* sxi = sr[i] + 2 * b;
-          const int32_t sum_x = H == 2 ? sxi[h] : sxi[0] + sxi[1];
           const float dxf = dr[i][b];
           const __m512 dx = _mm512_set1_ps(dxf);
           acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]), _mm512_mul_ps(dw, dx), acc[i][t]);
-          if (OFF) acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxf * float(sum_x)), acc[i][t]);
+          if (OFF)
+            acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dxf * float(scale_sum<H>(sr[i], b, h))),
+                                        acc[i][t]);
         }
       }
     }
@@ -890,8 +895,7 @@ static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, co
     for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
-        const int32_t* sxi = sr[i] + 2 * b;
-        const __m512i start = _mm512_set1_epi32(-128 * (H == 2 ? sxi[h] : sxi[0] + sxi[1]));
+        const __m512i start = _mm512_set1_epi32(-128 * scale_sum<H>(sr[i], b, h));
 #pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) s32[h][i][t] = start;
       }
@@ -961,7 +965,7 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
     const float dxf = a.d[m * nb + b];
     const __m256 dx = _mm256_set1_ps(dxf);
     for (int h = 0; h < H; ++h) {
-      const int32_t sum_x = H == 2 ? S[2 * b + h] : S[2 * b] + S[2 * b + 1];
+      const int32_t sum_x = scale_sum<H>(S, b, h);
       const __m256i isum = ST == store_lut ? _mm256_sub_epi32(s32[h], _mm256_set1_epi32(128 * sum_x))
                                            : s32[h];
       const __m256 dw = scales8<DF>(w.d, g, b * H + h, nd);

@@ -217,10 +217,10 @@ struct AttnCall {           // one call's tensors and settings, shared by the wo
                     q.stride(1),
                     qq.defined() ? qq.data_ptr<int8_t>() + ((b * T + t) * H + h0) * hd : nullptr,
                     qd.defined() ? qd.data_ptr<float>() + ((b * T + t) * H + h0) * nb : nullptr,
-                    n_rep, key_blocks(b, g)};
+                    n_rep, key_blocks_of(b, g)};
   }
   int64_t start(int64_t b) const { return key_start ? key_start[b] : 0; }
-  const float* key_blocks(int64_t b, int64_t g) const {    // AttnArgs::kt of (b, g), or null
+  const float* key_blocks_of(int64_t b, int64_t g) const {  // AttnArgs::kt of (b, g), or null
     return kt.defined() ? kt.data_ptr<float>() + (b * KV + g) * kt.size(2) * hd * 16 : nullptr;
   }
   int64_t state_size() const { return n_rep * (dv + 2); }
