@@ -68,3 +68,20 @@ def test_an_untied_embedding_of_each_type_gives_ggmls_rows(kind):
 @pytest.mark.skipif(not kernels.available(), reason="kernels unavailable")
 def test_the_cpp_rows_are_the_python_rows():
     assert sorted(torch.ops.torchllama.gguf_block_types()) == [t.ggml.value for t in ROWS]
+
+
+def test_the_fifth_bit_plane_holds_each_weights_bit_where_the_tiles_read_it():
+    """fifth_bit_plane's delta swaps against the plane's definition bit by bit: byte j of a
+    block's 4 holds at bit c weight 4c + j's fifth bit and at bit 4 + c weight 16 + 4c + j's
+    (blocks_impl.h's chunk c, low and high nibbles); high_of_plane takes it back."""
+    from torchllama.blocks.packing import fifth_bit_plane, high_of_plane
+
+    high = torch.randint(0, 256, (5, 16), dtype=torch.uint8)               # 5 rows, K = 128
+    bits = (high.view(5, 4, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    bit = bits.reshape(5, 4, 32)                                           # (row, block, weight)
+    plane = fifth_bit_plane(high).view(5, 4, 4)                            # (row, block, byte j)
+    for j in range(4):
+        for c in range(4):
+            assert torch.equal((plane[..., j] >> c) & 1, bit[..., 4 * c + j])
+            assert torch.equal((plane[..., j] >> (4 + c)) & 1, bit[..., 16 + 4 * c + j])
+    assert torch.equal(high_of_plane(fifth_bit_plane(high)), high)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from torchllama.blocks.forms import Q4Blocks, ScaleFactors
@@ -26,18 +27,22 @@ def compact_scales(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.float().contiguous() for t in scales)
 
 
-def pack_rows(t: torch.Tensor, blocks: int, chunk: int) -> torch.Tensor:
+def pack_rows(t: torch.Tensor, blocks: int, chunk: int,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N, blocks·P) → (⌈N/8⌉, blocks, 8·P): each group of 8 rows' block b side by side, `chunk`
     elements of row 0, of row 1, …, of row 7, then the next chunk. Rows past N (to a multiple of
     8) are zeros (weights 0: their outputs are cut off). Codes: chunk 4 (P = 16 bytes of a Q4
     block, 32 codes of a Q8 block); scales (N, blocks): P = chunk = 1. Written straight onto
-    transparent huge pages where the system has them (`kernels.huge_pages.empty`)."""
+    transparent huge pages where the system has them (`kernels.huge_pages.empty`), or into
+    `out` (a (⌈N/8⌉, blocks, 8·P) view whose last dimension is contiguous: a part of a larger
+    block's bytes)."""
     N, width = t.shape
     if N % 8:
         t = torch.cat([t, t.new_zeros(8 - N % 8, width)])                   # (8G, width)
     P, G = width // blocks, t.shape[0] // 8
-    out = (huge_pages.empty((G, blocks, 8 * P), t.dtype) if t.device.type == "cpu" else
-           t.new_empty((G, blocks, 8 * P)))        # streamed once a token: on huge pages
+    if out is None:
+        out = (huge_pages.empty((G, blocks, 8 * P), t.dtype) if t.device.type == "cpu" else
+               t.new_empty((G, blocks, 8 * P)))    # streamed once a token: on huge pages
     word = _WORDS.get(chunk * t.element_size())
     if word is not None and t.is_contiguous():     # a chunk as one element: the same bytes
         v = t.view(word).reshape(G, 8, blocks, P // chunk)                  # (G, 8, b, P/c)
@@ -121,16 +126,34 @@ def unpack_six(packed: torch.Tensor) -> torch.Tensor:
     return codes.flatten(-3)                                               # (…, 256)
 
 
+def _index_bit_swaps() -> tuple[tuple[np.uint32, np.uint32], ...]:
+    """The delta swaps (mask, shift) that exchange bit positions p and q of a 32-bit word's
+    bit indices, for (p, q) = (0, 2), (1, 3), (2, 4), (3, 4): together they move bit
+    i = 16h + 4c + j to 8j + 4h + c (the index's five bits rotated right by two)."""
+    out = []
+    for p, q in ((0, 2), (1, 3), (2, 4), (3, 4)):
+        mask = sum(1 << a for a in range(32) if (a >> p) & 1 and not (a >> q) & 1)
+        out.append((np.uint32(mask), np.uint32((1 << q) - (1 << p))))
+    return tuple(out)
+
+
+_PLANE_SWAPS = _index_bit_swaps()
+
+
 def fifth_bit_plane(high: torch.Tensor) -> torch.Tensor:
     """`Q4Blocks.high` (N, K/8) → (N, K/8) bytes in the plane's order (blocks_impl.h): per
     block of 32, byte j (j < 4) holds at bit c the fifth bit of weight 4c + j and at bit 4 + c
-    that of weight 16 + 4c + j, c < 4 (the 4-bit codes' chunk c, low and high nibbles)."""
+    that of weight 16 + 4c + j, c < 4 (the 4-bit codes' chunk c, low and high nibbles).
+
+    A block's 4 bytes are one little-endian word whose bit i is weight i's fifth bit, so the
+    plane is that word with bit 16h + 4c + j moved to 8j + 4h + c: four delta swaps of bit
+    indices (Knuth, TAOCP 7.1.3), in place of expanding every bit to a byte."""
     N = high.shape[0]
-    bits = (high.view(N, -1, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # (N, nb, 4, 8)
-    w = bits.reshape(N, -1, 2, 4, 4)               # (N, nb, half h, chunk c, j): 16h + 4c + j
-    shifts = (torch.arange(4, dtype=torch.uint8)[None, :] + 4 * torch.arange(
-        2, dtype=torch.uint8)[:, None]).view(2, 4, 1)                      # 4h + c
-    return (w << shifts).sum(dim=(2, 3), dtype=torch.uint8).reshape(N, -1)   # (N, nb·4)
+    x = high.contiguous().numpy().view(np.uint32).copy()                  # (N, K/32) words
+    for mask, shift in _PLANE_SWAPS:
+        t = (x ^ (x >> shift)) & mask
+        x ^= t ^ (t << shift)
+    return torch.from_numpy(x.view(np.uint8)).view(N, -1)
 
 
 def high_of_plane(plane: torch.Tensor) -> torch.Tensor:
@@ -148,12 +171,11 @@ def pack_q4_codes(w: Q4Blocks) -> torch.Tensor:
     160): each group block's 4-bit codes, then its plane of fifth bits (`fifth_bit_plane`, rows
     interleaved 4 bytes at a time like the codes, so lane 4r + j is row r's byte j)."""
     N, K = w.shape
-    codes = pack_rows(w.codes, K // 32, 4)                                  # (G, K/32, 128)
     if w.high is None:
-        return codes
-    plane = pack_rows(fifth_bit_plane(w.high), K // 32, 4)                 # (G, K/32, 32)
-    out = huge_pages.empty((*codes.shape[:2], 160), torch.uint8)
-    out[..., :128], out[..., 128:] = codes, plane
+        return pack_rows(w.codes, K // 32, 4)                              # (G, K/32, 128)
+    out = huge_pages.empty(((N + 7) // 8, K // 32, 160), torch.uint8)
+    pack_rows(w.codes, K // 32, 4, out=out[..., :128])
+    pack_rows(fifth_bit_plane(w.high), K // 32, 4, out=out[..., 128:])     # (G, K/32, 32)
     return out
 
 
