@@ -140,6 +140,16 @@ def _index_bit_swaps() -> tuple[tuple[np.uint32, np.uint32], ...]:
 _PLANE_SWAPS = _index_bit_swaps()
 
 
+def _swap_index_bits(t: torch.Tensor, swaps) -> torch.Tensor:
+    """(N, 4·n) uint8 → the same shape: each little-endian 32-bit word of a row with the delta
+    swaps `swaps` applied in order (each exchanges two bits of every bit index)."""
+    x = t.contiguous().numpy().view(np.uint32).copy()                     # (N, n) words
+    for mask, shift in swaps:
+        d = (x ^ (x >> shift)) & mask
+        x ^= d ^ (d << shift)
+    return torch.from_numpy(x.view(np.uint8)).view(t.shape[0], -1)
+
+
 def fifth_bit_plane(high: torch.Tensor) -> torch.Tensor:
     """`Q4Blocks.high` (N, K/8) → (N, K/8) bytes in the plane's order (blocks_impl.h): per
     block of 32, byte j (j < 4) holds at bit c the fifth bit of weight 4c + j and at bit 4 + c
@@ -148,22 +158,13 @@ def fifth_bit_plane(high: torch.Tensor) -> torch.Tensor:
     A block's 4 bytes are one little-endian word whose bit i is weight i's fifth bit, so the
     plane is that word with bit 16h + 4c + j moved to 8j + 4h + c: four delta swaps of bit
     indices (Knuth, TAOCP 7.1.3), in place of expanding every bit to a byte."""
-    N = high.shape[0]
-    x = high.contiguous().numpy().view(np.uint32).copy()                  # (N, K/32) words
-    for mask, shift in _PLANE_SWAPS:
-        t = (x ^ (x >> shift)) & mask
-        x ^= t ^ (t << shift)
-    return torch.from_numpy(x.view(np.uint8)).view(N, -1)
+    return _swap_index_bits(high, _PLANE_SWAPS)
 
 
 def high_of_plane(plane: torch.Tensor) -> torch.Tensor:
-    """The inverse of `fifth_bit_plane`: (R, K/8) plane bytes → `Q4Blocks.high` (R, K/8)."""
-    R = plane.shape[0]
-    shifts = (torch.arange(4, dtype=torch.uint8)[None, :] + 4 * torch.arange(
-        2, dtype=torch.uint8)[:, None]).view(2, 4, 1)
-    w = (plane.view(R, -1, 1, 1, 4) >> shifts) & 1                          # (R, nb, 2, 4, 4)
-    bits = w.reshape(R, -1, 4, 8)                                           # (R, nb, byte, bit)
-    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).view(R, -1)
+    """The inverse of `fifth_bit_plane`: (R, K/8) plane bytes → `Q4Blocks.high` (R, K/8) (each
+    delta swap undoes itself, so the same swaps in reverse order)."""
+    return _swap_index_bits(plane, _PLANE_SWAPS[::-1])
 
 
 def pack_q4_codes(w: Q4Blocks) -> torch.Tensor:
