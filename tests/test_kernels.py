@@ -214,14 +214,15 @@ def test_two_bit_codes_pack_and_read_back():
 @pytest.mark.parametrize("typ", FORMATS, ids=lambda t: t.name)
 def test_rows_are_batch_invariant(typ):
     """Each output row is the same bits whether it is computed alone, in a batch of M rows
-    (M = 1..64: every tile shape and remainder) or in chunks (chunked prefill)."""
-    raw = random_blocks(typ, 36, 256, seed=7)
+    (M = 1..64: every tile shape and remainder; 255–300: across the prefill's chunk of 256 rows,
+    blocks_impl.h's MC) or in chunks (chunked prefill)."""
+    raw = random_blocks(typ, 72, 256, seed=7)       # 9 groups: 4-group tiles and singles
     linear = linear_for(read_blocks(gguf_tensor(raw, typ), "t"))
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(8))
-    alone = torch.cat([linear(x[i:i + 1]) for i in range(64)])
-    for M in range(1, 65):
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(300)])
+    for M in list(range(1, 65)) + [255, 256, 257, 300]:
         assert torch.equal(linear(x[:M]), alone[:M]), M
-    chunks = torch.cat([linear(c) for c in x.split([5, 17, 1, 41])])
+    chunks = torch.cat([linear(c) for c in x.split([5, 17, 1, 41, 236])])
     assert torch.equal(chunks, alone)
 
 

@@ -1025,8 +1025,12 @@ constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG;
 #define TL_VNNI_TILES 4, 4
 #endif
 constexpr int VNNI_TILES[2] = {TL_VNNI_TILES};
+// MC: each chunk of rows re-expands its group tiles' scales (and 6-, 4- or 2-bit codes), so a
+// chunk is as many rows as a weight tile stays in L2 for (4 groups of K = 11008 Q5_K: 220 KiB)
+// while the rows stream past it: a 128-row prompt is one chunk (docs/guides/quantized.md
+// measures 256 against 64 and 512).
 #ifndef TL_MC
-#define TL_MC 64
+#define TL_MC 256
 #endif
 constexpr int64_t MC = TL_MC;
 
