@@ -498,14 +498,19 @@ def test_attention_equals_float64_reference(softcap):
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hd,dtype", [(64, torch.float32), (40, torch.float16),
-                                      (128, torch.bfloat16)])
-def test_attention_is_the_same_bits_alone_padded_and_chunked(hd, dtype):
+@pytest.mark.parametrize("hd,dtype,H,KV,L", [(64, torch.float32, 9, 3, 37),
+                                             (40, torch.float16, 9, 3, 37),
+                                             (128, torch.bfloat16, 9, 3, 37),
+                                             (128, torch.float16, 3, 3, 203),
+                                             (40, torch.float32, 2, 2, 150)])
+def test_attention_is_the_same_bits_alone_padded_and_chunked(hd, dtype, H, KV, L):
     """A row's answer alone equals its answer left-padded (NaN in the padding slots, as an
     unwritten cache) in a batch with another row, and its queries split into chunks (a prompt
-    of 8 or more queries scores its keys 16 at a time, fewer key by key: the same bits)."""
+    of 8 or more queries scores its keys 16 at a time, fewer key by key: the same bits). With
+    one query head a KV head (H = KV), 4 rows score the 64-key tiles they share together
+    (layers.cpp ROWS_TOGETHER): L = 203 and 150 give rows with 0–3 shared tiles."""
     g = torch.Generator().manual_seed(4)
-    H, KV, L, pad = 9, 3, 37, 11
+    pad = 11
     q = torch.randn(1, H, L, hd, generator=g)
     k, v = (torch.randn(1, KV, L, hd, generator=g).to(dtype) for _ in range(2))
     alone = torch.ops.torchllama.attention(q, k, v, None, 0.125, 0.0)        # causal

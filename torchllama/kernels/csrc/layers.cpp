@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -265,30 +266,64 @@ static void attend_split(const AttnCall& c, float* op) {
 // rows are dealt first, last, second, second to last, …: a causal prompt's later rows see more
 // keys, and the threads' contiguous ranges of tasks then get even shares (the order changes no
 // row's answer).
+// One query head a KV head (MHA: Llama 2 7B, GPT-2): a task is ROWS_TOGETHER consecutive rows
+// of one sequence instead, which score the tiles of keys they all see (the same slots, whole
+// tiles) as the R = 4 query heads of a GQA group are scored — each key and value read once for
+// the four rows, where one query head alone reads a key (or converts a float16 value) per
+// multiply-add. Each row then takes its own last tiles. A row's sums are the same operations in
+// the same order either way (per query vector; the tiles hold the same keys), so the same bits.
+constexpr int64_t ROWS_TOGETHER = 4;
+
+static bool rows_together(const AttnCall& c) {
+  return c.n_rep == 1 && c.type != kv_q8_0 && c.T >= ROWS_TOGETHER;   // q8_0: qq has no row stride
+}
+
+// Whole tiles that rows idx[i·S …], i < nr, all see, key for key (from the first on).
+static int64_t common_tiles(const int32_t* idx, int64_t S, const int64_t* n, int64_t nr) {
+  int64_t tiles = n[0] / ATTN_TILE;
+  for (int64_t i = 1; i < nr; ++i) tiles = std::min(tiles, n[i] / ATTN_TILE);
+  for (int64_t i = 1; i < nr && tiles > 0; ++i)
+    while (tiles > 0 && std::memcmp(idx, idx + i * S, size_t(tiles * ATTN_TILE) * 4) != 0)
+      --tiles;
+  return tiles;
+}
+
 static void attend_groups(const AttnCall& c, float* op) {
-  const int64_t ss = c.state_size();
-  const int64_t work = std::max<int64_t>(1, c.n_rep * c.S * (c.hd + c.dv));
+  const int64_t R = rows_together(c) ? ROWS_TOGETHER : 1;    // rows a task
+  const int64_t ss = c.state_size(), groups = (c.T + R - 1) / R;   // row groups a sequence
+  const int64_t work = std::max<int64_t>(1, R * c.n_rep * c.S * (c.hd + c.dv));
   const auto tiles = table().attend_tiles;
-  at::parallel_for(0, c.B * c.T * c.KV, std::max<int64_t>(1, 32768 / work),
+  at::parallel_for(0, c.B * groups * c.KV, std::max<int64_t>(1, 32768 / work),
                    [&](int64_t u0, int64_t u1) {
     thread_local std::vector<int32_t> idx;
     thread_local std::vector<float> state, scratch;
-    idx.resize(size_t(c.S));
-    state.resize(size_t(ss));
-    scratch.resize(size_t(4 * ATTN_TILE + ss));
-    int64_t row = -1, n = 0;                    // (b, t) whose visible keys are in idx
+    idx.resize(size_t(R * c.S));
+    state.resize(size_t(R * ss));
+    scratch.resize(size_t(4 * ATTN_TILE + R * ss));
+    int64_t group = -1, n[ROWS_TOGETHER] = {}, nr = 0, common = 0;  // the rows in idx
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t rank = u / c.KV, g = u % c.KV;
-      const int64_t r = rank % 2 == 0 ? rank / 2 : c.B * c.T - 1 - rank / 2;
-      const int64_t b = r / c.T, t = r % c.T;
-      if (row != r) {
-        row = r;
-        n = visible_keys(c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr, c.mask, b, t,
-                         c.T, c.S, c.start(b), idx.data());
+      const int64_t rg = rank % 2 == 0 ? rank / 2 : c.B * groups - 1 - rank / 2;
+      const int64_t b = rg / groups, t0 = rg % groups * R;
+      if (group != rg) {
+        group = rg, nr = std::min(R, c.T - t0);
+        for (int64_t i = 0; i < nr; ++i)
+          n[i] = visible_keys(c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr, c.mask, b,
+                              t0 + i, c.T, c.S, c.start(b), idx.data() + i * c.S);
+        common = nr > 1 ? common_tiles(idx.data(), c.S, n, nr) : 0;
       }
-      tiles(c.args(b, t, g), idx.data(), n, 0, (n + ATTN_TILE - 1) / ATTN_TILE, true,
-            state.data(), scratch.data());
-      finish(state.data(), c.n_rep, c.dv, n, op + (r * c.H + g * c.n_rep) * c.dv, c.dv);
+      if (common > 0) {                                   // the rows' shared tiles at once
+        AttnArgs a = c.args(b, t0, g);
+        a.q_s = c.q.stride(2), a.n = nr;                  // "query heads": the rows
+        tiles(a, idx.data(), n[0], 0, common, true, state.data(), scratch.data());
+      }
+      for (int64_t i = 0; i < nr; ++i) {                  // then each row's own
+        float* st = state.data() + i * ss;
+        tiles(c.args(b, t0 + i, g), idx.data() + i * c.S, n[i], common,
+              (n[i] + ATTN_TILE - 1) / ATTN_TILE, common == 0, st, scratch.data());
+        finish(st, c.n_rep, c.dv, n[i], op + ((b * c.T + t0 + i) * c.H + g * c.n_rep) * c.dv,
+               c.dv);
+      }
     }
   });
 }
