@@ -50,7 +50,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -280,12 +279,13 @@ static bool rows_together(const AttnCall& c) {
 
 // Whole tiles that rows idx[i·S …], i < nr, all see, key for key (from the first on).
 static int64_t common_tiles(const int32_t* idx, int64_t S, const int64_t* n, int64_t nr) {
-  int64_t tiles = n[0] / ATTN_TILE;
-  for (int64_t i = 1; i < nr; ++i) tiles = std::min(tiles, n[i] / ATTN_TILE);
-  for (int64_t i = 1; i < nr && tiles > 0; ++i)
-    while (tiles > 0 && std::memcmp(idx, idx + i * S, size_t(tiles * ATTN_TILE) * 4) != 0)
-      --tiles;
-  return tiles;
+  int64_t same = n[0];                              // keys every row lists alike
+  for (int64_t i = 1; i < nr; ++i) {
+    const int32_t* row = idx + i * S;
+    same = std::min(same, n[i]);
+    same = std::mismatch(idx, idx + same, row).first - idx;
+  }
+  return same / ATTN_TILE;
 }
 
 static void attend_groups(const AttnCall& c, float* op) {
