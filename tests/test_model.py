@@ -13,6 +13,7 @@ from torchllama.config import ModelArgs
 from torchllama.errors import ArgumentError, ContextLengthError
 from torchllama.model import Transformer
 from torchllama.nn import apply_rotary_emb, precompute_freqs_cis, repeat_kv
+from torchllama.nn.position import RotaryEmbedding
 
 transformers = pytest.importorskip("transformers")
 
@@ -264,4 +265,28 @@ def test_real_arithmetic_rope_for_compile_equals_the_complex_product():
         assert torch.equal(apply_rotary_emb(x, torch.view_as_real(freqs)), expected)
     model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=50, max_seq_len=16))
     rope = model.rope[0]
+    rope.for_compile(torch.device("cpu"))
     assert torch.equal(rope.freqs_cos_sin, torch.view_as_real(rope.freqs_cis))
+    assert rope.freqs_cos_sin.shape == (16, 8, 2)
+
+
+def test_the_rotations_table_grows_as_positions_are_asked_for_with_the_same_bits():
+    """A long context's table starts at FIRST_ROWS positions and doubles when a later one is
+    asked for, up to max_seq_len (Llama 3's scaling, 128k positions: not 33 MB at load); its
+    rows are those of Meta's whole precomputed table, bit for bit."""
+    scaling = {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_seq_len": 8192}
+    rope = RotaryEmbedding(64, 20000, 500000.0, scaling)
+    whole = precompute_freqs_cis(64, 20000, 500000.0, scaling)             # (S, 32) c64
+    cpu = torch.device("cpu")
+    assert rope.freqs_cis.shape[0] == RotaryEmbedding.FIRST_ROWS
+    assert torch.equal(rope.span(10, 4096, cpu), whole[10:4096])
+    assert rope.freqs_cis.shape[0] == 4096
+    assert torch.equal(rope.span(4000, 4100, cpu), whole[4000:4100])       # doubled
+    assert rope.freqs_cis.shape[0] == 8192
+    positions = torch.tensor([[3, 17000, 9000]])
+    assert torch.equal(rope(positions, 17001), whole[positions])            # to 17001
+    assert rope.freqs_cis.shape[0] == 17001
+    assert torch.equal(rope.table(cpu), whole) and rope.freqs_cis.shape[0] == 20000
+    with pytest.raises(IndexError):
+        rope.span(19990, 20001, cpu)[10]

@@ -55,7 +55,7 @@ def rope_table(dim: int, n_positions: int, theta: float,
     Returns:
         (n_positions, dim/2) complex64, on the CPU.
     """
-    return RotaryEmbedding(dim, n_positions, theta, scaling).freqs_cis      # (P, dim/2) c64
+    return RotaryEmbedding(dim, n_positions, theta, scaling).table(torch.device("cpu"))  # (P, dim/2)
 
 
 def rope_angles(dim: int, n_positions: int, theta: float,

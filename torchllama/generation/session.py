@@ -75,6 +75,8 @@ def compile_decode(model, *, warmup: bool = True, freezing: Optional[bool] = Non
     if freezing and device.type == "cpu":
         inductor_config.freezing = True
     mode = "reduce-overhead" if device.type == "cuda" else None
+    for rope in model.rope:                     # the real (cos, sin) table, outside the graph
+        rope.for_compile(device)
     model.compiled_decode = torch.compile(model.forward, dynamic=True, mode=mode)
     if not warmup:
         return 0.0

@@ -189,12 +189,16 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
 
 
 class RotaryEmbedding:
-    """The RoPE rotations of every position of the context, precomputed once.
+    """The RoPE rotations of the context's positions, computed once as far as they are used.
 
-    Holds `freqs_cis` (max_seq_len, dim/2) complex64 — a plain attribute, as in Meta's model, not
-    a buffer: `model.to(torch.bfloat16)` would cast a complex buffer to real and drop the sines —
-    and the same numbers as real (cos, sin) pairs for torch.compile, which has no complex
-    codegen. Both follow the input's device on first use.
+    Holds `freqs_cis` (rows, dim/2) complex64 — a plain attribute, as in Meta's model, not
+    a buffer: `model.to(torch.bfloat16)` would cast a complex buffer to real and drop the sines.
+    Meta precomputes every position of the context; here the table starts at `FIRST_ROWS`
+    positions and doubles (up to max_seq_len) when a later one is asked for, each time
+    computed whole by `precompute_freqs_cis` (the same bits as rows of the whole table): a
+    128k-context model whose prompts stay short holds 4096 rows, not 33 MB of them (64 pairs).
+    Under torch.compile, which has no complex codegen, the whole table as real (cos, sin)
+    pairs is read instead (`for_compile`). Both follow the input's device on first use.
 
     Dynamic NTK changes the frequencies with the sequence length: up to the original context the
     table is plain RoPE; a call whose positions reach n > L gets rotations computed for n (as
@@ -209,24 +213,46 @@ class RotaryEmbedding:
         scaling: ModelArgs.rope_scaling (or None).
     """
 
+    #: Positions the table holds at first.
+    FIRST_ROWS = 4096
+
     def __init__(self, dim: int, max_seq_len: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
         self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.max_seq_len = max_seq_len
         self.dynamic = scaling is not None and scaling["type"] == "dynamic"
-        table_scaling = None if self.dynamic else scaling      # dynamic: plain up to L
-        self.freqs_cis = precompute_freqs_cis(dim, max_seq_len, theta, table_scaling)  # c64
-        self.freqs_cos_sin = torch.view_as_real(self.freqs_cis).clone()    # (S, dim/2, 2)
+        self.freqs_cis = self._rows(min(max_seq_len, self.FIRST_ROWS))     # (rows, dim/2) c64
+        self.freqs_cos_sin: Optional[torch.Tensor] = None           # (S, dim/2, 2) fp32
 
-    def table(self, device: torch.device) -> torch.Tensor:
-        """freqs_cis on `device` (max_seq_len, dim/2) complex64; under torch.compile the same
-        numbers as real (cos, sin) pairs (max_seq_len, dim/2, 2) float32, made once outside
-        the graph."""
+    def _rows(self, n: int) -> torch.Tensor:
+        """Rotations of positions 0..n−1 (n, dim/2) complex64 (dynamic NTK: plain up to L)."""
+        table_scaling = None if self.dynamic else self.scaling
+        return precompute_freqs_cis(self.dim, n, self.theta, table_scaling)
+
+    def table(self, device: torch.device, end: Optional[int] = None) -> torch.Tensor:
+        """freqs_cis on `device` holding at least positions 0..end−1 (all max_seq_len of them
+        by default): (rows, dim/2) complex64; under torch.compile the whole table as real
+        (cos, sin) pairs (max_seq_len, dim/2, 2) float32 (`for_compile`)."""
+        if torch.compiler.is_compiling():
+            if self.freqs_cos_sin is None:
+                self.for_compile(device)
+            return self.freqs_cos_sin
+        return self._grown(device, self.max_seq_len if end is None else end)
+
+    def _grown(self, device: torch.device, end: int) -> torch.Tensor:
+        """freqs_cis on `device`, grown to hold positions 0..end−1 (at most max_seq_len)."""
+        want, rows = min(end, self.max_seq_len), self.freqs_cis.shape[0]
+        if rows < want:
+            self.freqs_cis = self._rows(min(self.max_seq_len, max(want, 2 * rows)))
         if self.freqs_cis.device != device:                 # once, after model.to(device)
             self.freqs_cis = self.freqs_cis.to(device)
-            self.freqs_cos_sin = self.freqs_cos_sin.to(device)
-        if not torch.compiler.is_compiling():
-            return self.freqs_cis
-        return self.freqs_cos_sin
+        return self.freqs_cis
+
+    def for_compile(self, device: torch.device) -> None:
+        """Make the whole table as real (cos, sin) pairs on `device`, which the forward reads
+        under torch.compile: made here, outside the graph (`compile_decode` calls it first)."""
+        whole = self._grown(device, self.max_seq_len)                       # (S, dim/2) c64
+        self.freqs_cos_sin = torch.view_as_real(whole).clone()              # (S, dim/2, 2)
 
     def __call__(self, positions: torch.Tensor, end: int) -> torch.Tensor:
         """Rotations of the given positions: (T,) → (T, dim/2) or (B, T) → (B, T, dim/2)
@@ -237,13 +263,13 @@ class RotaryEmbedding:
             angles = positions[..., None].float() * inv_freq.to(positions.device)
             freqs = torch.polar(torch.ones_like(angles), angles)   # (…, dim/2) c64
             return torch.view_as_real(freqs) if torch.compiler.is_compiling() else freqs
-        return self.table(positions.device)[positions]
+        return self.table(positions.device, end)[positions]
 
     def span(self, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Rotations of positions start..end-1, (end − start, dim/2): a view of the table."""
         if self.dynamic and end > self.scaling["original_max_seq_len"]:
             return self(torch.arange(start, end, device=device), end)
-        return self.table(device)[start:end]
+        return self.table(device, end)[start:end]
 
 
 # --------------------------------------------------------------------------------------------
