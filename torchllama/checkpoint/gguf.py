@@ -16,15 +16,17 @@ deepseek2, ...), which turns the ``{arch}.*`` keys into `ModelArgs` (it may read
 are hyperparameters, as llama's rope_freqs) and gives each tensor's GGUF name and layout.
 
 Loading (`load_gguf_state_dict` with `modules`, as `torchllama.load` does) reads the file
-through its memory mapping, tensor by tensor, on a few threads: each matrix kept in its blocks
-is converted from the mapped bytes straight into the arrays of its blocks (`read_blocks`,
-`convert_blocks`: one C++ pass where the kernels are built, numpy otherwise; a layer's q/k/v
-and w1/w3 into one stacked buffer), its module built from them at once (`quantized_linear`,
-`fused_linears`: the kernels' packed layout), its file pages handed back
-(`_release_file_pages`) and the freed temporaries too (`_release_freed_heap`). So the peak
-holds the finished modules plus the few tensors in flight, never the whole file's blocks
-beside them (a 7B Q4_0: 4.8 GB peak for 3.9 GB of file; it was 11 GB, and 5.5 before the
-temporaries were handed back).
+through its memory mapping, tensor by tensor, on a few threads. A matrix kept in its blocks
+whose rows load as stored (a layer's q/k/v and w1/w3 together, as one fused module; the token
+embeddings' table too) is converted and packed a chunk of rows at a time
+(`torchllama.blocks.chunked.pack_in_chunks`: `convert_blocks`, one C++ pass, into a few MB of
+arrays, then the kernels' packed layout, copied into the module's buffers), each chunk's file
+pages handed back as it is read (`_release_file_pages`). Other matrices are converted whole
+into the arrays of their blocks (`read_blocks`) and their module built from them at once
+(`quantized_linear`, `fused_linears`), then their pages and the freed temporaries handed back
+(`_release_freed_heap`). So the peak holds the finished modules plus a few chunks in flight,
+never a whole matrix's arrays beside its module (a 7B Q5_K_M: 5.4 GB peak for 4.9 GB of file;
+it was 6.0 with whole matrices, 11 GB at first).
 
 Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
 key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -56,6 +59,7 @@ from torchllama.errors import ArgumentError, ModelFileError
 from torchllama.families import Family, family_for_args, family_for_gguf
 from torchllama.families.base import Fused, Layout, Mapping, Part, RopePermuted, Stacked
 from torchllama.blocks import block_type, convert_blocks
+from torchllama.blocks.chunked import pack_in_chunks
 from torchllama.blocks.forms import HalfMatrix, Q4Blocks, Q8Blocks
 from torchllama.blocks.linear import BlockLinear
 from torchllama.transforms.quantize import (Scheme, fits, quantize_weight, quantized_linear,
@@ -70,6 +74,24 @@ class _TensorInfoError(ValueError):
     def __init__(self, name: str, reason: str) -> None:
         super().__init__(reason)
         self.name = name
+
+
+class _ArrayField(gguf.ReaderField):
+    """A metadata array as `_Reader` keeps it: numbers in one view of the file (parts[-1]),
+    strings as one view of their bytes and their (start, length) arrays (parts[-3:]); its
+    `contents` are the library's (a list of Python values, or one of them)."""
+
+    __slots__ = ()
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        if self.types[-1] != gguf.GGUFValueType.STRING:           # numbers, or empty
+            return self.parts[-1][index_or_slice].tolist()
+        region, starts, lengths = self.parts[-3:]
+        if isinstance(index_or_slice, int):
+            s, n = int(starts[index_or_slice]), int(lengths[index_or_slice])
+            return str(region[s:s + n].tobytes(), encoding="utf-8")
+        return [str(region[s:s + n].tobytes(), encoding="utf-8") for s, n in
+                zip(starts[index_or_slice].tolist(), lengths[index_or_slice].tolist())]
 
 
 class _Reader(gguf.GGUFReader):
@@ -94,47 +116,61 @@ class _Reader(gguf.GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
-        """The library's (size, parts, data indices, types) of a metadata value. Arrays of
-        strings or numbers (a vocabulary's tokens, merges, scores, types: ~150k elements) are
-        parsed in one loop here rather than one recursive call per element, into the same
-        parts (a view per element; for a string its length, then its bytes)."""
-        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+        """The library's (size, parts, data indices, types) of a metadata value, but arrays of
+        strings or numbers (a vocabulary's tokens, merges, scores, types: ~150k elements) kept
+        compact for `_ArrayField`: numbers as one view of the file, strings as one view of
+        their bytes with each one's (start, length) in two int64 arrays. The library's parts
+        (a view per element, two per string) were ~250k Python objects for a 49k vocabulary,
+        44 MB that stayed with the process after they were freed (pymalloc's arenas, shared with
+        the tokenizer's strings), and one recursive call each."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I" or \
+                self.__dict__.get("_nested"):             # inside an array: the library's way
             return super()._get_field_parts(orig_offs, raw_type)
         itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
         sub = gguf.GGUFValueType(int(itype[0]))
+        if sub == gguf.GGUFValueType.ARRAY:                # arrays of arrays: the library's way
+            self._nested = True
+            try:
+                return super()._get_field_parts(orig_offs, raw_type)
+            finally:
+                self._nested = False
         n, start = int(alen[0]), orig_offs + 12
         if sub == gguf.GGUFValueType.STRING:
-            elements, end = self._strings(start, n)
-            first = 3                                     # parts: itype, alen, (len, bytes)…
+            starts, lengths, end = self._string_offsets(start, n)
+            parts = [itype, alen, self._plain[start:end], starts, lengths]
         elif sub in self.gguf_scalar_to_np:
             dtype = np.dtype(self.gguf_scalar_to_np[sub])
             end = start + n * dtype.itemsize
             if end > len(self._plain):
                 raise ValueError(f"an array of {n} {sub.name} runs past the end of the file")
-            elements = list(self._plain[start:end].view(dtype).reshape(n, 1))  # (1,) views
-            first = 2
-        else:                                             # arrays of arrays: the library's way
+            parts = [itype, alen, self._plain[start:end].view(dtype)]          # (n,)
+        else:                                             # a type the library refuses
             return super()._get_field_parts(orig_offs, raw_type)
-        step = len(elements) // n if n else 1
-        return (end - orig_offs, [itype, alen] + elements, list(range(first, 2 + len(elements),
-                                                                      step)),
-                [gguf.GGUFValueType.ARRAY] + ([sub] if n else []))
+        self._compact = True                              # for `_push_field`, next
+        return (end - orig_offs, parts, [len(parts) - 1],
+                [gguf.GGUFValueType.ARRAY] + ([sub] if n else []))    # the library's types
 
-    def _strings(self, offs: int, n: int) -> tuple[list[np.ndarray], int]:
-        """n GGUF strings from offs: [length (1,) uint64, bytes (length,) uint8] views each,
-        and the offset after them."""
+    def _push_field(self, field, skip_sum: bool = False) -> int:
+        """The library's, with a field `_get_field_parts` kept compact as an `_ArrayField`."""
+        if self.__dict__.pop("_compact", False):
+            field = _ArrayField._make(field)
+        return super()._push_field(field, skip_sum)
+
+    def _string_offsets(self, offs: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """n GGUF strings (each a little-endian uint64 length, then its bytes) from offs: their
+        (n,) int64 starts relative to offs + 8 … and lengths, and the offset after them."""
         plain, size = self._plain, len(self._plain)
-        u64 = np.dtype("<u8")
-        parts: list[np.ndarray] = []
+        first, starts, lengths = offs, [], []
         for _ in range(n):
             if offs + 8 > size:
                 raise ValueError(f"an array of {n} strings runs past the end of the file")
-            length = int.from_bytes(plain[offs:offs + 8].tobytes(), "little")
+            length = struct.unpack_from("<Q", plain, offs)[0]
             if offs + 8 + length > size:
                 raise ValueError(f"a string of {length} bytes runs past the end of the file")
-            parts += (plain[offs:offs + 8].view(u64), plain[offs + 8:offs + 8 + length])
+            starts.append(offs + 8 - first)
+            lengths.append(length)
             offs += 8 + length
-        return parts, offs
+        return np.array(starts, np.int64), np.array(lengths, np.int64), offs
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         try:
@@ -233,19 +269,22 @@ def read_metadata(reader: gguf.GGUFReader, source: str | None = None) -> dict[st
     return metadata
 
 
-def _release_file_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
-    """Drop the file pages of a tensor we have copied out of the read-only file mapping.
+def _release_file_pages(reader: gguf.GGUFReader, tensor: Any, first: int = 0,
+                        end: int | None = None) -> None:
+    """Drop the file pages of a tensor we have copied out of the read-only file mapping: all of
+    them, or those of its bytes [first, end).
 
     Touched pages of a memory-mapped file count in the process's resident memory until unmapped;
     without this, loading would peak at the file's size plus the loaded weights. The mapping is
     read-only and shared with the page cache, so MADV_DONTNEED loses nothing: a later read of
-    those bytes faults them in again.
+    those bytes (a part of a page the range ends in) faults them in again.
     """
     file_map = getattr(reader.data, "_mmap", None)      # numpy.memmap's mmap.mmap
     if file_map is None or not hasattr(file_map, "madvise"):
         return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    end = tensor.n_bytes if end is None else end
+    start = (tensor.data_offset + first) // mmap.PAGESIZE * mmap.PAGESIZE
+    file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + end - start)
 
 
 def _libc_malloc_trim():
@@ -312,6 +351,7 @@ def read_gguf(path: Path, dtype: torch.dtype, progress: bool = True, quant=None,
     tokenizer = tokenizer_from_gguf_metadata(metadata, source)
     if tokenizer.chat_template is None and family.chat_template is not None:
         tokenizer.chat_template = family.chat_template      # the family's built-in format
+    del metadata                        # its vocabulary lists: not held while weights load
     state = load_gguf_state_dict(reader, family, args, dtype, source, progress, quant,
                                  modules)
     return args, state, tokenizer
@@ -558,6 +598,9 @@ class _Job:
         layout, as a module for the names in `built` (`quantized_linear`); its file pages
         released. None to load it as float (no kernel for its type under "auto", or our shapes
         do not fit the blocks). Runs in `_conversion_pool`'s threads."""
+        chunked = self.chunked(t, mapping)
+        if chunked is not None:
+            return chunked
         quant = self.quant if self.quant == "auto" else scheme_for(mapping.ours[0], self.quant)
         q = _quantized(t, quant, self.source, self.no_kernel)
         if q is None or not all(fits(torch.Size((self.expected[n][0], q.shape[1])),
@@ -581,11 +624,60 @@ class _Job:
         _release_freed_heap()
         return loaded
 
+    def chunked(self, t: Any, mapping: Mapping) -> dict | None:
+        """A matrix of a block type whose rows load as stored, packed a chunk at a time
+        (`packed_modules`): our name → its module (the token embeddings' table too: a tied
+        output's, or its own `BlockEmbedding`'s); None to load it otherwise (another layout or
+        type, no kernels, chunks that chose different packed forms)."""
+        name = mapping.ours[0]
+        if self.quant != "auto" or type(mapping.layout) is not Layout or \
+                block_type(t.tensor_type) is None or len(t.shape) != 2 or \
+                (name not in self.built and name != "tok_embeddings.weight"):
+            return None
+        linears = self.packed_modules([t])
+        if linears is None:
+            return None
+        loaded = {name: linears[0]}
+        if self.tied_output and name == "tok_embeddings.weight":
+            loaded["output.weight"] = linears[0]
+        _release_freed_heap()
+        return loaded
+
+    def packed_modules(self, tensors: list) -> list[BlockLinear] | None:
+        """[the module of all rows, each tensor's module over views of its buffers] of matrices
+        of one block type, converted and packed a chunk of rows at a time
+        (`torchllama.blocks.chunked.pack_in_chunks`: a chunk's arrays, never the whole
+        matrix's, beside the packed buffers), each chunk's file pages released once read. None
+        without the kernels, with parts not whole groups of 8 rows, or where the chunks chose
+        different packed forms (the caller packs the whole matrix).
+
+        Raises:
+            ModelFileError: data cut short, or a block scale that is not finite."""
+        from torchllama import kernels
+
+        sizes = [int(t.shape[1]) for t in tensors]
+        if not kernels.available() or (len(sizes) > 1 and any(n % 8 for n in sizes)):
+            return None
+        stored = [_stored_blocks(t, self.source) for t in tensors]         # (rows, blocks)
+
+        def read(part: int, a: int, b: int, out: list[np.ndarray]) -> None:
+            t, blocks = tensors[part], stored[part]
+            _convert_checked(t, blocks[a:b], out, self.source)
+            row_bytes = blocks.shape[1] * blocks.itemsize
+            _release_file_pages(self.reader, t, a * row_bytes, b * row_bytes)
+
+        kind = block_type(tensors[0].tensor_type)
+        return pack_in_chunks(kind, int(tensors[0].shape[0]), sizes, read)
+
     def fused_group(self, tensors: list) -> dict:
-        """The matrices of one fusion group (`fusion_groups`, e.g. a layer's q, k, v) read into
-        one stacked block weight, their modules views of one module packed once
-        (`fused_linears`), or built apart from its rows where they cannot be fused. Runs in
-        `_conversion_pool`'s threads."""
+        """The matrices of one fusion group (`fusion_groups`, e.g. a layer's q, k, v) as modules
+        over views of one module's buffers, packed a chunk at a time (`packed_modules`), else
+        read into one stacked block weight and packed once (`fused_linears`), or built apart
+        from its rows where they cannot be fused. Runs in `_conversion_pool`'s threads."""
+        linears = self.packed_modules(tensors)
+        if linears is not None:
+            _release_freed_heap()
+            return {self.by_name[t.name].ours[0]: lin for t, lin in zip(tensors, linears[1:])}
         sizes, K = [int(t.shape[1]) for t in tensors], int(tensors[0].shape[0])
         kind = block_type(tensors[0].tensor_type)
         stacked = kind.arrays(sum(sizes), K)
@@ -685,18 +777,35 @@ def read_blocks(t: Any, source: str, out: list[np.ndarray] | None = None
     Raises:
         ModelFileError: data cut short, or a block scale that is not finite (naming the tensor).
     """
-    typ, kind = t.tensor_type, block_type(t.tensor_type)
-    rows, K = int(np.prod([int(d) for d in t.shape[1:]])), int(t.shape[0])  # 3-D: experts' rows
+    kind = block_type(t.tensor_type)
+    b = _stored_blocks(t, source)                                           # (rows, blocks)
+    out = kind.arrays(b.shape[0], int(t.shape[0])) if out is None else out
+    _convert_checked(t, b, out, source)
+    return kind.weight(out)
+
+
+def _stored_blocks(t: Any, source: str) -> np.ndarray:
+    """A quantized matrix's blocks as stored: (rows, blocks) of its type's block dtype, a view
+    of the file mapping (3-D: experts' rows one after another).
+
+    Raises:
+        ModelFileError: data cut short (naming the tensor)."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
     try:
-        b = np.asarray(t.data).reshape(rows, -1).view(kind.block)          # (rows, blocks)
+        return np.asarray(t.data).reshape(rows, -1).view(block_type(t.tensor_type).block)
     except ValueError as e:
         raise ModelFileError(f"{source}: tensor {t.name!r}: data cut short or damaged ({e})") from e
-    out = kind.arrays(rows, K) if out is None else out
-    n = convert_blocks(b, typ, out)
+
+
+def _convert_checked(t: Any, b: np.ndarray, out: list[np.ndarray], source: str) -> None:
+    """`convert_blocks` of rows `b` of tensor `t` into `out`.
+
+    Raises:
+        ModelFileError: a block scale that is not finite (naming the tensor)."""
+    n = convert_blocks(b, t.tensor_type, out)
     if n:
-        raise ModelFileError(f"{source}: tensor {t.name!r} ({typ.name}) has {n} block "
+        raise ModelFileError(f"{source}: tensor {t.name!r} ({t.tensor_type.name}) has {n} block "
                              "scale(s) that are not finite numbers: the file is damaged")
-    return kind.weight(out)
 
 
 def _quantized(t: Any, quant, source: str, no_kernel: set):

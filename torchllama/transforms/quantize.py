@@ -251,9 +251,13 @@ def quantized_linear(weight: QuantizedWeight, bias: Optional[torch.Tensor] = Non
     return Int8Linear(weight, bias) if isinstance(weight, Int8Weight) else Int4Linear(weight, bias)
 
 
-def quantized_embedding(weight: QuantizedWeight, linear: Optional[nn.Module] = None) -> nn.Module:
+def quantized_embedding(weight: QuantizedWeight | BlockLinear,
+                        linear: Optional[nn.Module] = None) -> nn.Module:
     """Token embeddings from a quantized table: the tied output projection's `linear` (its
-    buffers shared), or `weight` alone."""
+    buffers shared), or `weight` alone (a block module's packed table too: the loader packs an
+    untied table as it packs a linear's)."""
+    if isinstance(weight, BlockLinear) and linear is None:
+        return BlockEmbedding(weight)
     if isinstance(linear, BlockLinear):
         return BlockEmbedding(linear)
     if isinstance(linear, HalfLinear):
