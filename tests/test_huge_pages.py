@@ -106,3 +106,39 @@ def test_the_environment_turns_them_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TORCHLLAMA_HUGE_PAGES": "0"}, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@needs_thp
+def test_small_pages_holds_for_its_thread_only_and_loaded_modules_end_on_huge_pages():
+    """Scratch tensors made within `small_pages` (a chunk's packing on its way into a module)
+    are torch's; another thread's, and those made after it, are on huge pages; a module packed
+    a chunk at a time (`pack_in_chunks`) has its buffers on huge pages."""
+    import threading
+
+    from torchllama import blocks, kernels
+    from torchllama.blocks.chunked import pack_in_chunks
+
+    elsewhere = []
+    with huge_pages.small_pages():
+        inside = huge_pages.empty((4 << 20,), torch.uint8)
+        thread = threading.Thread(
+            target=lambda: elsewhere.append(huge_pages.empty((4 << 20,), torch.uint8)))
+        thread.start()
+        thread.join()
+    after = huge_pages.empty((4 << 20,), torch.uint8)
+    assert inside.data_ptr() % huge_pages.HUGE_PAGE != 0
+    assert elsewhere[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert after.data_ptr() % huge_pages.HUGE_PAGE == 0
+    if not kernels.available():
+        return
+    import gguf
+    import numpy as np
+
+    kind = blocks.TYPES[gguf.GGMLQuantizationType.Q4_0]
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 256, (4096, 32 * kind.block.itemsize), dtype=np.uint8).view(kind.block)
+    b["d"] = np.float16(0.01)
+    whole, = pack_in_chunks(kind, 1024, [4096], lambda _, a, e, out: kind.convert(b[a:e], out),
+                            rows=512)[:1]
+    assert whole.codes.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert mapping_of(whole.codes.data_ptr())["THPeligible"] == "1"

@@ -70,7 +70,8 @@ def pack_in_chunks(kind: BlockType, K: int, sizes: list[int], read: Reader,
             b = min(a + rows, n)
             chunk = [x[:b - a] for x in arrays]
             read(part, a, b, chunk)
-            packed = _pack(kind, chunk).packed()
+            with huge_pages.small_pages():             # scratch, reused: not zeroed each time
+                packed = _pack(kind, chunk).packed()
             if not whole:
                 whole = [huge_pages.empty((G,) + tuple(t.shape[1:]), t.dtype) if t.dim() == 3
                          else t for t in packed]

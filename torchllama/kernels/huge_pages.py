@@ -25,6 +25,9 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -49,6 +52,27 @@ _SUPPORTED = (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"
               and os.environ.get("TORCHLLAMA_HUGE_PAGES", "1") != "0")
 
 
+_THREAD = threading.local()
+
+
+@contextmanager
+def small_pages() -> Iterator[None]:
+    """Within it, `empty` and `adopt` on this thread give torch's memory: for scratch tensors
+    made and freed many times (a packed chunk on its way into a module's buffers,
+    blocks.chunked), which the allocator then reuses, where fresh huge pages are zeroed by the
+    kernel at every first touch (on this project's VMs ~0.5 GB/s: most of a 7B load)."""
+    before = getattr(_THREAD, "small", False)
+    _THREAD.small = True
+    try:
+        yield
+    finally:
+        _THREAD.small = before
+
+
+def _applies() -> bool:
+    return _SUPPORTED and not getattr(_THREAD, "small", False)
+
+
 def supported() -> bool:
     """Whether `empty` places tensors on huge pages here (Linux, THP `always` or `madvise`,
     and not turned off by `TORCHLLAMA_HUGE_PAGES=0`)."""
@@ -64,7 +88,7 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     for n in shape:
         numel *= int(n)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not _SUPPORTED or nbytes < MIN_BYTES:
+    if not _applies() or nbytes < MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     # One huge page more than needed, so the tensor can start on a 2 MiB boundary: the slack is
     # address space only (pages never touched are never backed).
@@ -84,7 +108,7 @@ def adopt(t: torch.Tensor) -> torch.Tensor:
     `MIN_BYTES`, huge pages `supported()`, not already on a 2 MiB boundary: `empty`'s tensors
     are, torch's never are — glibc puts a large block 16 bytes past a page), else `t` itself.
     The values, shape and dtype are `t`'s; the copy is contiguous."""
-    if (not _SUPPORTED or t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES
+    if (not _applies() or t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES
             or t.data_ptr() % HUGE_PAGE == 0):
         return t
     out = empty(t.shape, t.dtype)
