@@ -667,7 +667,10 @@ class _Job:
             _release_file_pages(self.reader, t, a * row_bytes, b * row_bytes)
 
         kind = block_type(tensors[0].tensor_type)
-        return pack_in_chunks(kind, int(tensors[0].shape[0]), sizes, read)
+        linears = pack_in_chunks(kind, int(tensors[0].shape[0]), sizes, read)
+        for t in tensors:                    # and the pages a fault mapped around a chunk's
+            _release_file_pages(self.reader, t)     # (the kernel's fault-around: up to 64 KiB)
+        return linears
 
     def fused_group(self, tensors: list) -> dict:
         """The matrices of one fusion group (`fusion_groups`, e.g. a layer's q, k, v) as modules
