@@ -25,8 +25,9 @@ pages handed back as it is read (`_release_file_pages`). Other matrices are conv
 into the arrays of their blocks (`read_blocks`) and their module built from them at once
 (`quantized_linear`, `fused_linears`), then their pages and the freed temporaries handed back
 (`_release_freed_heap`). So the peak holds the finished modules plus a few chunks in flight,
-never a whole matrix's arrays beside its module (a 7B Q5_K_M: 5.4 GB peak for 4.9 GB of file;
-it was 6.0 with whole matrices, 11 GB at first).
+never a whole matrix's arrays beside its module (a 7B Q5_K_M: 5.29 GB peak to the first
+forward for 4.9 GB of file, llama.cpp's mapping 5.29; it was 5.95 with whole matrices, 11 GB
+at first).
 
 Damaged files raise `ModelFileError` before any forward (a string that is not UTF-8 names its
 key; a tensor type the `gguf` library cannot dequantize names the tensor, its type and the
