@@ -87,10 +87,14 @@ def pack_in_chunks(kind: BlockType, K: int, sizes: list[int], read: Reader,
     return _modules(kind, K, sizes, whole, flags)
 
 
+def _module_class(kind: BlockType) -> type[BlockLinear]:
+    """The block module of a type's kernel form."""
+    return Q4Linear if kind.form == "q4" else Q8Linear
+
+
 def _pack(kind: BlockType, arrays: list[np.ndarray]) -> BlockLinear:
     """The module `Q4Linear` / `Q8Linear` packs of converted rows (the same as the whole's rows)."""
-    weight = kind.weight(arrays)
-    return (Q4Linear if kind.form == "q4" else Q8Linear)(weight)
+    return _module_class(kind)(kind.weight(arrays))
 
 
 def _small_flag(packed: list[torch.Tensor]) -> bool:
@@ -114,7 +118,7 @@ def _same_forms(whole: list[torch.Tensor], packed: list[torch.Tensor]) -> bool:
 def _modules(kind: BlockType, K: int, sizes: list[int], whole: list[torch.Tensor],
              flags: list[bool]) -> list[BlockLinear]:
     """[the module of every row, the parts' modules over views of its buffers]."""
-    cls = Q4Linear if kind.form == "q4" else Q8Linear
+    cls = _module_class(kind)
     q8_flag = cls is Q8Linear and whole[-1].dtype == torch.bool
 
     def buffers(g0: int, g1: int, small: bool) -> list[torch.Tensor]:

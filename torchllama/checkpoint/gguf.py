@@ -641,14 +641,14 @@ class _Job:
         loaded = {name: linears[0]}
         if self.tied_output and name == "tok_embeddings.weight":
             loaded["output.weight"] = linears[0]
-        _release_freed_heap()
         return loaded
 
     def packed_modules(self, tensors: list) -> list[BlockLinear] | None:
         """[the module of all rows, each tensor's module over views of its buffers] of matrices
         of one block type, converted and packed a chunk of rows at a time
         (`torchllama.blocks.chunked.pack_in_chunks`: a chunk's arrays, never the whole
-        matrix's, beside the packed buffers), each chunk's file pages released once read. None
+        matrix's, beside the packed buffers), each chunk's file pages released once read, then
+        the freed temporaries (`_release_freed_heap`). None
         without the kernels, with parts not whole groups of 8 rows, or where the chunks chose
         different packed forms (the caller packs the whole matrix).
 
@@ -671,6 +671,7 @@ class _Job:
         linears = pack_in_chunks(kind, int(tensors[0].shape[0]), sizes, read)
         for t in tensors:                    # and the pages a fault mapped around a chunk's
             _release_file_pages(self.reader, t)     # (the kernel's fault-around: up to 64 KiB)
+        _release_freed_heap()
         return linears
 
     def fused_group(self, tensors: list) -> dict:
@@ -680,7 +681,6 @@ class _Job:
         from its rows where they cannot be fused. Runs in `_conversion_pool`'s threads."""
         linears = self.packed_modules(tensors)
         if linears is not None:
-            _release_freed_heap()
             return {self.by_name[t.name].ours[0]: lin for t, lin in zip(tensors, linears[1:])}
         sizes, K = [int(t.shape[1]) for t in tensors], int(tensors[0].shape[0])
         kind = block_type(tensors[0].tensor_type)
