@@ -1089,10 +1089,159 @@ struct ScaleBuffer {
 };
 static thread_local ScaleBuffer scale_buffer;
 
+#if ISA_LEVEL == 2
+// ---- Q4 prefill on VNNI: each tile reads its rows and its scales in the order it uses them ----
+// A 4-row × 4-group tile's block is 64 `vpdpbusd`; with 4 row pointers, 4 of activation scales
+// and 4 of offsets, 2 of codes and 2 of weight scales, the tile was short of registers (GCC
+// kept pointers in vector registers and reloaded them) and formed a pair's scales with two
+// loads and an insert. So, once per chunk of MC rows, the chunk's rows are copied tile by
+// tile (`interleave_rows`: per tile of TM rows and block b, the TM rows' 32 codes, then their
+// TM d, then their TM s: TM · ROW_BYTES bytes), and once per chunk and tile of VG groups the
+// groups' scales pair by pair (`pair_scales`: per block b and pair, the 16 rows' d, then their
+// 16 m, float32: the values `scales8` gives, m = c·d as the other tiles form it). The codes are
+// read as stored (copying them side by side too cost more than it saved at 128 rows). A tile
+// then walks one pointer for its rows and one for its scales: the same integer sums and the
+// same float operations in the same order as q4_tile's, so the same bits.
+constexpr int64_t ROW_BYTES = 40;          // one row's block: 32 int8 codes, float d, float s
+
+template <int TM>
+static void interleave_rows(const Act& a, int64_t m0, int64_t tiles, uint8_t* out) {
+  const int64_t nb = a.K / 32;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* o = out + (t * nb + b) * TM * ROW_BYTES;
+      for (int i = 0; i < TM; ++i) {
+        const int64_t m = m0 + t * TM + i;
+        std::memcpy(o + 32 * i, a.q + m * a.K + 32 * b, 32);
+        std::memcpy(o + 32 * TM + 4 * i, a.d + m * nb + b, 4);
+        std::memcpy(o + 36 * TM + 4 * i, a.s + m * nb + b, 4);
+      }
+    }
+}
+
+template <int DF, int MF>
+static void pair_scales(const Q4Weight& w, int64_t g, int64_t pairs, float* out) {
+  const int64_t nb = w.K / 32;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t t = 0; t < pairs; ++t)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t gh = g + 2 * t + h;
+        float* o = out + (b * pairs + t) * 32 + 8 * h;
+        const __m256 d = scales8<DF>(w.d, gh, b, nb);
+        _mm256_storeu_ps(o, d);
+        _mm256_storeu_ps(o + 16, MF == scale_times_d ? _mm256_mul_ps(d, _mm256_set1_ps(w.m_mult))
+                                                     : scales8<MF>(w.m, gh, b, nb));
+      }
+}
+
+// TM rows (xa: `interleave_rows`' tile) × TP pairs of groups (codes: the first group's, sc:
+// `pair_scales`' copy), output rows at y, y + N, …
+template <int TM, int TP, bool FIVE>
+static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const uint8_t* codes,
+                                     int64_t nb, float* y, int64_t N) {
+  constexpr int64_t BB = FIVE ? 160 : 128;
+  const int64_t gb = nb * BB;                                 // one group's bytes of codes
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512 acc[TM][TP];
+  zero_tile(acc);
+  for (int64_t b = 0; b < nb; ++b, xa += TM * ROW_BYTES, sc += 32 * TP) {
+    const uint8_t* p = codes + b * BB;
+    __m512i s32[TM][TP], top[TP];
+#pragma GCC unroll 8
+    for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+    if (FIVE)
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t)
+        top[t] = two_planes(p + 2 * t * gb + 128, p + (2 * t + 1) * gb + 128);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[TP], hi[TP];                  // the pairs' weights, unpacked once for TM rows
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) {
+        const __m512i raw = two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c);
+        lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
+        if (FIVE) {
+          lo[t] = _mm512_or_si512(lo[t], fifth_bits512<0>(top[t]));
+          hi[t] = _mm512_or_si512(hi[t], fifth_bits512<1>(top[t]));
+          top[t] = _mm512_srli_epi16(top[t], 1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        __m512i vl, vh;
+        x_pair(reinterpret_cast<const int8_t*>(xa) + 32 * i, c, &vl, &vh);
+#pragma GCC unroll 8
+        for (int t = 0; t < TP; ++t)
+          s32[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s32[i][t], lo[t], vl), hi[t], vh);
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TP; ++t) {
+      const __m512 dw = _mm512_loadu_ps(sc + 32 * t), mw = _mm512_loadu_ps(sc + 32 * t + 16);
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        float dxf, sxf;
+        std::memcpy(&dxf, xa + 32 * TM + 4 * i, 4);
+        std::memcpy(&sxf, xa + 36 * TM + 4 * i, 4);
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]),
+                                    _mm512_mul_ps(dw, _mm512_set1_ps(dxf)), acc[i][t]);
+        acc[i][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sxf), acc[i][t]);
+      }
+    }
+  }
+  store_tile(acc, y, N);
+}
+
+struct ByteBuffer {
+  std::vector<uint8_t> v;
+  uint8_t* get(size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+static thread_local ByteBuffer rows_buffer;
+
+// Per chunk of MC rows: its rows copied (full tiles of VM rows, then each row after them as a
+// 1-row tile), then per tile of VG groups their scales copied and the tiles over them; the
+// groups after the last whole tile (< VG) by q4_tile on the scales as stored.
+template <int DF, int MF, bool FIVE>
+static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
+  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1], TP = VG / 2;
+  const int64_t nb = w.K / 32, N = w.G * 8, BB = q4_block_bytes(FIVE);
+  const int64_t tile_rows = VM * nb * ROW_BYTES;              // bytes of one tile's rows
+  uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * ROW_BYTES));
+  float* sc = scale_buffer.get(size_t(VG * nb * 16));
+  for (int64_t mc = 0; mc < a.M; mc += MC) {
+    const int64_t rows = std::min(MC, a.M - mc), full = rows / VM;
+    interleave_rows<VM>(a, mc, full, xs);
+    uint8_t* rest = xs + full * tile_rows;                    // the rows after: 1-row tiles
+    interleave_rows<1>(a, mc + full * VM, rows - full * VM, rest);
+    int64_t g = g0;
+    for (; g + VG <= g1; g += VG) {
+      pair_scales<DF, MF>(w, g, TP, sc);
+      const uint8_t* codes = w.codes + g * nb * BB;
+      for (int64_t t = 0; t < full; ++t)
+        q4_tile_rows_vnni<VM, TP, FIVE>(xs + t * tile_rows, sc, codes, nb,
+                                        y + (mc + t * VM) * N + 8 * g, N);
+      for (int64_t m = full * VM; m < rows; ++m)
+        q4_tile_rows_vnni<1, TP, FIVE>(rest + (m - full * VM) * nb * ROW_BYTES, sc, codes, nb,
+                                       y + (mc + m) * N + 8 * g, N);
+    }
+    for (; g < g1; ++g) {
+      int64_t m = mc;
+      for (; m + VM <= mc + rows; m += VM) q4_tile<VM, 1, DF, MF, FIVE>(a, m, w, g, y);
+      for (; m < mc + rows; ++m) q4_tile<1, 1, DF, MF, FIVE>(a, m, w, g, y);
+    }
+  }
+}
+#endif
+
+
 template <int DF, int MF, bool FIVE>
 static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
-  constexpr int PM = TILES[0], PG = TILES[1];
-  constexpr int64_t BB = FIVE ? 160 : 128;
   if (a.M < TL_DECODE_ROWS) {
 #if ISA_LEVEL == 2
     q4_decode_vnni<DF, MF, FIVE>(a, w, y, g0, g1);
@@ -1103,7 +1252,12 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 #endif
     return;
   }
-  const int64_t nb = w.K / 32, n = std::max(PG, VNNI_TILES[1]) * nb * 8;  // a tile's scales
+#if ISA_LEVEL == 2
+  q4_prefill_vnni<DF, MF, FIVE>(a, w, y, g0, g1);      // the tiles' own copies (above)
+#else
+  constexpr int PM = TILES[0], PG = TILES[1];
+  constexpr int64_t BB = FIVE ? 160 : 128;
+  const int64_t nb = w.K / 32, n = PG * nb * 8;          // a tile's scales
   float* buf = scale_buffer.get(size_t(2 * n));
   Q4Weight view = w;
   view.d = buf, view.m = buf + n, view.d_form = view.m_form = scale_f32;
@@ -1120,20 +1274,12 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
       }
   };
   constexpr int F = scale_f32;
-#if ISA_LEVEL == 2
-  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
-  drive_prefill<VM, VG>(a.M, g0, g1, prep,
-      [&](int64_t m, int64_t g) { q4_tile_vnni<VM, VG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q4_tile<VM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q4_tile_vnni<1, VG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-      [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
-  return;
-#endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
         [&](int64_t m, int64_t g) { q4_tile<PM, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
         [&](int64_t m, int64_t g) { q4_tile<PM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
         [&](int64_t m, int64_t g) { q4_tile<1, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
         [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
+#endif
 }
 
 // Q8 prefill: codes stored narrower than int8 (6 bits, 4-bit indices, 2 bits) expanded once per
