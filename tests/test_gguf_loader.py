@@ -12,6 +12,7 @@ import builtins
 import importlib.machinery
 import importlib.util
 import os
+import re
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -847,6 +848,39 @@ def test_metadata_arrays_read_as_the_gguf_library_reads_them(tmp_path):
     cut.write_bytes(data[:data.index(b"x" * 300) + 100])
     with pytest.raises(ModelFileError, match="truncated or corrupt GGUF file"):
         torchllama.load(cut)
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):                   # a mapping's first line
+            ours = line.rstrip().endswith(str(path))
+        elif ours and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_the_vocabulary_is_let_go_once_the_tokenizer_is_built(smollm2_gguf):
+    """After the tokenizer is built, the metadata arrays (tokens, merges, …) leave the reader
+    and their file pages go back: the file's resident size drops by at least their bytes (less
+    the pages at their ends), the other fields stay, and the weights read the same after."""
+    reader = gguf_format.open_gguf(smollm2_gguf)
+    metadata = gguf_format.read_metadata(reader)
+    gguf_format.tokenizer_from_gguf_metadata(metadata, str(smollm2_gguf))
+    arrays = {k for k, f in reader.fields.items() if isinstance(f, gguf_format._ArrayField)}
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= arrays
+    sizes = sum(f.parts[-3 if f.types[-1] == gguf.GGUFValueType.STRING else -1].nbytes
+                for k, f in reader.fields.items() if k in arrays)
+    before = _mapped_rss_kb(smollm2_gguf)
+    assert set(gguf_format._release_metadata_arrays(reader)) == arrays
+    after = _mapped_rss_kb(smollm2_gguf)
+    assert before - after >= (sizes - 2 * len(arrays) * 4096) // 1024, (before, after, sizes)
+    assert "general.architecture" in reader.fields and not arrays & set(reader.fields)
+    fresh = gguf.GGUFReader(smollm2_gguf)
+    for ours, theirs in list(zip(reader.tensors, fresh.tensors))[:3]:
+        assert np.array_equal(np.asarray(ours.data), np.asarray(theirs.data)), ours.name
 
 
 def test_info_names_each_tensors_kernel_and_the_types_that_fall_back(tmp_path, capsys):

@@ -27,8 +27,9 @@ from torchllama.blocks.linear import BlockLinear, Q4Linear, Q8Linear
 from torchllama.blocks.registry import BlockType
 from torchllama.kernels import huge_pages
 
-#: Weights converted a chunk (~4 MB of int8 codes): the conversion's arrays stay in cache.
-CHUNK_WEIGHTS = 1 << 22
+#: Weights converted a chunk (~2 MB of int8 codes): the conversion's arrays stay in cache, and
+#: the two in flight (a thread each) add little to the load's peak.
+CHUNK_WEIGHTS = 1 << 21
 
 #: read(part, first row, end row, arrays): rows [a, b) of part `part` converted into `arrays`
 #: (its type's `arrays` of b − a rows).
