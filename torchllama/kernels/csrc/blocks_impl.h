@@ -397,6 +397,21 @@ static inline __m512i two_planes(const uint8_t* p0, const uint8_t* p1) {
                             _mm256_loadu_si256((const __m256i*)p1), 1);
 }
 
+// Chunk c of a block of two groups side by side (raw: two_planes of their 32 bytes) unpacked:
+// lo = q[4c..4c+3], hi = q[16+4c..16+4c+3]; 5-bit codes (FIVE) take their fifth bits from
+// *top (the blocks' two planes, shifted right by c already), which moves on to chunk c + 1.
+template <bool FIVE>
+static inline void unpack_chunk(__m512i raw, __m512i* top, __m512i* lo, __m512i* hi) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  *lo = _mm512_and_si512(raw, m4);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+  if (FIVE) {
+    *lo = _mm512_or_si512(*lo, fifth_bits512<0>(*top));
+    *hi = _mm512_or_si512(*hi, fifth_bits512<1>(*top));
+    *top = _mm512_srli_epi16(*top, 1);
+  }
+}
+
 // A VNNI prefill tile's float sums: zeroed, and stored to y (row i at y + i·N, pair t's 16
 // outputs at 16t).
 template <int TM, int TP>
@@ -405,6 +420,13 @@ static inline void zero_tile(__m512 (&acc)[TM][TP]) {
   for (int i = 0; i < TM; ++i)
 #pragma GCC unroll 8
     for (int t = 0; t < TP; ++t) acc[i][t] = _mm512_setzero_ps();
+}
+template <int TM, int TP>
+static inline void zero_tile(__m512i (&sums)[TM][TP]) {           // a block's integer sums
+#pragma GCC unroll 8
+  for (int i = 0; i < TM; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < TP; ++t) sums[i][t] = _mm512_setzero_si512();
 }
 template <int TM, int TP>
 static inline void store_tile(const __m512 (&acc)[TM][TP], float* y, int64_t N) {
@@ -427,7 +449,6 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
   constexpr int TP = TG / 2;                               // group pairs
   constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
-  const __m512i m4 = _mm512_set1_epi8(15);
   const int8_t* xr[TM];                                    // the rows' activations
   const float *dr[TM], *sr[TM];                            // and their scales
   for (int i = 0; i < TM; ++i)
@@ -438,10 +459,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
   zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i s32[TM][TP], top[TP];
-#pragma GCC unroll 8
-    for (int i = 0; i < TM; ++i)
-#pragma GCC unroll 8
-      for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+    zero_tile(s32);
     if (FIVE)
 #pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) top[t] = two_planes(wp[t] + b * BB + 128, wp[t] + (nb + b) * BB + 128);
@@ -459,14 +477,7 @@ static inline void q4_tile_vnni(const Act& a, int64_t m0, const Q4Weight& w, int
           _mm_prefetch((const char*)(p1 + ahead), _MM_HINT_T0);
           _mm_prefetch((const char*)(p1 + ahead + 64), _MM_HINT_T0);
         }
-        const __m512i raw = two_planes(p0, p1);
-        lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
-        if (FIVE) {
-          lo[t] = _mm512_or_si512(lo[t], fifth_bits512<0>(top[t]));
-          hi[t] = _mm512_or_si512(hi[t], fifth_bits512<1>(top[t]));
-          top[t] = _mm512_srli_epi16(top[t], 1);
-        }
+        unpack_chunk<FIVE>(two_planes(p0, p1), &top[t], &lo[t], &hi[t]);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
@@ -505,7 +516,6 @@ template <int DF, int MF, bool FIVE = false>
 static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64_t g, float* y) {
   constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
-  const __m512i m4 = _mm512_set1_epi8(15);
   const int8_t* x = a.q + m * a.K;
   const uint8_t* codes = w.codes + g * nb * BB;
   __m256 acc = _mm256_setzero_ps();
@@ -525,14 +535,8 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
     __m512i s32 = _mm512_setzero_si512();
     __m512i top = FIVE ? two_planes(p + 128, p + BB + 128) : _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      const __m512i both = two_planes(p + 32 * c, p + BB + 32 * c);        // blocks b, b + 1
-      __m512i lo = _mm512_and_si512(both, m4);                              // q[4c..4c+3]
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), m4);       // q[16+4c..]
-      if (FIVE) {
-        lo = _mm512_or_si512(lo, fifth_bits512<0>(top));
-        hi = _mm512_or_si512(hi, fifth_bits512<1>(top));
-        top = _mm512_srli_epi16(top, 1);
-      }
+      __m512i lo, hi;
+      unpack_chunk<FIVE>(two_planes(p + 32 * c, p + BB + 32 * c), &top, &lo, &hi);  // b, b + 1
       const int64_t i0 = 32 * b + 4 * c, i1 = i0 + 32;                      // blocks b, b + 1
       const __m512i vl = _mm512_inserti64x4(_mm512_set1_epi32(x4(i0)),
                                             _mm256_set1_epi32(x4(i1)), 1);
@@ -1080,14 +1084,16 @@ static inline void drive_prefill(int64_t M, int64_t g_begin, int64_t g_end, Prep
 // form than float32 are expanded once per chunk and group tile into float32 (the same values:
 // exact conversions, the same IEEE products; m = c·d as the tile forms it) and the tiles run on
 // `view`: W from group g on, those float32 scales. Its groups count from g (outputs at y + 8g).
-struct ScaleBuffer {
-  std::vector<float> v;
-  float* get(size_t n) {
+// A thread's scratch array, grown as needed and kept.
+template <typename T>
+struct Scratch {
+  std::vector<T> v;
+  T* get(size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
   }
 };
-static thread_local ScaleBuffer scale_buffer;
+static thread_local Scratch<float> scale_buffer;
 
 #if ISA_LEVEL == 2
 // ---- Q4 prefill on VNNI: each tile reads its rows and its scales in the order it uses them ----
@@ -1141,16 +1147,12 @@ static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const u
                                      int64_t nb, float* y, int64_t N) {
   constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t gb = nb * BB;                                 // one group's bytes of codes
-  const __m512i m4 = _mm512_set1_epi8(15);
   __m512 acc[TM][TP];
   zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b, xa += TM * ROW_BYTES, sc += 32 * TP) {
     const uint8_t* p = codes + b * BB;
     __m512i s32[TM][TP], top[TP];
-#pragma GCC unroll 8
-    for (int i = 0; i < TM; ++i)
-#pragma GCC unroll 8
-      for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_setzero_si512();
+    zero_tile(s32);
     if (FIVE)
 #pragma GCC unroll 8
       for (int t = 0; t < TP; ++t)
@@ -1161,13 +1163,7 @@ static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const u
 #pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) {
         const __m512i raw = two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c);
-        lo[t] = _mm512_and_si512(raw, m4);                                  // q[4c..4c+3]
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);           // q[16+4c..]
-        if (FIVE) {
-          lo[t] = _mm512_or_si512(lo[t], fifth_bits512<0>(top[t]));
-          hi[t] = _mm512_or_si512(hi[t], fifth_bits512<1>(top[t]));
-          top[t] = _mm512_srli_epi16(top[t], 1);
-        }
+        unpack_chunk<FIVE>(raw, &top[t], &lo[t], &hi[t]);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
@@ -1195,14 +1191,7 @@ static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const u
   store_tile(acc, y, N);
 }
 
-struct ByteBuffer {
-  std::vector<uint8_t> v;
-  uint8_t* get(size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-  }
-};
-static thread_local ByteBuffer rows_buffer;
+static thread_local Scratch<uint8_t> rows_buffer;       // a chunk's rows, tile by tile
 
 // Per chunk of MC rows: its rows copied (full tiles of VM rows, then each row after them as a
 // 1-row tile), then per tile of VG groups their scales copied and the tiles over them; the
@@ -1283,7 +1272,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 }
 
 // Q8 prefill: codes stored narrower than int8 (6 bits, 4-bit indices, 2 bits) expanded once per
-// chunk and group tile, scales (and offsets) as float32 (ScaleBuffer), then the 8-bit tiles.
+// chunk and group tile, scales (and offsets) as float32 (`scale_buffer`), then the 8-bit tiles.
 constexpr bool LUT_VNNI = ISA_LEVEL == 2;    // 4-bit indices' prefill tiles read them as stored
 template <int B, int DF, bool SMALL, bool OFF>
 static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1,
