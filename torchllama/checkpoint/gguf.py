@@ -84,6 +84,11 @@ class _ArrayField(gguf.ReaderField):
 
     __slots__ = ()
 
+    @property
+    def stored(self) -> np.ndarray:
+        """The array's bytes as a view of the file: the numbers, or the strings' region."""
+        return self.parts[-3] if self.types[-1] == gguf.GGUFValueType.STRING else self.parts[-1]
+
     def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
         if self.types[-1] != gguf.GGUFValueType.STRING:           # numbers, or empty
             return self.parts[-1][index_or_slice].tolist()
@@ -280,12 +285,18 @@ def _release_file_pages(reader: gguf.GGUFReader, tensor: Any, first: int = 0,
     read-only and shared with the page cache, so MADV_DONTNEED loses nothing: a later read of
     those bytes (a part of a page the range ends in) faults them in again.
     """
-    file_map = getattr(reader.data, "_mmap", None)      # numpy.memmap's mmap.mmap
-    if file_map is None or not hasattr(file_map, "madvise"):
-        return
     end = tensor.n_bytes if end is None else end
-    start = (tensor.data_offset + first) // mmap.PAGESIZE * mmap.PAGESIZE
-    file_map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + end - start)
+    _release_bytes(reader, tensor.data_offset + first, tensor.data_offset + end)
+
+
+def _release_bytes(reader: gguf.GGUFReader, first: int, end: int) -> None:
+    """MADV_DONTNEED over the pages that hold the file's bytes [first, end) (see
+    `_release_file_pages`); nothing where the mapping cannot be advised."""
+    file_map = getattr(reader.data, "_mmap", None)      # numpy.memmap's mmap.mmap
+    if file_map is None or not hasattr(file_map, "madvise") or end <= first:
+        return
+    start = first // mmap.PAGESIZE * mmap.PAGESIZE
+    file_map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _release_metadata_arrays(reader: gguf.GGUFReader) -> list[str]:
@@ -296,23 +307,13 @@ def _release_metadata_arrays(reader: gguf.GGUFReader) -> list[str]:
     the file was closed, at the end of the weights' load, where its memory peaks. Returns the
     keys dropped. The mapping is read-only, so MADV_DONTNEED loses nothing (see
     `_release_file_pages`)."""
-    file_map = getattr(reader.data, "_mmap", None)
-    plain = reader.__dict__.get("_plain")
-    dropped = []
-    for key, field in list(reader.fields.items()):
-        if not isinstance(field, _ArrayField):
-            continue
-        strings = field.types[-1] == gguf.GGUFValueType.STRING
-        view = field.parts[-3] if strings else field.parts[-1]    # the bytes in the file
-        del reader.fields[key]
-        dropped.append(key)
-        if file_map is None or plain is None or not hasattr(file_map, "madvise"):
-            continue
-        if not view.nbytes:
-            continue
-        first = view.ctypes.data - plain.ctypes.data              # the array's bytes in the file
-        start = first // mmap.PAGESIZE * mmap.PAGESIZE
-        file_map.madvise(mmap.MADV_DONTNEED, start, first + view.nbytes - start)
+    plain = reader.__dict__.get("_plain")                # `_Reader._get`'s view of the file
+    dropped = [key for key, field in reader.fields.items() if isinstance(field, _ArrayField)]
+    for key in dropped:
+        view = reader.fields.pop(key).stored
+        if plain is not None:
+            first = view.ctypes.data - plain.ctypes.data        # its offset in the file
+            _release_bytes(reader, first, first + view.nbytes)
     return dropped
 
 

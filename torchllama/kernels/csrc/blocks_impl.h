@@ -270,6 +270,13 @@ static inline __m256 scales8(const void* p, int64_t g, int64_t j, int64_t nd) {
     return _mm256_mul_ps(D, _mm256_cvtepi32_ps(s32));                  // exact
   }
 }
+// The 8 rows' offset m of block b of group g, d their scale (scales8): stored in form MF, or
+// c·d (scale_times_d: one IEEE product, as offset_at).
+template <int MF>
+static inline __m256 offsets8(const Q4Weight& w, int64_t g, int64_t b, int64_t nb, __m256 d) {
+  if constexpr (MF == scale_times_d) return _mm256_mul_ps(d, _mm256_set1_ps(w.m_mult));
+  else return scales8<MF>(w.m, g, b, nb);
+}
 static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in every int32 lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -356,8 +363,7 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
     __m256 dw[TG], mw[TG];
     for (int g = 0; g < TG; ++g) {
       dw[g] = scales8<DF>(w.d, g0 + g, b, nb);
-      if constexpr (MF == scale_times_d) mw[g] = _mm256_mul_ps(dw[g], _mm256_set1_ps(w.m_mult));
-      else mw[g] = scales8<MF>(w.m, g0 + g, b, nb);
+      mw[g] = offsets8<MF>(w, g0 + g, b, nb, dw[g]);
     }
     for (int i = 0; i < TM; ++i) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
@@ -521,8 +527,7 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
   __m256 acc = _mm256_setzero_ps();
   const auto add_block = [&](__m256i s32, int64_t b) {      // q4_tile's epilogue, one block
     const __m256 dw = scales8<DF>(w.d, g, b, nb);
-    const __m256 mw = MF == scale_times_d ? _mm256_mul_ps(dw, _mm256_set1_ps(w.m_mult))
-                                          : scales8<MF>(w.m, g, b, nb);
+    const __m256 mw = offsets8<MF>(w, g, b, nb, dw);
     const __m256 dx = _mm256_set1_ps(a.d[m * nb + b]), sx = _mm256_set1_ps(a.s[m * nb + b]);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, dx), acc);
     acc = _mm256_fmadd_ps(mw, sx, acc);
@@ -1135,8 +1140,7 @@ static void pair_scales(const Q4Weight& w, int64_t g, int64_t pairs, float* out)
         float* o = out + (b * pairs + t) * 32 + 8 * h;
         const __m256 d = scales8<DF>(w.d, gh, b, nb);
         _mm256_storeu_ps(o, d);
-        _mm256_storeu_ps(o + 16, MF == scale_times_d ? _mm256_mul_ps(d, _mm256_set1_ps(w.m_mult))
-                                                     : scales8<MF>(w.m, gh, b, nb));
+        _mm256_storeu_ps(o + 16, offsets8<MF>(w, gh, b, nb, d));
       }
 }
 
@@ -1258,8 +1262,7 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
       for (int64_t b = 0; b < nb; ++b) {
         const __m256 d = scales8<DF>(w.d, g + i, b, nb);
         _mm256_storeu_ps(buf + (i * nb + b) * 8, d);
-        _mm256_storeu_ps(buf + n + (i * nb + b) * 8, MF == scale_times_d
-            ? _mm256_mul_ps(d, _mm256_set1_ps(w.m_mult)) : scales8<MF>(w.m, g + i, b, nb));
+        _mm256_storeu_ps(buf + n + (i * nb + b) * 8, offsets8<MF>(w, g + i, b, nb, d));
       }
   };
   constexpr int F = scale_f32;
