@@ -1029,9 +1029,12 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
 #define TL_TILES 4, 2, 4, 1, 2, 4
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
-// Q4's prefill tile on AVX-512 VNNI (q4_tile_vnni: rows × groups, the groups in pairs a zmm).
+// The prefill tiles on AVX-512 VNNI (Q4's, Q8's, the 4-bit indices'): VM rows × VG groups, the
+// groups in pairs a zmm. 8 rows share each chunk's unpacking and loads of a pair's codes, where 4
+// did: on a Xeon (its 512-bit integer and float operations on the same two ports) +5–20% per
+// product (docs/guides/quantized.md).
 #ifndef TL_VNNI_TILES
-#define TL_VNNI_TILES 4, 4
+#define TL_VNNI_TILES 8, 4
 #endif
 constexpr int VNNI_TILES[2] = {TL_VNNI_TILES};
 // MC: each chunk of rows re-expands its group tiles' scales (and 6-, 4- or 2-bit codes), so a
@@ -1062,25 +1065,35 @@ static inline void drive_decode(int64_t M, int64_t g_begin, int64_t g_end, T14 t
     for (int64_t m = 0; m < M; ++m) t11(m, g);
 }
 
+template <int N>
+using Rows = std::integral_constant<int, N>;       // a tile's rows, as a tile lambda's argument
+
+// The rows [m, mend) in tiles of PM rows, then (PM > 4) of 4, then single rows: tile(Rows<TM>,
+// m). A short prompt's last rows thus go 4 at a time, not one by one.
+template <int PM, typename Tile>
+static inline void row_tiles(int64_t m, int64_t mend, Tile tile) {
+  for (; m + PM <= mend; m += PM) tile(Rows<PM>{}, m);
+  if constexpr (PM > 4)
+    for (; m + 4 <= mend; m += 4) tile(Rows<4>{}, m);
+  for (; m < mend; ++m) tile(Rows<1>{}, m);
+}
+
 // Prefill: per chunk of MC rows, per tile of PG groups (then single groups): prep(g, groups),
-// then the PM-row tiles over it.
-template <int PM, int PG, typename Prep, typename TPP, typename TP1, typename T1P, typename T11>
-static inline void drive_prefill(int64_t M, int64_t g_begin, int64_t g_end, Prep prep, TPP tpp,
-                                 TP1 tp1, T1P t1p, T11 t11) {
+// then the row tiles over it: tiles(Rows<TM>, m, g) over PG groups, single(Rows<TM>, m, g)
+// over one.
+template <int PM, int PG, typename Prep, typename Tiles, typename Single>
+static inline void drive_prefill(int64_t M, int64_t g_begin, int64_t g_end, Prep prep,
+                                 Tiles tiles, Single single) {
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t mend = std::min(M, mc + MC);
     int64_t g = g_begin;
     for (; g + PG <= g_end; g += PG) {
       prep(g, PG);
-      int64_t m = mc;
-      for (; m + PM <= mend; m += PM) tpp(m, g);
-      for (; m < mend; ++m) t1p(m, g);
+      row_tiles<PM>(mc, mend, [&](auto tm, int64_t m) { tiles(tm, m, g); });
     }
     for (; g < g_end; ++g) {
       prep(g, 1);
-      int64_t m = mc;
-      for (; m + PM <= mend; m += PM) tp1(m, g);
-      for (; m < mend; ++m) t11(m, g);
+      row_tiles<PM>(mc, mend, [&](auto tm, int64_t m) { single(tm, m, g); });
     }
   }
 }
@@ -1102,7 +1115,7 @@ static thread_local Scratch<float> scale_buffer;
 
 #if ISA_LEVEL == 2
 // ---- Q4 prefill on VNNI: each tile reads its rows and its scales in the order it uses them ----
-// A 4-row × 4-group tile's block is 64 `vpdpbusd`; with 4 row pointers, 4 of activation scales
+// A 4-row × 4-group tile's block was 64 `vpdpbusd`; with 4 row pointers, 4 of activation scales
 // and 4 of offsets, 2 of codes and 2 of weight scales, the tile was short of registers (GCC
 // kept pointers in vector registers and reloaded them) and formed a pair's scales with two
 // loads and an insert. So, once per chunk of MC rows, the chunk's rows are copied tile by
@@ -1197,37 +1210,34 @@ static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const u
 
 static thread_local Scratch<uint8_t> rows_buffer;       // a chunk's rows, tile by tile
 
-// Per chunk of MC rows: its rows copied (full tiles of VM rows, then each row after them as a
-// 1-row tile), then per tile of VG groups their scales copied and the tiles over them; the
-// groups after the last whole tile (< VG) by q4_tile on the scales as stored.
+// Per chunk of MC rows: its rows copied tile by tile (`row_tiles`: VM rows a tile, then 4, then
+// 1; row m's tile at nb · ROW_BYTES · (m − mc)), then per tile of VG groups their scales copied
+// and the row tiles over them; the groups after the last whole tile (< VG) by q4_tile on the
+// scales as stored.
 template <int DF, int MF, bool FIVE>
 static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g0, int64_t g1) {
   constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1], TP = VG / 2;
   const int64_t nb = w.K / 32, N = w.G * 8, BB = q4_block_bytes(FIVE);
-  const int64_t tile_rows = VM * nb * ROW_BYTES;              // bytes of one tile's rows
   uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * ROW_BYTES));
   float* sc = scale_buffer.get(size_t(VG * nb * 16));
   for (int64_t mc = 0; mc < a.M; mc += MC) {
-    const int64_t rows = std::min(MC, a.M - mc), full = rows / VM;
-    interleave_rows<VM>(a, mc, full, xs);
-    uint8_t* rest = xs + full * tile_rows;                    // the rows after: 1-row tiles
-    interleave_rows<1>(a, mc + full * VM, rows - full * VM, rest);
+    const int64_t mend = std::min(a.M, mc + MC);
+    row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
+      interleave_rows<decltype(tm)::value>(a, m, 1, xs + (m - mc) * nb * ROW_BYTES);
+    });
     int64_t g = g0;
     for (; g + VG <= g1; g += VG) {
       pair_scales<DF, MF>(w, g, TP, sc);
       const uint8_t* codes = w.codes + g * nb * BB;
-      for (int64_t t = 0; t < full; ++t)
-        q4_tile_rows_vnni<VM, TP, FIVE>(xs + t * tile_rows, sc, codes, nb,
-                                        y + (mc + t * VM) * N + 8 * g, N);
-      for (int64_t m = full * VM; m < rows; ++m)
-        q4_tile_rows_vnni<1, TP, FIVE>(rest + (m - full * VM) * nb * ROW_BYTES, sc, codes, nb,
-                                       y + (mc + m) * N + 8 * g, N);
+      row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
+        q4_tile_rows_vnni<decltype(tm)::value, TP, FIVE>(xs + (m - mc) * nb * ROW_BYTES, sc,
+                                                        codes, nb, y + m * N + 8 * g, N);
+      });
     }
-    for (; g < g1; ++g) {
-      int64_t m = mc;
-      for (; m + VM <= mc + rows; m += VM) q4_tile<VM, 1, DF, MF, FIVE>(a, m, w, g, y);
-      for (; m < mc + rows; ++m) q4_tile<1, 1, DF, MF, FIVE>(a, m, w, g, y);
-    }
+    for (; g < g1; ++g)
+      row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
+        q4_tile<decltype(tm)::value, 1, DF, MF, FIVE>(a, m, w, g, y);
+      });
   }
 }
 #endif
@@ -1267,10 +1277,10 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   };
   constexpr int F = scale_f32;
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
-        [&](int64_t m, int64_t g) { q4_tile<PM, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<PM, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<1, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-        [&](int64_t m, int64_t g) { q4_tile<1, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
+      [&](auto tm, int64_t m, int64_t g) {
+        q4_tile<decltype(tm)::value, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
+      [&](auto tm, int64_t m, int64_t g) {
+        q4_tile<decltype(tm)::value, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
 #endif
 }
 
@@ -1319,24 +1329,24 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   if (!OFF && w.lut) {          // 4-bit indices: the tiles of VG groups read them as stored
     const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
     drive_prefill<VM, VG>(a.M, g0, g1, prep,
-        [&](int64_t m, int64_t g) { lut_tile_vnni<VM, VG, B>(a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
-        [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
-        [&](int64_t m, int64_t g) { lut_tile_vnni<1, VG, B>(a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
-        [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); });
+        [&](auto tm, int64_t m, int64_t g) { lut_tile_vnni<decltype(tm)::value, VG, B>(
+            a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
+        [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
+            a, m, view, g - gv, y + 8 * gv, s16); });
     return;
   }
   drive_prefill<VM, VG>(a.M, g0, g1, prep,
-      [&](int64_t m, int64_t g) { q8_tile_vnni<VM, VG, B, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
-      [&](int64_t m, int64_t g) { q8_tile<VM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
-      [&](int64_t m, int64_t g) { q8_tile_vnni<1, VG, B, OFF>(a, m, view, g - gv, y + 8 * gv, s16); },
-      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16); });
+      [&](auto tm, int64_t m, int64_t g) { q8_tile_vnni<decltype(tm)::value, VG, B, OFF>(
+          a, m, view, g - gv, y + 8 * gv, s16); },
+      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
+          a, m, view, g - gv, y + 8 * gv, s16); });
   return;
 #endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
-      [&](int64_t m, int64_t g) { q8_tile<PM, PG, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](int64_t m, int64_t g) { q8_tile<PM, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](int64_t m, int64_t g) { q8_tile<1, PG, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](int64_t m, int64_t g) { q8_tile<1, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, sx); });
+      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, PG, B, F, SMALL, I8, OFF>(
+          a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
+          a, m, view, g - gv, y + 8 * gv, sx); });
 }
 
 // Q8's products: decode tiles by how the codes are stored (6 bits: six_tile; 4-bit indices and
