@@ -7,7 +7,7 @@
 //      ggml-cpu/quants.c idiom) on 8 weight rows at once,
 //   2  AVX-512 F/VL/BW + VNNI: the activation quantization 16 lanes at a time, Q4's decode and
 //      prefill tiles by vpdpbusd on two row groups per zmm (`q4_tile_vnni`), Q8's prefill tiles
-//      (`q8_tile_vnni`; `lut_tile_vnni` for 4-bit indices, looked up as stored); Q8's decode
+//      (`q8_tile_rows_vnni`, 4-bit indices looked up as stored; Q2_K's `q8_tile_vnni`); Q8's decode
 //      tiles are AVX2's, compiled again here.
 // Every level computes each output with the same float operations in the same order (the
 // integer sums are exact, so they are equal however they are formed): one answer on every CPU,
@@ -874,76 +874,6 @@ static inline void q8_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, int
     }
   store_tile(acc, y + m0 * N + 8 * g0, N);
 }
-
-// Q8 prefill on VNNI for codes stored as 4-bit indices (Q8Weight::lut: IQ4, Q3_K; `lut` its
-// table, `codes` the indices from group 0 of w's scales, `w` the float32 scales), read as
-// stored: q4_tile_vnni's unpacking of a chunk's nibbles, each index then looked up (vpshufb)
-// in the table of u = code + 128, and q8_tile_vnni's float steps (the low nibbles are the
-// block's first 16 codes, the high ones its last 16: with B = 16 each half is one scale's
-// sub-block): the same bits, without expanding the codes to int8 first.
-template <int TM, int TG, int B>
-static inline void lut_tile_vnni(const Act& a, int64_t m0, const Q8Weight& w, const int8_t* lut,
-                                 const uint8_t* codes, int64_t g0, float* y, const int32_t* sx) {
-  constexpr int TP = TG / 2, H = 32 / B;
-  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
-  const __m512i m4 = _mm512_set1_epi8(15);
-  const __m512i table = _mm512_xor_si512(
-      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)lut)), _mm512_set1_epi8(int8_t(0x80)));
-  const int8_t* xr[TM];
-  const float* dr[TM];
-  const int32_t* sr[TM];
-  for (int i = 0; i < TM; ++i)
-    xr[i] = a.q + (m0 + i) * a.K, dr[i] = a.d + (m0 + i) * nb, sr[i] = sx + (m0 + i) * (a.K / 16);
-  const uint8_t* wp[TP];
-  for (int t = 0; t < TP; ++t) wp[t] = codes + (g0 + 2 * t) * nb * 128;
-  __m512 acc[TM][TP];
-  zero_tile(acc);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i s32[H][TM][TP];      // per half (B = 16) or per block, from −128·Σ q_x
-#pragma GCC unroll 2
-    for (int h = 0; h < H; ++h)
-#pragma GCC unroll 8
-      for (int i = 0; i < TM; ++i) {
-        const __m512i start = _mm512_set1_epi32(-128 * scale_sum<H>(sr[i], b, h));
-#pragma GCC unroll 8
-        for (int t = 0; t < TP; ++t) s32[h][i][t] = start;
-      }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[TP], hi[TP];
-#pragma GCC unroll 8
-      for (int t = 0; t < TP; ++t) {
-        const uint8_t* p0 = wp[t] + b * 128 + 32 * c;
-        const __m512i raw = two_planes(p0, p0 + nb * 128);
-        lo[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
-        hi[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < TM; ++i) {
-        __m512i vl, vh;
-        x_pair(xr[i] + 32 * b, c, &vl, &vh);
-#pragma GCC unroll 8
-        for (int t = 0; t < TP; ++t) {
-          s32[0][i][t] = _mm512_dpbusd_epi32(s32[0][i][t], lo[t], vl);
-          s32[H - 1][i][t] = _mm512_dpbusd_epi32(s32[H - 1][i][t], hi[t], vh);
-        }
-      }
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < H; ++h)
-#pragma GCC unroll 8
-      for (int t = 0; t < TP; ++t) {
-        const __m512 dw = scales16<scale_f32>(w.d, g0 + 2 * t, b * H + h, nd);
-#pragma GCC unroll 8
-        for (int i = 0; i < TM; ++i) {
-          const __m512 dx = _mm512_set1_ps(dr[i][b]);
-          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[h][i][t]), _mm512_mul_ps(dw, dx),
-                                      acc[i][t]);
-        }
-      }
-  }
-  store_tile(acc, y + m0 * N + 8 * g0, N);
-}
 #endif
 
 #if ISA_LEVEL == 2
@@ -1078,14 +1008,18 @@ static inline void row_tiles(int64_t m, int64_t mend, Tile tile) {
   for (; m < mend; ++m) tile(Rows<1>{}, m);
 }
 
-// Prefill: per chunk of MC rows, per tile of PG groups (then single groups): prep(g, groups),
-// then the row tiles over it: tiles(Rows<TM>, m, g) over PG groups, single(Rows<TM>, m, g)
-// over one.
-template <int PM, int PG, typename Prep, typename Tiles, typename Single>
+// Prefill: per chunk of MC rows [mc, mend) (chunk(mc, mend) first), per tile of PG groups (then
+// single groups): prep(g, groups), then the row tiles over it: tiles(Rows<TM>, m, g) over PG
+// groups, single(Rows<TM>, m, g) over one.
+struct NoChunk {
+  void operator()(int64_t, int64_t) const {}
+};
+template <int PM, int PG, typename Prep, typename Tiles, typename Single, typename Chunk = NoChunk>
 static inline void drive_prefill(int64_t M, int64_t g_begin, int64_t g_end, Prep prep,
-                                 Tiles tiles, Single single) {
+                                 Tiles tiles, Single single, Chunk chunk = {}) {
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t mend = std::min(M, mc + MC);
+    chunk(mc, mend);
     int64_t g = g_begin;
     for (; g + PG <= g_end; g += PG) {
       prep(g, PG);
@@ -1240,6 +1174,110 @@ static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g
       });
   }
 }
+
+// ---- Q8 prefill on VNNI (8-bit codes, 6-bit ones expanded, 4-bit indices): the same copies ----
+// A chunk's rows copied tile by tile as for Q4 (`interleave_rows8`: per tile of TM rows and
+// block b, the TM rows' 32 codes, their TM d, then their TM · H sums' starts −128·Σ q_x, one a
+// scale of B activations), so a tile of 8 rows walks one pointer where it had 24. Per block,
+// scale after scale (h), the TM × TP sums then the scale's fma, as q8_tile_vnni: 4-bit indices
+// are looked up (vpshufb) in the table of u = code + 128 as stored, and with B = 16 the chunks'
+// low nibbles are scale 0's, the high ones scale 1's, so each scale unpacks the half it needs
+// (16 sums live, not 32). The same integer sums and the same float operations in the same
+// order: the same bits.
+template <int H>
+static constexpr int64_t row8_bytes() { return 36 + 4 * H; }   // codes, d, H starts
+
+template <int TM, int H>
+static void interleave_rows8(const Act& a, int64_t m0, const int32_t* s16, uint8_t* out) {
+  const int64_t nb = a.K / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* o = out + b * TM * row8_bytes<H>();
+    for (int i = 0; i < TM; ++i) {
+      const int64_t m = m0 + i;
+      std::memcpy(o + 32 * i, a.q + m * a.K + 32 * b, 32);
+      std::memcpy(o + 32 * TM + 4 * i, a.d + m * nb + b, 4);
+      for (int h = 0; h < H; ++h) {
+        const int32_t start = -128 * scale_sum<H>(s16 + m * (a.K / 16), b, h);
+        std::memcpy(o + 36 * TM + 4 * (H * i + h), &start, 4);
+      }
+    }
+  }
+}
+
+// TM rows (xa: interleave_rows8's tile) × TP pairs of groups: codes from the first group's
+// (int8, or LUT: 4-bit indices looked up in `table`, u = code + 128), d its float32 scales
+// (q8_prefill's view: group-major, nd a group), outputs at y, y + N, …
+template <int TM, int TP, int B, bool LUT>
+static inline void q8_tile_rows_vnni(const uint8_t* xa, const float* d, const uint8_t* codes,
+                                     __m512i table, int64_t nb, float* y, int64_t N) {
+  constexpr int H = 32 / B;
+  constexpr int64_t RB = row8_bytes<H>(), BB = LUT ? 128 : 256;
+  const int64_t gb = nb * BB, nd = nb * H;
+  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(int8_t(0x80));
+  __m512 acc[TM][TP];
+  zero_tile(acc);
+  for (int64_t b = 0; b < nb; ++b, xa += TM * RB) {
+    const uint8_t* p = codes + b * BB;
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      __m512i s32[TM][TP];
+#pragma GCC unroll 8
+      for (int i = 0; i < TM; ++i) {
+        int32_t start;
+        std::memcpy(&start, xa + 36 * TM + 4 * (H * i + h), 4);
+#pragma GCC unroll 8
+        for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_set1_epi32(start);
+      }
+      auto dot = [&](const __m512i (&u)[TP], int x_at) {      // x_at: the 4 activations' offset
+#pragma GCC unroll 8
+        for (int i = 0; i < TM; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xa + 32 * i + x_at, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+#pragma GCC unroll 8
+          for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_dpbusd_epi32(s32[i][t], u[t], xv);
+        }
+      };
+      if (LUT) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          __m512i lo[TP], hi[TP];
+#pragma GCC unroll 8
+          for (int t = 0; t < TP; ++t) {
+            const __m512i raw = two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c);
+            if (H == 1 || h == 0) lo[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+            if (H == 1 || h == 1)
+              hi[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+          }
+          if (H == 1 || h == 0) dot(lo, 4 * c);
+          if (H == 1 || h == 1) dot(hi, 16 + 4 * c);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
+          __m512i u[TP];
+#pragma GCC unroll 8
+          for (int t = 0; t < TP; ++t)
+            u[t] = _mm512_xor_si512(
+                two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c), flip);
+          dot(u, 4 * c);
+        }
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < TP; ++t) {
+        const __m512 dw = scales16<scale_f32>(d, 2 * t, b * H + h, nd);
+#pragma GCC unroll 8
+        for (int i = 0; i < TM; ++i) {
+          float dxf;
+          std::memcpy(&dxf, xa + 32 * TM + 4 * i, 4);
+          acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i][t]),
+                                      _mm512_mul_ps(dw, _mm512_set1_ps(dxf)), acc[i][t]);
+        }
+      }
+    }
+  }
+  store_tile(acc, y, N);
+}
 #endif
 
 
@@ -1326,20 +1364,39 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
 #if ISA_LEVEL == 2
   constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
   const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
-  if (!OFF && w.lut) {          // 4-bit indices: the tiles of VG groups read them as stored
-    const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
+  auto single = [&](auto tm, int64_t m, int64_t g) {
+    q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16);
+  };
+  if (OFF) {                                    // Q2_K: q8_tile_vnni, its offsets' fmas
     drive_prefill<VM, VG>(a.M, g0, g1, prep,
-        [&](auto tm, int64_t m, int64_t g) { lut_tile_vnni<decltype(tm)::value, VG, B>(
-            a, m, view, w.lut, raw + gv * nb * 128, g - gv, y + 8 * gv, s16); },
-        [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
-            a, m, view, g - gv, y + 8 * gv, s16); });
+        [&](auto tm, int64_t m, int64_t g) { q8_tile_vnni<decltype(tm)::value, VG, B, OFF>(
+            a, m, view, g - gv, y + 8 * gv, s16); }, single);
     return;
   }
+  constexpr int H = 32 / B;
+  const int64_t N = w.G * 8;
+  uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * row8_bytes<H>()));
+  const bool lut = w.lut != nullptr;                 // the indices read as stored (prep)
+  const __m512i lut512 = lut ? _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)w.lut)), _mm512_set1_epi8(int8_t(0x80)))
+      : _mm512_setzero_si512();
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
   drive_prefill<VM, VG>(a.M, g0, g1, prep,
-      [&](auto tm, int64_t m, int64_t g) { q8_tile_vnni<decltype(tm)::value, VG, B, OFF>(
-          a, m, view, g - gv, y + 8 * gv, s16); },
-      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
-          a, m, view, g - gv, y + 8 * gv, s16); });
+      [&](auto tm, int64_t m, int64_t g) {
+        constexpr int TM = decltype(tm)::value;
+        const uint8_t* xa = xs + (m % MC) * nb * row8_bytes<H>();
+        float* yo = y + m * N + 8 * g;
+        if (lut)
+          q8_tile_rows_vnni<TM, VG / 2, B, true>(xa, buf, raw + g * nb * 128, lut512, nb, yo, N);
+        else
+          q8_tile_rows_vnni<TM, VG / 2, B, false>(xa, buf, reinterpret_cast<const uint8_t*>(view.codes),
+                                                  lut512, nb, yo, N);
+      }, single,
+      [&](int64_t mc, int64_t mend) {                // each chunk's rows, tile by tile
+        row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
+          interleave_rows8<decltype(tm)::value, H>(a, m, s16, xs + (m - mc) * nb * row8_bytes<H>());
+        });
+      });
   return;
 #endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
