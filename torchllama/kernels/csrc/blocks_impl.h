@@ -1143,6 +1143,7 @@ static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const u
 }
 
 static thread_local Scratch<uint8_t> rows_buffer;       // a chunk's rows, tile by tile
+static thread_local Scratch<uint8_t> pairs_buffer;      // a group tile's codes as u, pair by pair
 
 // Per chunk of MC rows: its rows copied tile by tile (`row_tiles`: VM rows a tile, then 4, then
 // 1; row m's tile at nb · ROW_BYTES · (m − mc)), then per tile of VG groups their scales copied
@@ -1204,20 +1205,50 @@ static void interleave_rows8(const Act& a, int64_t m0, const int32_t* s16, uint8
   }
 }
 
-// TM rows (xa: interleave_rows8's tile) × TP pairs of groups: codes from the first group's
-// (int8, or LUT: 4-bit indices looked up in `table`, u = code + 128), d its float32 scales
-// (q8_prefill's view: group-major, nd a group), outputs at y, y + N, …
-template <int TM, int TP, int B, bool LUT>
-static inline void q8_tile_rows_vnni(const uint8_t* xa, const float* d, const uint8_t* codes,
-                                     __m512i table, int64_t nb, float* y, int64_t N) {
-  constexpr int H = 32 / B;
-  constexpr int64_t RB = row8_bytes<H>(), BB = LUT ? 128 : 256;
-  const int64_t gb = nb * BB, nd = nb * H;
+// A tile of 2·TP groups' codes as vpdpbusd's unsigned operand u = code + 128, pair by pair, once
+// per chunk of rows and group tile: per block b, slot k = 0..7 (codes 4k..4k+3) and pair t, 64
+// bytes, the pair's two groups side by side; from int8 codes (Q8's layout, 256 bytes a block:
+// an xor of the sign bit) or 4-bit indices (Q4's arrangement, 128 bytes a block: slot c the low
+// nibbles of chunk c, 4 + c its high ones, looked up in `table` of u). A tile then loads each
+// pair's u in one 64-byte load: no vpshufb, mask, shift, xor or insert per tile, which share
+// vpdpbusd's ports (on a Xeon each prefill tile had 24–32 of them to 128 vpdpbusd a block).
+template <int TP>
+static void expand_pairs(const uint8_t* codes, int64_t nb, const int8_t* lut, uint8_t* out) {
   const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(int8_t(0x80));
+  const __m512i table = lut ? _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)lut)), flip) : flip;
+  const int64_t BB = lut ? 128 : 256, gb = nb * BB;
+  auto put = [&](int64_t b, int k, int t, __m512i u) {
+    _mm512_storeu_si512(out + ((b * 8 + k) * TP + t) * 64, u);
+  };
+  for (int64_t b = 0; b < nb; ++b)
+    for (int t = 0; t < TP; ++t) {
+      const uint8_t* p = codes + 2 * t * gb + b * BB;
+      for (int c = 0; c < (lut ? 4 : 8); ++c) {
+        const __m512i r = two_planes(p + 32 * c, p + gb + 32 * c);
+        if (!lut) {
+          put(b, c, t, _mm512_xor_si512(r, flip));
+          continue;
+        }
+        put(b, c, t, _mm512_shuffle_epi8(table, _mm512_and_si512(r, m4)));
+        put(b, 4 + c, t, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4)));
+      }
+    }
+}
+
+// TM rows (xa: interleave_rows8's tile) × TP pairs of groups: u as expand_pairs lays it out, d
+// the groups' float32 scales (q8_prefill's view: group-major, nd a group), outputs at y,
+// y + N, …
+template <int TM, int TP, int B>
+static inline void q8_tile_rows_vnni(const uint8_t* xa, const float* d, const uint8_t* u8,
+                                     int64_t nb, float* y, int64_t N) {
+  constexpr int H = 32 / B;
+  constexpr int64_t RB = row8_bytes<H>();
+  const int64_t nd = nb * H;
   __m512 acc[TM][TP];
   zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b, xa += TM * RB) {
-    const uint8_t* p = codes + b * BB;
+    const uint8_t* p = u8 + b * 8 * TP * 64;
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {
       __m512i s32[TM][TP];
@@ -1228,39 +1259,18 @@ static inline void q8_tile_rows_vnni(const uint8_t* xa, const float* d, const ui
 #pragma GCC unroll 8
         for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_set1_epi32(start);
       }
-      auto dot = [&](const __m512i (&u)[TP], int x_at) {      // x_at: the 4 activations' offset
+#pragma GCC unroll 8
+      for (int k = h * 8 / H; k < (h + 1) * 8 / H; ++k) {          // slot k: codes 4k..4k+3
+        __m512i u[TP];
+#pragma GCC unroll 8
+        for (int t = 0; t < TP; ++t) u[t] = _mm512_loadu_si512(p + (k * TP + t) * 64);
 #pragma GCC unroll 8
         for (int i = 0; i < TM; ++i) {
           int32_t x4;
-          std::memcpy(&x4, xa + 32 * i + x_at, 4);
+          std::memcpy(&x4, xa + 32 * i + 4 * k, 4);
           const __m512i xv = _mm512_set1_epi32(x4);
 #pragma GCC unroll 8
           for (int t = 0; t < TP; ++t) s32[i][t] = _mm512_dpbusd_epi32(s32[i][t], u[t], xv);
-        }
-      };
-      if (LUT) {
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          __m512i lo[TP], hi[TP];
-#pragma GCC unroll 8
-          for (int t = 0; t < TP; ++t) {
-            const __m512i raw = two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c);
-            if (H == 1 || h == 0) lo[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
-            if (H == 1 || h == 1)
-              hi[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
-          }
-          if (H == 1 || h == 0) dot(lo, 4 * c);
-          if (H == 1 || h == 1) dot(hi, 16 + 4 * c);
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
-          __m512i u[TP];
-#pragma GCC unroll 8
-          for (int t = 0; t < TP; ++t)
-            u[t] = _mm512_xor_si512(
-                two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c), flip);
-          dot(u, 4 * c);
         }
       }
 #pragma GCC unroll 8
@@ -1376,21 +1386,17 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   constexpr int H = 32 / B;
   const int64_t N = w.G * 8;
   uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * row8_bytes<H>()));
-  const bool lut = w.lut != nullptr;                 // the indices read as stored (prep)
-  const __m512i lut512 = lut ? _mm512_xor_si512(
-      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)w.lut)), _mm512_set1_epi8(int8_t(0x80)))
-      : _mm512_setzero_si512();
-  const uint8_t* raw = reinterpret_cast<const uint8_t*>(w.codes);
-  drive_prefill<VM, VG>(a.M, g0, g1, prep,
+  uint8_t* pairs = pairs_buffer.get(size_t(VG * nb * 256));
+  auto prep_pairs = [&](int64_t g, int64_t groups) {      // scales (prep), then u pair by pair
+    prep(g, groups);
+    if (groups == VG)
+      expand_pairs<VG / 2>(w.lut ? reinterpret_cast<const uint8_t*>(w.codes) + g * nb * 128
+                                 : reinterpret_cast<const uint8_t*>(view.codes), nb, w.lut, pairs);
+  };
+  drive_prefill<VM, VG>(a.M, g0, g1, prep_pairs,
       [&](auto tm, int64_t m, int64_t g) {
-        constexpr int TM = decltype(tm)::value;
-        const uint8_t* xa = xs + (m % MC) * nb * row8_bytes<H>();
-        float* yo = y + m * N + 8 * g;
-        if (lut)
-          q8_tile_rows_vnni<TM, VG / 2, B, true>(xa, buf, raw + g * nb * 128, lut512, nb, yo, N);
-        else
-          q8_tile_rows_vnni<TM, VG / 2, B, false>(xa, buf, reinterpret_cast<const uint8_t*>(view.codes),
-                                                  lut512, nb, yo, N);
+        q8_tile_rows_vnni<decltype(tm)::value, VG / 2, B>(xs + (m % MC) * nb * row8_bytes<H>(),
+                                                         buf, pairs, nb, y + m * N + 8 * g, N);
       }, single,
       [&](int64_t mc, int64_t mend) {                // each chunk's rows, tile by tile
         row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
