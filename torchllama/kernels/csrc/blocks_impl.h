@@ -1091,30 +1091,44 @@ static void pair_scales(const Q4Weight& w, int64_t g, int64_t pairs, float* out)
       }
 }
 
-// TM rows (xa: `interleave_rows`' tile) × TP pairs of groups (codes: the first group's, sc:
+// A tile of 2·TP groups' 4- or 5-bit codes (from the first group's, BB bytes a block) unpacked
+// to bytes once per chunk of rows and group tile, pair by pair as expand_pairs lays them out
+// (slot c the low nibbles of chunk c, 4 + c its high ones: codes 4k..4k+3 in slot k), so the
+// tiles load them where each unpacked every chunk of every pair.
+template <int TP, bool FIVE>
+static void expand_q4_pairs(const uint8_t* codes, int64_t nb, uint8_t* out) {
+  const int64_t BB = q4_block_bytes(FIVE), gb = nb * BB;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int t = 0; t < TP; ++t) {
+      const uint8_t* p = codes + 2 * t * gb + b * BB;
+      __m512i top = FIVE ? two_planes(p + 128, p + gb + 128) : _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        __m512i lo, hi;
+        unpack_chunk<FIVE>(two_planes(p + 32 * c, p + gb + 32 * c), &top, &lo, &hi);
+        _mm512_storeu_si512(out + ((b * 8 + c) * TP + t) * 64, lo);
+        _mm512_storeu_si512(out + ((b * 8 + 4 + c) * TP + t) * 64, hi);
+      }
+    }
+}
+
+// TM rows (xa: `interleave_rows`' tile) × TP pairs of groups (u8: expand_q4_pairs' codes, sc:
 // `pair_scales`' copy), output rows at y, y + N, …
 template <int TM, int TP, bool FIVE>
-static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const uint8_t* codes,
+static inline void q4_tile_rows_vnni(const uint8_t* xa, const float* sc, const uint8_t* u8,
                                      int64_t nb, float* y, int64_t N) {
-  constexpr int64_t BB = FIVE ? 160 : 128;
-  const int64_t gb = nb * BB;                                 // one group's bytes of codes
   __m512 acc[TM][TP];
   zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b, xa += TM * ROW_BYTES, sc += 32 * TP) {
-    const uint8_t* p = codes + b * BB;
-    __m512i s32[TM][TP], top[TP];
+    const uint8_t* p = u8 + b * 8 * TP * 64;
+    __m512i s32[TM][TP];
     zero_tile(s32);
-    if (FIVE)
-#pragma GCC unroll 8
-      for (int t = 0; t < TP; ++t)
-        top[t] = two_planes(p + 2 * t * gb + 128, p + (2 * t + 1) * gb + 128);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      __m512i lo[TP], hi[TP];                  // the pairs' weights, unpacked once for TM rows
+      __m512i lo[TP], hi[TP];                  // the pairs' weights (expand_q4_pairs)
 #pragma GCC unroll 8
       for (int t = 0; t < TP; ++t) {
-        const __m512i raw = two_planes(p + 2 * t * gb + 32 * c, p + (2 * t + 1) * gb + 32 * c);
-        unpack_chunk<FIVE>(raw, &top[t], &lo[t], &hi[t]);
+        lo[t] = _mm512_loadu_si512(p + (c * TP + t) * 64);
+        hi[t] = _mm512_loadu_si512(p + ((4 + c) * TP + t) * 64);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < TM; ++i) {
@@ -1155,6 +1169,7 @@ static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g
   const int64_t nb = w.K / 32, N = w.G * 8, BB = q4_block_bytes(FIVE);
   uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * ROW_BYTES));
   float* sc = scale_buffer.get(size_t(VG * nb * 16));
+  uint8_t* u8 = pairs_buffer.get(size_t(VG * nb * 256));
   for (int64_t mc = 0; mc < a.M; mc += MC) {
     const int64_t mend = std::min(a.M, mc + MC);
     row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
@@ -1163,10 +1178,10 @@ static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g
     int64_t g = g0;
     for (; g + VG <= g1; g += VG) {
       pair_scales<DF, MF>(w, g, TP, sc);
-      const uint8_t* codes = w.codes + g * nb * BB;
+      expand_q4_pairs<TP, FIVE>(w.codes + g * nb * BB, nb, u8);
       row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
         q4_tile_rows_vnni<decltype(tm)::value, TP, FIVE>(xs + (m - mc) * nb * ROW_BYTES, sc,
-                                                        codes, nb, y + m * N + 8 * g, N);
+                                                        u8, nb, y + m * N + 8 * g, N);
       });
     }
     for (; g < g1; ++g)
