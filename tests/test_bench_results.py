@@ -67,6 +67,23 @@ def test_the_summary_keeps_each_figures_latest_ratio():
     later = document("shapes", [Run("1B", [Figure("prefill 2048", "tok/s", 300.0, 200.0),
                                            Figure("decode b1", "tok/s", 60.0, 50.0)],
                                     "llama.cpp")])
+    cpu = summary([first]).splitlines()[2].split(" | ")[2]
     row = summary([first, later]).splitlines()[2]
-    assert row == ("| 1B | llama.cpp | prefill 512 **2.00×** · decode b1 **1.20×** · "
+    assert row == (f"| 1B | llama.cpp | {cpu} | prefill 512 **2.00×** · decode b1 **1.20×** · "
                    "prefill 2048 **1.50×** |"), row
+
+
+def test_the_summary_has_a_row_per_cpu():
+    """The same model measured on two CPUs (or kernel levels): a row each, so one's figures
+    never stand in for the other's."""
+    from torchllama.bench.results import summary
+
+    amd = document("shapes", [Run("1B", [Figure("prefill 512", "tok/s", 500.0, 250.0)],
+                                  "llama.cpp")])
+    amd["machine"].update(cpu="AMD EPYC", kernels="avx512_vnni")
+    intel = document("shapes", [Run("1B", [Figure("prefill 512", "tok/s", 300.0, 250.0)],
+                                    "llama.cpp")])
+    intel["machine"].update(cpu="Intel(R) Xeon(R) Processor", kernels="avx2")
+    rows = summary([amd, intel]).splitlines()[2:]
+    assert rows == ["| 1B | llama.cpp | AMD EPYC, avx512_vnni | prefill 512 **2.00×** |",
+                    "| 1B | llama.cpp | Intel Xeon, avx2 | prefill 512 **1.20×** |"], rows

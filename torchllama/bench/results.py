@@ -251,26 +251,38 @@ def render(docs: list[dict]) -> str:
 
 
 def summary(docs: list[dict]) -> str:
-    """The README's speed table: for each (benchmark, model) measured against a peer, each
+    """The README's speed table: for each (benchmark, model, CPU) measured against a peer, each
     figure's latest ratio, one row each (ours ÷ the peer; > 1: ours is faster). A figure keeps
     its latest value even where a later run measured other figures of the same model (a
-    2048-token prefill run does not hide the 128- and 512-token ones)."""
+    2048-token prefill run does not hide the 128- and 512-token ones); a model measured on two
+    CPUs (or kernel levels) has a row for each (the machines are lent by chance: one run's CPU may differ from the
+    last's)."""
     latest: dict[tuple, dict[str, dict]] = {}
     for doc in docs:                                       # oldest first: the last one wins
+        cpu = _cpu_name(doc["machine"])
         for run in doc["runs"]:
             if run.get("peer"):
-                figures = latest.setdefault((doc["benchmark"], run["model"], run["peer"]), {})
+                key = (doc["benchmark"], run["model"], run["peer"], cpu)
+                figures = latest.setdefault(key, {})
                 for f in run["figures"]:
                     figures[f["name"]] = f
-    lines = ["| model | against | ours ÷ theirs |", "|---|---|---|"]
-    for (_, model, peer), figures in latest.items():
+    lines = ["| model | against | CPU | ours ÷ theirs |", "|---|---|---|---|"]
+    for (_, model, peer, cpu), figures in latest.items():
         cells = []
         for f in figures.values():
             ratio = Figure(**f).ratio
             if ratio is not None and f["unit"] == "tok/s":
                 cells.append(f"{f['name']} **{ratio:.2f}×**")
-        lines.append(f"| {model} | {peer} | {' · '.join(cells)} |")
+        lines.append(f"| {model} | {peer} | {cpu} | {' · '.join(cells)} |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu_name(machine: dict) -> str:
+    """The CPU and the kernels' instruction set: 'Intel Xeon, avx512_vnni' (a run capped at a
+    lower level by TORCHLLAMA_KERNELS_ISA gets a row of its own)."""
+    cpu = " ".join(machine["cpu"].replace("(R)", "").replace("(TM)", "")
+                   .replace(" Processor", "").split())
+    return f"{cpu}, {machine['kernels']}" if machine.get("kernels") else cpu
 
 
 START, END = "<!-- speed-summary:start -->", "<!-- speed-summary:end -->"
