@@ -1056,10 +1056,10 @@ static thread_local Scratch<float> scale_buffer;
 // tile (`interleave_rows`: per tile of TM rows and block b, the TM rows' 32 codes, then their
 // TM d, then their TM s: TM · ROW_BYTES bytes), and once per chunk and tile of VG groups the
 // groups' scales pair by pair (`pair_scales`: per block b and pair, the 16 rows' d, then their
-// 16 m, float32: the values `scales8` gives, m = c·d as the other tiles form it). The codes are
-// read as stored (copying them side by side too cost more than it saved at 128 rows). A tile
-// then walks one pointer for its rows and one for its scales: the same integer sums and the
-// same float operations in the same order as q4_tile's, so the same bits.
+// 16 m, float32: the values `scales8` gives, m = c·d as the other tiles form it), and the
+// groups' codes unpacked to bytes pair by pair (`expand_q4_pairs`). A tile then walks one
+// pointer for its rows, one for its scales and one for its codes: the same integer sums and
+// the same float operations in the same order as q4_tile's, so the same bits.
 constexpr int64_t ROW_BYTES = 40;          // one row's block: 32 int8 codes, float d, float s
 
 template <int TM>
@@ -1195,11 +1195,10 @@ static void q4_prefill_vnni(const Act& a, const Q4Weight& w, float* y, int64_t g
 // A chunk's rows copied tile by tile as for Q4 (`interleave_rows8`: per tile of TM rows and
 // block b, the TM rows' 32 codes, their TM d, then their TM · H sums' starts −128·Σ q_x, one a
 // scale of B activations), so a tile of 8 rows walks one pointer where it had 24. Per block,
-// scale after scale (h), the TM × TP sums then the scale's fma, as q8_tile_vnni: 4-bit indices
-// are looked up (vpshufb) in the table of u = code + 128 as stored, and with B = 16 the chunks'
-// low nibbles are scale 0's, the high ones scale 1's, so each scale unpacks the half it needs
-// (16 sums live, not 32). The same integer sums and the same float operations in the same
-// order: the same bits.
+// scale after scale (h), the TM × TP sums then the scale's fma, as q8_tile_vnni, on the codes
+// as `expand_pairs` lays them out (with B = 16, slots 0–3 are scale 0's, 4–7 scale 1's: 16 sums
+// live, not 32). The same integer sums and the same float operations in the same order: the
+// same bits.
 template <int H>
 static constexpr int64_t row8_bytes() { return 36 + 4 * H; }   // codes, d, H starts
 
@@ -1229,7 +1228,7 @@ static void interleave_rows8(const Act& a, int64_t m0, const int32_t* s16, uint8
 // vpdpbusd's ports (on a Xeon each prefill tile had 24–32 of them to 128 vpdpbusd a block).
 template <int TP>
 static void expand_pairs(const uint8_t* codes, int64_t nb, const int8_t* lut, uint8_t* out) {
-  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(int8_t(0x80));
+  const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
   const __m512i table = lut ? _mm512_xor_si512(
       _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)lut)), flip) : flip;
   const int64_t BB = lut ? 128 : 256, gb = nb * BB;
@@ -1245,8 +1244,10 @@ static void expand_pairs(const uint8_t* codes, int64_t nb, const int8_t* lut, ui
           put(b, c, t, _mm512_xor_si512(r, flip));
           continue;
         }
-        put(b, c, t, _mm512_shuffle_epi8(table, _mm512_and_si512(r, m4)));
-        put(b, 4 + c, t, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(r, 4), m4)));
+        __m512i lo, hi;
+        unpack_chunk<false>(r, nullptr, &lo, &hi);                 // the indices, then u
+        put(b, c, t, _mm512_shuffle_epi8(table, lo));
+        put(b, 4 + c, t, _mm512_shuffle_epi8(table, hi));
       }
     }
 }
