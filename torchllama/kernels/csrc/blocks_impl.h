@@ -317,6 +317,23 @@ static inline __m256i fifth_bits(__m256i top_c) {
 // Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
 // 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32. 5-bit codes (FIVE):
 // two chunks' int16 sums (≤ 4 · 2 · 31 · 127 = 31496) to int32 at a time.
+// A block's float steps, per row i and group g: y = fma(isum, d_w · d_x, y), y = fma(m_w, s_x, y).
+template <int TM, int TG, bool FIVE>
+static inline void q4_fold(__m256 (&acc)[TM][TG], __m256i (&s16)[TM][TG], __m256i (&s32)[TM][TG],
+                           const __m256* dw, const __m256* mw, const Act& a, int64_t m0, int64_t b) {
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < TM; ++i) {
+    const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
+    const __m256 sx = _mm256_set1_ps(a.s[(m0 + i) * nb + b]);
+    for (int g = 0; g < TG; ++g) {
+      const __m256i sum = _mm256_madd_epi16(s16[i][g], ones);
+      const __m256 isum = _mm256_cvtepi32_ps(FIVE ? _mm256_add_epi32(s32[i][g], sum) : sum);
+      acc[i][g] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[g], dx), acc[i][g]);
+      acc[i][g] = _mm256_fmadd_ps(mw[g], sx, acc[i][g]);
+    }
+  }
+}
 template <int TM, int TG, int DF, int MF, bool FIVE = false>
 static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0, float* y) {
   constexpr int64_t BB = FIVE ? 160 : 128;
@@ -365,19 +382,86 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       dw[g] = scales8<DF>(w.d, g0 + g, b, nb);
       mw[g] = offsets8<MF>(w, g0 + g, b, nb, dw[g]);
     }
-    for (int i = 0; i < TM; ++i) {
-      const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
-      const __m256 sx = _mm256_set1_ps(a.s[(m0 + i) * nb + b]);
-      for (int g = 0; g < TG; ++g) {
-        const __m256i sum = _mm256_madd_epi16(s16[i][g], ones);
-        const __m256 isum = _mm256_cvtepi32_ps(FIVE ? _mm256_add_epi32(s32[i][g], sum) : sum);
-        acc[i][g] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[g], dx), acc[i][g]);
-        acc[i][g] = _mm256_fmadd_ps(mw[g], sx, acc[i][g]);
-      }
-    }
+    q4_fold<TM, TG, FIVE>(acc, s16, s32, dw, mw, a, m0, b);
   }
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
+}
+
+// Q4 prefill on AVX2: q4_tile on codes unpacked once per chunk of rows (`unpack_q4_codes`, at
+// u) and float32 scales (d, m: (TG, nb, 8) from the tile's first group), its outputs at y (row
+// i at y + i · N): the same sums and float steps. Chunk after chunk, not unrolled: unrolled, GCC
+// hoisted every maddubs of a block ahead of its adds and spilled them.
+template <int TM, int TG, bool FIVE>
+static inline void q4_tile_unpacked(const Act& a, int64_t m0, const uint8_t* u, const float* d,
+                                    const float* m, float* y, int64_t N) {
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[TM][TG];
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s16[TM][TG], s32[TM][TG];
+    for (int i = 0; i < TM; ++i)
+      for (int g = 0; g < TG; ++g) s16[i][g] = s32[i][g] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[TG], hi[TG];
+      for (int g = 0; g < TG; ++g) {
+        const uint8_t* o = u + ((b * 4 + c) * TG + g) * 64;
+        lo[g] = _mm256_loadu_si256((const __m256i*)o);
+        hi[g] = _mm256_loadu_si256((const __m256i*)(o + 32));
+      }
+      for (int i = 0; i < TM; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
+        const __m256i xl = bcast4(x), xh = bcast4(x + 16);
+        for (int g = 0; g < TG; ++g)
+          s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
+      }
+      if (FIVE && c == 1)
+        for (int i = 0; i < TM; ++i)
+          for (int g = 0; g < TG; ++g) {
+            s32[i][g] = _mm256_madd_epi16(s16[i][g], ones);
+            s16[i][g] = _mm256_setzero_si256();
+          }
+    }
+    __m256 dw[TG], mw[TG];
+    for (int g = 0; g < TG; ++g) {
+      dw[g] = _mm256_loadu_ps(d + (g * nb + b) * 8);
+      mw[g] = _mm256_loadu_ps(m + (g * nb + b) * 8);
+    }
+    q4_fold<TM, TG, FIVE>(acc, s16, s32, dw, mw, a, m0, b);
+  }
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + i * N + 8 * g, acc[i][g]);
+}
+
+// Prefill on AVX2: the codes of `groups` groups from `codes` on unpacked to bytes once per chunk
+// of rows and group tile, so the chunk's row tiles load them as they are (q4_tile's u): per
+// block b, chunk c and group g, 64 bytes at out + ((4b + c) · groups + g) · 64: the 8 rows'
+// weights 4c..4c+3 (low nibbles), then 16+4c..16+4c+3 (high), with their fifth bits (FIVE).
+template <bool FIVE>
+static void unpack_q4_codes(const uint8_t* codes, int64_t groups, int64_t nb, uint8_t* out) {
+  const int64_t BB = FIVE ? 160 : 128;
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = codes + (g * nb + b) * BB;
+      __m256i top = FIVE ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
+        __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if (FIVE) {
+          lo = _mm256_or_si256(lo, fifth_bits<0>(top));
+          hi = _mm256_or_si256(hi, fifth_bits<1>(top));
+          top = _mm256_srli_epi16(top, 1);
+        }
+        uint8_t* o = out + ((b * 4 + c) * groups + g) * 64;
+        _mm256_storeu_si256((__m256i*)o, lo);
+        _mm256_storeu_si256((__m256i*)(o + 32), hi);
+      }
+    }
 }
 
 #if ISA_LEVEL == 2
@@ -953,10 +1037,12 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
 // the scales as stored. Prefill: PM × PG tiles over chunks of MC activation rows, so a weight
 // tile is reused from cache, on float32 scales expanded once per chunk and group tile (forming
 // the K-quants' factors in every tile made their prefill slower). The tile shapes (PM × PG per
-// block kind, TL_TILES) were chosen on AVX2's 16 ymm registers on one thread, the fastest of the
-// shapes tried for a 128-row product (`torchllama bench shapes` measures prefill).
+// block kind, TL_TILES) were chosen on AVX2's 16 ymm registers, the fastest of the shapes tried
+// for 128- and 512-row products on 2 threads; Q4's 3 × 2 on its codes unpacked once per chunk
+// (`q4_tile_unpacked`: 3 × 2 leaves 6 sums, 4 codes and 2 activations live; docs/guides/
+// quantized.md has the figures).
 #ifndef TL_TILES
-#define TL_TILES 4, 2, 4, 1, 2, 4
+#define TL_TILES 3, 2, 4, 1, 2, 4
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
 // The prefill tiles on AVX-512 VNNI (Q4's, Q8's, the 4-bit indices'): VM rows × VG groups, the
@@ -1046,6 +1132,7 @@ struct Scratch {
   }
 };
 static thread_local Scratch<float> scale_buffer;
+static thread_local Scratch<uint8_t> codes_buffer;      // AVX2: a group tile's codes, unpacked
 
 #if ISA_LEVEL == 2
 // ---- Q4 prefill on VNNI: each tile reads its rows and its scales in the order it uses them ----
@@ -1323,28 +1410,24 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
   q4_prefill_vnni<DF, MF, FIVE>(a, w, y, g0, g1);      // the tiles' own copies (above)
 #else
   constexpr int PM = TILES[0], PG = TILES[1];
-  constexpr int64_t BB = FIVE ? 160 : 128;
-  const int64_t nb = w.K / 32, n = PG * nb * 8;          // a tile's scales
-  float* buf = scale_buffer.get(size_t(2 * n));
-  Q4Weight view = w;
-  view.d = buf, view.m = buf + n, view.d_form = view.m_form = scale_f32;
-  int64_t gv = 0;                                         // the group `view` starts at
+  const int64_t nb = w.K / 32, n = PG * nb * 8, N = w.G * 8;  // a tile's scales
+  float* d = scale_buffer.get(size_t(2 * n));
+  float* m = d + n;
+  uint8_t* u8 = codes_buffer.get(size_t(PG * nb * 256));     // the tile's codes, unpacked
   auto prep = [&](int64_t g, int64_t groups) {
-    gv = g;
-    view.codes = w.codes + g * nb * BB;
+    unpack_q4_codes<FIVE>(w.codes + g * nb * q4_block_bytes(FIVE), groups, nb, u8);
     for (int64_t i = 0; i < groups; ++i)
       for (int64_t b = 0; b < nb; ++b) {
-        const __m256 d = scales8<DF>(w.d, g + i, b, nb);
-        _mm256_storeu_ps(buf + (i * nb + b) * 8, d);
-        _mm256_storeu_ps(buf + n + (i * nb + b) * 8, offsets8<MF>(w, g + i, b, nb, d));
+        const __m256 dw = scales8<DF>(w.d, g + i, b, nb);
+        _mm256_storeu_ps(d + (i * nb + b) * 8, dw);
+        _mm256_storeu_ps(m + (i * nb + b) * 8, offsets8<MF>(w, g + i, b, nb, dw));
       }
   };
-  constexpr int F = scale_f32;
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
-      [&](auto tm, int64_t m, int64_t g) {
-        q4_tile<decltype(tm)::value, PG, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); },
-      [&](auto tm, int64_t m, int64_t g) {
-        q4_tile<decltype(tm)::value, 1, F, F, FIVE>(a, m, view, g - gv, y + 8 * gv); });
+      [&](auto tm, int64_t r, int64_t g) {
+        q4_tile_unpacked<decltype(tm)::value, PG, FIVE>(a, r, u8, d, m, y + r * N + 8 * g, N); },
+      [&](auto tm, int64_t r, int64_t g) {
+        q4_tile_unpacked<decltype(tm)::value, 1, FIVE>(a, r, u8, d, m, y + r * N + 8 * g, N); });
 #endif
 }
 
