@@ -317,6 +317,26 @@ static inline __m256i fifth_bits(__m256i top_c) {
 // Q4: 8 maddubs per block (4 chunks × low/high nibbles), summed as int16 (each lane ≤
 // 8 · 2 · 15 · 127 = 30480 < 2^15, so no saturation), one madd to int32. 5-bit codes (FIVE):
 // two chunks' int16 sums (≤ 4 · 2 · 31 · 127 = 31496) to int32 at a time.
+// Chunk c of block b: the TM rows' products with the TG groups' unpacked codes (lo, hi), summed
+// as int16; 5-bit codes to int32 after chunk 1.
+template <int TM, int TG, bool FIVE>
+static inline void q4_chunk(__m256i (&s16)[TM][TG], __m256i (&s32)[TM][TG], const __m256i* lo,
+                            const __m256i* hi, const Act& a, int64_t m0, int64_t b, int c) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < TM; ++i) {
+    const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
+    const __m256i xl = bcast4(x), xh = bcast4(x + 16);
+    for (int g = 0; g < TG; ++g)
+      s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
+          _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
+  }
+  if (FIVE && c == 1)
+    for (int i = 0; i < TM; ++i)
+      for (int g = 0; g < TG; ++g) {
+        s32[i][g] = _mm256_madd_epi16(s16[i][g], ones);
+        s16[i][g] = _mm256_setzero_si256();
+      }
+}
 // A block's float steps, per row i and group g: y = fma(isum, d_w · d_x, y), y = fma(m_w, s_x, y).
 template <int TM, int TG, bool FIVE>
 static inline void q4_fold(__m256 (&acc)[TM][TG], __m256i (&s16)[TM][TG], __m256i (&s32)[TM][TG],
@@ -338,7 +358,7 @@ template <int TM, int TG, int DF, int MF, bool FIVE = false>
 static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t g0, float* y) {
   constexpr int64_t BB = FIVE ? 160 : 128;
   const int64_t nb = w.K / 32, N = w.G * 8;
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(15);
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
@@ -363,19 +383,7 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
           top[g] = _mm256_srli_epi16(top[g], 1);                         // chunk c + 1's bits
         }
       }
-      for (int i = 0; i < TM; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
-        const __m256i xl = bcast4(x), xh = bcast4(x + 16);
-        for (int g = 0; g < TG; ++g)
-          s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
-      }
-      if (FIVE && c == 1)
-        for (int i = 0; i < TM; ++i)
-          for (int g = 0; g < TG; ++g) {
-            s32[i][g] = _mm256_madd_epi16(s16[i][g], ones);
-            s16[i][g] = _mm256_setzero_si256();
-          }
+      q4_chunk<TM, TG, FIVE>(s16, s32, lo, hi, a, m0, b, c);
     }
     __m256 dw[TG], mw[TG];
     for (int g = 0; g < TG; ++g) {
@@ -396,7 +404,6 @@ template <int TM, int TG, bool FIVE>
 static inline void q4_tile_unpacked(const Act& a, int64_t m0, const uint8_t* u, const float* d,
                                     const float* m, float* y, int64_t N) {
   const int64_t nb = a.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[TM][TG];
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
@@ -412,19 +419,7 @@ static inline void q4_tile_unpacked(const Act& a, int64_t m0, const uint8_t* u, 
         lo[g] = _mm256_loadu_si256((const __m256i*)o);
         hi[g] = _mm256_loadu_si256((const __m256i*)(o + 32));
       }
-      for (int i = 0; i < TM; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
-        const __m256i xl = bcast4(x), xh = bcast4(x + 16);
-        for (int g = 0; g < TG; ++g)
-          s16[i][g] = _mm256_add_epi16(s16[i][g], _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo[g], xl), _mm256_maddubs_epi16(hi[g], xh)));
-      }
-      if (FIVE && c == 1)
-        for (int i = 0; i < TM; ++i)
-          for (int g = 0; g < TG; ++g) {
-            s32[i][g] = _mm256_madd_epi16(s16[i][g], ones);
-            s16[i][g] = _mm256_setzero_si256();
-          }
+      q4_chunk<TM, TG, FIVE>(s16, s32, lo, hi, a, m0, b, c);
     }
     __m256 dw[TG], mw[TG];
     for (int g = 0; g < TG; ++g) {
