@@ -132,7 +132,8 @@ def test_every_shell_block_runs(page, server_url, request, tmp_path):
            "REPO": str(REPO)}
     for block in todo:
         code = block.code.replace(SERVER, server_url()) if SERVER in block.code else block.code
-        done = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env,
+        done = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env,  # no stdin:
+                              stdin=subprocess.DEVNULL,  # a REPL block ends at EOF, never waits
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (f"{_id(page)}, the block at line {block.line} failed "
                                       f"({done.returncode}):\n{done.stderr[-2000:]}")
