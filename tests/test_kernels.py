@@ -4,10 +4,11 @@ NumPy integer arithmetic (bit for bit), and themselves at other batch sizes and 
 sets (bit for bit)."""
 
 import os
+import shutil
 import subprocess
 import sys
-import time
 import types
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -866,18 +867,45 @@ def test_compact_scales_give_the_bits_of_float32_scales(typ):
     assert torch.equal(quantized_embedding(blocks, compact)(ids), blocks.dequantize()[ids])
 
 
-def test_a_killed_builds_lock_is_removed_only_when_stale(tmp_path):
-    """cpp_extension waits forever on the lock of a killed build; a fresh lock is a build
-    in progress and stays."""
+def test_a_killed_builds_lock_never_blocks_the_next_build(tmp_path):
+    """cpp_extension waits forever on the `lock` file of a build killed mid-way (kill -9 of a
+    server while it builds): under the build lock, which the OS frees when its holder dies, the
+    file is removed; while a live process holds the build lock, the next build waits."""
+    import fcntl
+
     lock = tmp_path / "lock"
-    lock.touch()
-    kernels._remove_stale_lock(tmp_path)
-    assert lock.exists()
-    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    kernels._remove_stale_lock(tmp_path)
-    assert not lock.exists()
-    kernels._remove_stale_lock(tmp_path)                     # no lock: nothing to do
+    lock.touch()                                             # left by a killed build
+    with kernels._build_lock(tmp_path):
+        assert not lock.exists()
+        lock.touch()                                         # this build's own baton
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(tmp_path / 'build.lock')!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.lock", "a") as f:        # a live build: the lock is taken
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert lock.exists()
+    finally:
+        holder.kill()                                        # kill -9: the OS frees its lock
+        holder.wait()
+    with kernels._build_lock(tmp_path):
+        assert not lock.exists()
+
+
+def test_every_build_runs_the_ninja_beside_this_python():
+    """Two ninja versions read each other's build logs as foreign and rebuild everything: the
+    kernels are built with one, the `ninja` package's beside the interpreter, whatever PATH."""
+    beside = Path(sys.executable).parent / "ninja"
+    if not beside.is_file():
+        pytest.skip("no ninja beside this Python")
+    assert kernels._ninja_dir() == str(beside.parent)
+    before = os.environ["PATH"]
+    with kernels._path_first(kernels._ninja_dir()):
+        assert shutil.which("ninja") == str(beside)
+    assert os.environ["PATH"] == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -326,7 +326,14 @@ def test_resume_after_kill_9_is_bit_exact(dataset, tmp_path, tiny_config):
 # torchrun: DDP and FSDP2 with 2 Gloo processes
 # --------------------------------------------------------------------------------------------
 
-def torchrun(opts: dict, parallel: str) -> subprocess.CompletedProcess:
+# A worker's C++ runtime aborting with no Python exception (a std::thread left joinable in
+# Gloo's teardown, seen once in CI under a loaded machine and not reproduced in 50 runs here):
+# the run is started again once (resumed from its last checkpoint, or anew where it has none),
+# and a second abort fails the test.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def torchrun(opts: dict, parallel: str, retries: int = 1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", "-m", "torchllama.train", *cli_args(opts), "--parallel", parallel]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -338,7 +345,14 @@ def torchrun(opts: dict, parallel: str) -> subprocess.CompletedProcess:
         os.killpg(proc.pid, signal.SIGKILL)                      # torchrun and its workers
         out, err = proc.communicate()
         pytest.fail(f"torchrun timed out:\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+    if proc.returncode and GLOO_ABORT in err and retries:
+        print(f"torchrun: a worker aborted ({GLOO_ABORT}); starting it again:\n{out[-2000:]}")
+        out_dir = Path(opts["out"])
+        if not (out_dir / "latest").exists():                    # aborted before a checkpoint
+            shutil.rmtree(out_dir, ignore_errors=True)
+            return torchrun(opts, parallel, retries - 1)
+        return torchrun({**opts, "resume": True}, parallel, retries - 1)
+    assert proc.returncode == 0, f"stdout:\n{out[-2000:]}\nstderr:\n{err[:2000]}\n…\n{err[-3000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

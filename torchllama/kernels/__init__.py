@@ -51,13 +51,18 @@ and the float32 layer ops of csrc/layers.cpp (batch-invariant, see its header):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+
+try:
+    import fcntl
+except ImportError:                                   # not POSIX: no build lock
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -112,38 +117,61 @@ def _build() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not found)")
-    if shutil.which("ninja") is None and not _ninja_module():
+    ninja_dir = _ninja_dir()
+    if ninja_dir is None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(out)
-    cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
-                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                       build_directory=str(out), is_python_module=False, verbose=False)
+    with _build_lock(out), _path_first(ninja_dir):
+        cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
 
 
-#: A build lock older than this was left by a build that was killed (a build takes < 5 min).
-STALE_LOCK_SECONDS = 15 * 60
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """Hold `out`/build.lock around cpp_extension.load: an flock, which the OS releases when its
+    process dies (even by kill -9). cpp_extension's own `lock` file, on which it waits forever
+    while it exists, found while this lock is held was left by a killed build: it is removed.
+
+    Raises:
+        OSError: `out` is not writable.
+    """
+    with open(out / "build.lock", "a") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)           # one build of `out` at a time
+            (out / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(held, fcntl.LOCK_UN)
 
 
-def _remove_stale_lock(out: Path) -> None:
-    """torch's cpp_extension waits forever on the `lock` file of a build that was killed
-    (Ctrl-C, OOM) in the same folder; one older than STALE_LOCK_SECONDS is removed."""
-    lock = out / "lock"
+def _ninja_dir() -> Optional[str]:
+    """The folder of the ninja every build runs: the one beside this Python (the `ninja`
+    package, a dependency of torchllama), else the first on PATH. Always the same one: two
+    versions (a venv's 1.13, a system's 1.11) each read the other's build log as foreign and
+    rebuild every file, a minute or more each time the caller's PATH differs."""
+    import shutil
+
+    beside = Path(sys.executable).parent / "ninja"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside.parent)
+    found = shutil.which("ninja")
+    return str(Path(found).parent) if found else None
+
+
+@contextlib.contextmanager
+def _path_first(folder: str) -> Iterator[None]:
+    """PATH with `folder` first while the block runs (cpp_extension runs `ninja` from PATH)."""
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = folder + os.pathsep + before
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _ninja_module() -> bool:
-    try:
-        import ninja  # noqa: F401  (the PyPI package puts the binary next to the interpreter)
-        return True
-    except ImportError:
-        return False
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 def _register_fakes() -> None:
