@@ -291,7 +291,8 @@ wide = torch.randn(72, 256, generator=g)                 # 9 row groups: two 4-g
 d9 = torch.rand(72, 8, generator=g).half().float()       # tiles (VNNI's pairs) and a lone one
 wides = [Q4Linear(Q4Blocks.from_float(wide)), Q4Linear(Q4Blocks(q4.codes.repeat(4, 1)[:72], d9,
                                                                  -8 * d9))]
-y = torch.cat([y] + [f(x[:m]).ravel()[None].expand(7, -1) for f in wides for m in (1, 3, 7)], 1)
+y = torch.cat([y] + [f(x[:m]).ravel()[None].expand(7, -1)
+                     for f in wides for m in (1, 2, 3, 7)], 1)
 x7 = torch.randn(9, 224, generator=g)                       # 7 blocks: a lone last block
 q7 = Q4Linear(Q4Blocks.from_float(torch.randn(12, 224, generator=g)))
 y7 = torch.cat([q7(x7), Q8Linear(Q8Blocks.from_float(torch.randn(12, 224, generator=g)))(x7)], 1)
@@ -309,7 +310,7 @@ for kind in sorted(blocks.TYPES.values(), key=lambda t: t.ggml.value):   # tiles
         arrays = kind.arrays(72, K)                          # group; 7 blocks: a lone one
         kind.convert(b, arrays)
         lin = quantized_linear(kind.weight(arrays))
-        y7 = torch.cat([y7] + [lin(xt[:m, :K]).ravel() for m in (1, 3, 11)])  # decode, prefill
+        y7 = torch.cat([y7] + [lin(xt[:m, :K]).ravel() for m in (1, 2, 4, 11)])  # decode, prefill
 ops = torch.ops.torchllama
 w = torch.randn(256, generator=g)
 q, k, v = (torch.randn(2, s, 5, 48, generator=g).transpose(1, 2) for s in (3, 9, 9))

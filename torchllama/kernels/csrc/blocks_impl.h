@@ -1057,11 +1057,18 @@ constexpr int VNNI_TILES[2] = {TL_VNNI_TILES};
 #endif
 constexpr int64_t MC = TL_MC;
 
-// Decode (M ≤ 8, TL_DECODE_ROWS): per tile of DG groups (then single groups), every
+// Decode (M below TL_DECODE_ROWS): per tile of DG groups (then single groups), every
 // activation row, so the rows read each weight tile from memory once; one row goes group after
-// group (one sequential stream a thread: see DG).
+// group (one sequential stream a thread: see DG). From TL_DECODE_ROWS rows on, prefill's tiles,
+// whose weights are unpacked once for a tile of rows, are the faster (benchmarks/
+// block_products.py at M = 2–8, 2 threads): VNNI's Q4 decode tile to 8 rows; AVX2's Q4 tile
+// unpacks the codes for every row, so there 3 rows on go to prefill's; the 8-bit decode tiles
+// (6-bit and int8 codes, TL_DECODE_ROWS_Q8) 4 rows on, at every level.
 #ifndef TL_DECODE_ROWS
-#define TL_DECODE_ROWS 9
+#define TL_DECODE_ROWS (ISA_LEVEL == 2 ? 9 : 3)
+#endif
+#ifndef TL_DECODE_ROWS_Q8
+#define TL_DECODE_ROWS_Q8 4
 #endif
 template <typename T14, typename T11>
 static inline void drive_decode(int64_t M, int64_t g_begin, int64_t g_end, T14 t14, T11 t11) {
@@ -1512,7 +1519,7 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
 template <int B, int DF, bool SMALL, bool OFF = false>
 static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1) {
   const int32_t* sx = OFF ? sum_buffer.sums(a) : nullptr;
-  if (a.M < TL_DECODE_ROWS && w.six) {
+  if (a.M < TL_DECODE_ROWS_Q8 && w.six) {
     const int32_t* s16 = sum_buffer.sums(a);
     drive_decode(a.M, g0, g1,
                  [&](int64_t m, int64_t g) { six_tile<DG, B, DF>(a, m, w, g, y, s16 + m * a.K / 16); },
@@ -1535,7 +1542,7 @@ static void q8_rows_k(const Act& a, const Q8Weight& w, float* y, int64_t g0, int
     else one(std::integral_constant<int, store_two>{});
     return;
   }
-  if (a.M < TL_DECODE_ROWS && !w.lut && !w.two) {
+  if (a.M < TL_DECODE_ROWS_Q8 && !w.lut && !w.two) {
     constexpr int I8 = store_int8;
     drive_decode(a.M, g0, g1,
         [&](int64_t m, int64_t g) { q8_tile<1, DG, B, DF, SMALL, I8, OFF>(a, m, w, g, y, sx); },
