@@ -428,6 +428,20 @@ def test_chunked_and_batched_prefill_equal_single_answers(smollm2):
         assert "non-streaming completions" in lines[0]
 
 
+def test_bench_serve_starts_its_own_server_process_and_reports_its_exit(tmp_path):
+    """Without --url, `bench serve` runs `torchllama serve` in a process of its own: it
+    answers /health, and one that exits (a model file that is not there) is reported with its
+    own error, not waited on."""
+    from torchllama.bench.serve import serve_in_subprocess, stream_completion
+
+    with serve_in_subprocess(["--max-batch-size", "2"]) as url:
+        tokens, ttft, total = stream_completion(url, "The capital of France is", 4)
+        assert tokens == 4 and 0 < ttft <= total
+    with pytest.raises(RuntimeError, match=r"exited with 1:(.|\n)*missing\.gguf"):
+        with serve_in_subprocess(["--model", str(tmp_path / "missing.gguf")]):
+            pass
+
+
 def test_queue_full_gives_429_and_no_key_needed_without_api_key(servers):
     small = servers["small"]                       # one row, one waiting request, no API key
 

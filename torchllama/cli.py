@@ -444,7 +444,7 @@ def bench_serve(url: Optional[str] = None, api_key: Optional[str] = None,
 
     Args:
         url: the server's base URL (e.g. http://127.0.0.1:8000); without it --model is served
-            in this process on a free loopback port for the run.
+            by `torchllama serve` in a process of its own on a free loopback port for the run.
         api_key: the server's API key.
         model: without --url, the model served (as `bench decode --model`; default: the
             embedded SmolLM2-135M-Instruct).

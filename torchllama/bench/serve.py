@@ -1,13 +1,12 @@
-"""`torchllama bench serve`: generated tokens/s of an OpenAI-compatible server (ours in this
-process, or any at --url) at 1, 4 and 8 concurrent streaming requests, and the median time to
-first token (`run_serve_bench`). `serve_in_thread` and `stream_completion` are the pieces the load
-test (torchllama.bench.load) and the server tests use too.
+"""`torchllama bench serve`: generated tokens/s of an OpenAI-compatible server (ours, started
+in a process of its own, or any at --url) at 1, 4 and 8 concurrent streaming requests, and the
+median time to first token (`run_serve_bench`). `serve_in_thread` and `stream_completion` are the
+pieces the load test (torchllama.bench.load) and the server tests use too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 import statistics
 import time
 from dataclasses import dataclass
@@ -74,6 +73,64 @@ def serve_in_thread(app, host: str = "127.0.0.1") -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_in_subprocess(args: list[str], host: str = "127.0.0.1",
+                        timeout: float = 180.0) -> Iterator[str]:
+    """Run `torchllama serve ARGS` in a process of its own on a free port of `host`, as a user
+    runs it: its clients (this process's threads) then share no interpreter lock with it.
+
+    A context manager yielding the base URL once /health answers; on exit the server gets
+    SIGTERM (its graceful shutdown) and is killed if it has not exited 30 s later.
+
+    Raises:
+        RuntimeError: the server exited or did not answer /health within `timeout` seconds
+            (its last output lines quoted).
+    """
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.request
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    url = f"http://{host}:{port}"
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torchllama", "serve", "--host", host,
+                                 "--port", str(port), *args], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def tail() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")[-2000:]
+
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"`torchllama serve` exited with {proc.returncode}:\n"
+                                       f"{tail()}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"`torchllama serve` did not answer /health in "
+                                       f"{timeout:.0f} s:\n{tail()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, api_key: Optional[str] = None,
@@ -158,8 +215,10 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
     the last), `concurrency` requests in flight at a time; tokens/s is the sum of
     the completion tokens (the servers' usage counts) over the level's wall time. One warm-up
     request runs first. Without `url`, the model (`model_path`, default the embedded
-    SmolLM2-135M-Instruct) is served in this process on a free loopback port, with a batch of
-    max(concurrencies) rows and a KV cache of `kv_cache_dtype`, and stopped at the end.
+    SmolLM2-135M-Instruct) is served by `torchllama serve` in a process of its own
+    (`serve_in_subprocess`) on a free loopback port, with a batch of max(concurrencies) rows
+    and a KV cache of `kv_cache_dtype`, and stopped at the end: clients in the server's own
+    process would take its interpreter lock for every event they parse, as no real client does.
     """
     prompts = list(prompts or SERVE_PROMPTS)
 
@@ -173,18 +232,16 @@ def run_serve_bench(url: Optional[str] = None, api_key: Optional[str] = None,
         results = measure(url.rstrip("/"))
     else:
         from torchllama.checkpoint import parse_dtype, resolve_model_path
-        from torchllama.serving.app import create_app, load_for_engine
 
         path = str(resolve_model_path(model_path))
         parse_dtype(dtype)
-        model, tokenizer = load_for_engine(path, dtype, progress=False,
-                                           kv_cache_dtype=kv_cache_dtype)
-        app = create_app(model, tokenizer, Path(path).name, api_key,
-                         max_batch_size=max(concurrencies), max_queue=64)
-        with serve_in_thread(app) as base_url:
-            where = (f"{base_url} (in this process: {path}, {dtype}, KV cache "
-                     f"{str(model.kv_cache_storage()).removeprefix('torch.')}, "
-                     f"{torch.get_num_threads()} threads, batch {max(concurrencies)})")
+        batch = max(concurrencies)
+        args = ["--model", path, "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype,
+                "--max-batch-size", str(batch), "--max-queue", "64"]
+        with serve_in_subprocess(args) as base_url:
+            where = (f"{base_url} (`torchllama serve` in a process of its own, as a user runs "
+                     f"it: {path}, {dtype}, KV cache {kv_cache_dtype}, "
+                     f"{torch.get_num_threads()} threads, batch {batch})")
             results = measure(base_url)
     print_fn(f"server {where}\n{len(prompts)} requests per level, max_tokens {new_tokens}, "
              f"temperature 0, {'streaming' if stream else 'non-streaming'} completions")
