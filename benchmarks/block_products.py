@@ -5,7 +5,7 @@ the last-level cache: `torchllama bench shapes` measures decode at real sizes); 
 are prefill's.
 
     .venv/bin/python benchmarks/block_products.py [--types Q4_0,Q4_K,...] [--n 8192] [--k 2048]
-        [--threads 2]
+        [--threads 2] [--rows 1,128,512]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,128,512",
+                    help="activation rows M of each product (2-8: batched decode's)")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -43,7 +45,7 @@ def main() -> None:
         kind.convert(b, arrays)
         linear = quantized_linear(kind.weight(arrays))
         cells = []
-        for M in (1, 128, 512):
+        for M in (int(v) for v in args.rows.split(",")):
             x = torch.randn(M, K)
             linear(x)                                                   # warm-up
             best = min(_timed(linear, x) for _ in range(50 if M == 1 else 5))
