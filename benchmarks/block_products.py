@@ -26,8 +26,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from torchllama import blocks, kernels
-    from torchllama.transforms.quantize import quantized_linear
+    from torchllama import kernels
 
     torch.set_num_threads(args.threads)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, kernels {kernels.isa()}, "
@@ -35,15 +34,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     N, K = args.n, args.k
     for name in args.types.split(","):
-        kind = blocks.TYPES[blocks.registry.GGMLType[name]]
-        raw = rng.integers(0, 256, (N, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
-        b = raw.view(kind.block)
-        for field in kind.block.names:
-            if kind.block.fields[field][0] == np.float16:
-                b[field] = rng.uniform(1e-3, 2e-2, b.shape)
-        arrays = kind.arrays(N, K)
-        kind.convert(b, arrays)
-        linear = quantized_linear(kind.weight(arrays))
+        linear = random_linear(name, N, K, rng)
         cells = []
         for M in (int(v) for v in args.rows.split(",")):
             x = torch.randn(M, K)
@@ -51,6 +42,26 @@ def main() -> None:
             best = min(_timed(linear, x) for _ in range(50 if M == 1 else 5))
             cells.append(f"M={M}: {2 * M * N * K / best / 1e9:7.1f}")
         print(f"{name:7} " + "  ".join(cells) + " GFLOP/s", flush=True)
+
+
+def random_linear(name: str, N: int, K: int, rng):
+    """An N × K block Linear of GGUF type `name` (e.g. "Q4_K") on the kernels: random valid
+    blocks (random bytes, float16 scales drawn in [1e-3, 2e-2]), packed by the registry's
+    conversion. Raises KeyError for a type the registry lacks."""
+    import numpy as np
+
+    from torchllama import blocks
+    from torchllama.transforms.quantize import quantized_linear
+
+    kind = blocks.TYPES[blocks.registry.GGMLType[name]]
+    raw = rng.integers(0, 256, (N, K // kind.weights * kind.block.itemsize), dtype=np.uint8)
+    b = raw.view(kind.block)
+    for field in kind.block.names:
+        if kind.block.fields[field][0] == np.float16:
+            b[field] = rng.uniform(1e-3, 2e-2, b.shape)
+    arrays = kind.arrays(N, K)
+    kind.convert(b, arrays)
+    return quantized_linear(kind.weight(arrays))
 
 
 def _timed(linear, x) -> float:

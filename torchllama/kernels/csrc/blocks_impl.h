@@ -289,8 +289,20 @@ constexpr int64_t PF = 4;
 // One activation row's tiles (one group each, group after group: see DG) prefetch PF_ROW bytes
 // ahead in their one sequential stream: a page's worth of lines in flight, where PF blocks
 // (512 B of Q4 codes) left the stream short of lines (`torchllama bench decode` at batch 1
-// measures it). Tiles of 2–8 rows keep PF (prefetch_ahead).
-constexpr int64_t PF_ROW = 4096;
+// measures it). Tiles of 2–8 rows keep PF (prefetch_ahead). Each line is also prefetched
+// PF_ROW_L2 bytes ahead into L2 only (`_MM_HINT_T1`): an L1 prefetch holds one of the core's
+// few L1 miss buffers until its line arrives, an L2 one only a slot of L2's larger queue, so
+// the two together keep more of the stream in flight than either alone
+// (`benchmarks/decode_compute.py` measures the streamed rate).
+#ifndef TL_PF_ROW_L2
+#define TL_PF_ROW_L2 16384
+#endif
+constexpr int64_t PF_ROW = 4096, PF_ROW_L2 = TL_PF_ROW_L2;
+// One activation row's prefetch of the line at p: PF_ROW ahead into L1, PF_ROW_L2 into L2.
+static inline void prefetch_row(const uint8_t* p) {
+  _mm_prefetch((const char*)(p + PF_ROW), _MM_HINT_T0);
+  if (PF_ROW_L2 > 0) _mm_prefetch((const char*)(p + PF_ROW_L2), _MM_HINT_T1);
+}
 // Groups of a decode tile of 2–8 activation rows (`drive_decode`, `q4_decode_vnni`). One row
 // goes group after group instead (every block kind): a thread's groups are then one sequential
 // stream, where DG groups at a time are DG streams of only 8 KiB each at K = 2048, each paying
@@ -373,7 +385,8 @@ static inline void q4_tile(const Act& a, int64_t m0, const Q4Weight& w, int64_t 
       __m256i lo[TG], hi[TG];
       for (int g = 0; g < TG; ++g) {
         const uint8_t* p = w.codes + ((g0 + g) * nb + b) * BB + 32 * c;
-        if (TM == 1) _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * BB)), _MM_HINT_T0);
+        if (TM == 1 && TG == 1) prefetch_row(p);
+        else if (TM == 1) _mm_prefetch((const char*)(p + PF * BB), _MM_HINT_T0);
         const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
         lo[g] = _mm256_and_si256(raw, m4);                                  // q[4c..4c+3]
         hi[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);           // q[16+4c..]
@@ -615,7 +628,7 @@ static inline void q4_row_vnni(const Act& a, int64_t m, const Q4Weight& w, int64
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
     const uint8_t* p = codes + b * BB;
-    for (int l = 0; l < 2 * BB; l += 64) _mm_prefetch((const char*)(p + PF_ROW + l), _MM_HINT_T0);
+    for (int l = 0; l < 2 * BB; l += 64) prefetch_row(p + l);
     __m512i s32 = _mm512_setzero_si512();
     __m512i top = FIVE ? two_planes(p + 128, p + BB + 128) : _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -723,6 +736,9 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
   for (int i = 0; i < TM; ++i)
     for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (TM == 1 && TG == 1)
+      for (int l = 0; l < BB; l += 64)
+        prefetch_row(reinterpret_cast<const uint8_t*>(w.codes) + (g0 * nb + b) * BB + l);
     __m256i s32[H][TM][TG];
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < TM; ++i)
@@ -737,8 +753,8 @@ static inline void q8_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t 
           const uint8_t* blk = reinterpret_cast<const uint8_t*>(w.codes) +
                                ((g0 + g) * nb + b) * BB;
           const uint8_t* p = blk + 32 * (ST == store_lut ? c & 3 : c);
-          if (TM == 1 && c % 2 == 0 && 32 * c < BB)
-            _mm_prefetch((const char*)(p + (TG == 1 ? PF_ROW : PF * BB)), _MM_HINT_T0);
+          if (TM == 1 && TG > 1 && c % 2 == 0 && 32 * c < BB)
+            _mm_prefetch((const char*)(p + PF * BB), _MM_HINT_T0);
           wv[g] = ST == store_lut ? lut_chunk(blk, c, table)
                 : ST == store_two ? two_chunk(blk, c) : _mm256_loadu_si256((const __m256i*)p);
           wa[g] = ST == store_two ? wv[g] : _mm256_abs_epi8(wv[g]);
@@ -847,8 +863,9 @@ static inline void six_tile(const Act& a, int64_t m, const Q8Weight& w, int64_t 
     const uint8_t* p[TG];
     for (int g = 0; g < TG; ++g) {
       p[g] = codes + ((g0 + g) * nb + b) * 192;
-      const int64_t ahead = TG == 1 ? PF_ROW : PF * 192;
-      for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)(p[g] + ahead + l), _MM_HINT_T0);
+      for (int l = 0; l < 192; l += 64)
+        if (TG == 1) prefetch_row(p[g] + l);
+        else _mm_prefetch((const char*)(p[g] + PF * 192 + l), _MM_HINT_T0);
     }
     const int8_t* x = a.q + m * a.K + 32 * b;
     const __m256 dx = _mm256_set1_ps(a.d[m * nb + b]);
@@ -995,7 +1012,7 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
   const auto x4 = [&](int64_t i) { int32_t v; std::memcpy(&v, x + i, 4); return v; };
   for (int64_t b = 0; b < nb; b += 2) {
     const uint8_t* p = codes + b * BB;
-    for (int l = 0; l < 2 * BB; l += 64) _mm_prefetch((const char*)(p + PF_ROW + l), _MM_HINT_T0);
+    for (int l = 0; l < 2 * BB; l += 64) prefetch_row(p + l);
     __m512i s[H];
     for (int h = 0; h < H; ++h) s[h] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
