@@ -74,7 +74,13 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from torchllama import kernels
+    from torchllama import blocks, kernels
+
+    known = {t.name for t in blocks.TYPES}
+    unknown = [name for name in args.types.split(",") if name not in known]
+    if unknown:
+        ap.error(f"--types: no block kernel for {', '.join(unknown)}; "
+                 f"one of {', '.join(sorted(known))}")
     from torchllama.bench.roofline import measure_read_bandwidth
 
     torch.set_num_threads(args.threads)
