@@ -29,11 +29,6 @@ K = 2048                       # the 1B shape's hidden size
 CACHE_BYTES_PER_THREAD = 768 << 10
 
 
-def packed_bytes(linear) -> int:
-    """Bytes of a block Linear's packed buffers: what one product reads."""
-    return sum(t.nbytes for t in linear.packed())
-
-
 def best_seconds(calls, x, rounds: int) -> float:
     """Best time of one pass over `calls` (each applied to x), divided by len(calls)."""
     best = float("inf")
@@ -48,6 +43,8 @@ def best_seconds(calls, x, rounds: int) -> float:
 def rates(name: str, threads: int, stream_bytes: int, rng) -> tuple[float, float]:
     """(cache GB/s, memory GB/s) of one activation row against type `name`'s weights."""
     import torch
+
+    from torchllama.bench.roofline import weight_bytes_per_token as packed_bytes
 
     x = torch.randn(1, K)
     tiny = random_linear(name, 64, K, rng)
