@@ -348,6 +348,27 @@ static inline float record_scale(const uint8_t* rec, int64_t width, int64_t b) {
   return d;
 }
 
+template <int KT>
+static inline int64_t row_bytes(int64_t width) {
+  return KT == kv_q8_0 ? width + width / 8 : KT == kv_f32 ? 4 * width : 2 * width;
+}
+
+// Decode reads each key and value from memory once per token, key after key: a (row, KV head)'s
+// slots are one ascending stream of K rows and one of V rows. Each row, as it is read, asks for
+// the line ATTN_PF_L1 bytes on in its stream into L1 and ATTN_PF_L2 bytes on into L2 only (the
+// products' PF_ROW / PF_ROW_L2 idea, blocks_impl.h: the L2 prefetches keep more lines in flight
+// than the core's few L1 miss buffers allow), a steady stream where a burst of a tile's rows at
+// once stalled on those buffers (docs/guides/quantized.md has the figures). Slots not in
+// ascending order (a ring's wrap, a mask's gaps) only make some prefetches useless; a prefetch
+// never faults, past the cache's end too. No effect on the results.
+constexpr int64_t ATTN_PF_L1 = 4096, ATTN_PF_L2 = 16384;
+static inline void stream_ahead(const uint8_t* row, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + ATTN_PF_L1 + c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + ATTN_PF_L2 + c), _MM_HINT_T1);
+  }
+}
+
 // out[r] = q_r·k for the R query heads q0 + r (R ≤ 4): `dot`'s lanes and tree for the float
 // kinds, the block chain above for q8_0.
 template <int KT, int R>
@@ -399,6 +420,7 @@ static inline void value_chunks(const AttnArgs& a, const int32_t* idx, int64_t n
     if (l)
       for (int r = 0; r < R; ++r) lr[r] += p[r * ATTN_TILE + j];
     const uint8_t* row = a.v + idx[j] * a.v_s;
+    if (!a.kt && i0 == 0) stream_ahead(row, row_bytes<KT>(a.dv));      // decode: see above
     for (int c = 0; c < C; ++c) {
       const int64_t i = i0 + LANES * c;
       if constexpr (KT == kv_q8_0) {
@@ -438,16 +460,6 @@ static inline void value_sums(const AttnArgs& a, const int32_t* idx, int64_t n, 
         o[r * os + i0] = s;
       }
   }
-}
-
-// Ask for rows idx[0..n) of `bytes` each (base + idx[j]·stride) to be brought into the cache:
-// decode streams the keys and values from memory once per token, and a tile's rows are known
-// ahead of their use (no effect on the results).
-static inline void prefetch_rows(const uint8_t* base, int64_t stride, const int32_t* idx,
-                                 int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < bytes; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + idx[j] * stride + c), _MM_HINT_T0);
 }
 
 // s_j ← s_j·scale (soft-capped: c·tanh(s_j·scale / c)) for j < n; returns max_j s_j (a NaN
@@ -550,6 +562,7 @@ static void tile_scores(const AttnArgs& a, int64_t q0, const int32_t* idx, int64
       continue;
     }
     for (int64_t j = j0; j < j0 + cnt; ++j) {
+      if (!a.kt && q0 == 0) stream_ahead(a.k + idx[j] * a.k_s, row_bytes<KT>(a.hd));
       key_scores<KT, R>(a, q0, a.k + idx[j] * a.k_s, s4);
       for (int r = 0; r < R; ++r) sc[r * ATTN_TILE + j] = s4[r];
     }
@@ -590,11 +603,6 @@ static void attend_fold(float* state, const float* part, int64_t n, int64_t dv) 
 }
 
 template <int KT>
-static inline int64_t row_bytes(int64_t width) {
-  return KT == kv_q8_0 ? width + width / 8 : KT == kv_f32 ? 4 * width : 2 * width;
-}
-
-template <int KT>
 static void tiles_of(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int64_t t0,
                      int64_t t1, bool fresh, float* state, float* scratch) {
   float* sc = scratch;                                   // 4 × ATTN_TILE scores
@@ -602,12 +610,6 @@ static void tiles_of(const AttnArgs& a, const int32_t* idx, int64_t n_keys, int6
   for (int64_t t = t0; t < t1; ++t) {
     const int32_t* ti = idx + t * ATTN_TILE;
     const int64_t n = std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE);
-    if (!a.kt) {                     // decode streams them (prefill's are in the cache)
-      if (t == t0) prefetch_rows(a.k, a.k_s, ti, n, row_bytes<KT>(a.hd));  // its keys, then
-      prefetch_rows(a.v, a.v_s, ti, n, row_bytes<KT>(a.dv));             // its values and
-      prefetch_rows(a.k, a.k_s, ti + n, std::min<int64_t>(ATTN_TILE, n_keys - t * ATTN_TILE - n),
-                    row_bytes<KT>(a.hd));                                 // the next tile's keys
-    }
     for (int64_t q0 = 0; q0 < a.n; q0 += 4) {
       float* pr = part + q0 * (a.dv + 2);
       switch (std::min<int64_t>(4, a.n - q0)) {
