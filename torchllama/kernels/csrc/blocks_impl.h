@@ -286,23 +286,11 @@ static inline __m256i bcast4(const int8_t* p) {     // 4 activation bytes in eve
 // Decode tiles of DG groups prefetch each group's stream PF blocks ahead: the rows stream from
 // memory once per token, and the hardware prefetcher alone leaves bandwidth unused.
 constexpr int64_t PF = 4;
-// One activation row's tiles (one group each, group after group: see DG) prefetch PF_ROW bytes
-// ahead in their one sequential stream: a page's worth of lines in flight, where PF blocks
-// (512 B of Q4 codes) left the stream short of lines (`torchllama bench decode` at batch 1
-// measures it). Tiles of 2–8 rows keep PF (prefetch_ahead). Each line is also prefetched
-// PF_ROW_L2 bytes ahead into L2 only (`_MM_HINT_T1`): an L1 prefetch holds one of the core's
-// few L1 miss buffers until its line arrives, an L2 one only a slot of L2's larger queue, so
-// the two together keep more of the stream in flight than either alone
-// (`benchmarks/decode_compute.py` measures the streamed rate).
-#ifndef TL_PF_ROW_L2
-#define TL_PF_ROW_L2 16384
-#endif
-constexpr int64_t PF_ROW = 4096, PF_ROW_L2 = TL_PF_ROW_L2;
-// One activation row's prefetch of the line at p: PF_ROW ahead into L1, PF_ROW_L2 into L2.
-static inline void prefetch_row(const uint8_t* p) {
-  _mm_prefetch((const char*)(p + PF_ROW), _MM_HINT_T0);
-  if (PF_ROW_L2 > 0) _mm_prefetch((const char*)(p + PF_ROW_L2), _MM_HINT_T1);
-}
+// One activation row's tiles (one group each, group after group: see DG) prefetch their one
+// sequential stream with kernels.h's prefetch_row (PF_ROW ahead into L1, PF_ROW_L2 into L2): a
+// page's worth of lines in flight, where PF blocks (512 B of Q4 codes) left the stream short of
+// lines (`torchllama bench decode` at batch 1 measures it). Tiles of 2–8 rows keep PF
+// (prefetch_ahead).
 // Groups of a decode tile of 2–8 activation rows (`drive_decode`, `q4_decode_vnni`). One row
 // goes group after group instead (every block kind): a thread's groups are then one sequential
 // stream, where DG groups at a time are DG streams of only 8 KiB each at K = 2048, each paying

@@ -19,11 +19,30 @@
 // scalar everywhere). Every level gives the same bits (blocks_impl.h, layers_impl.h).
 #pragma once
 
+#include <xmmintrin.h>   // _mm_prefetch (prefetch_row)
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace torchllama {
+
+// ---- a stream's prefetch (every level: the block products' one-row tiles, decode attention) --
+// A stream read once per token (a weight row group after group, a KV head's keys and values)
+// asks, for each line it reads, for the line PF_ROW bytes on into L1 and PF_ROW_L2 bytes on into
+// L2 only (`_MM_HINT_T1`): an L1 prefetch holds one of the core's few L1 miss buffers until its
+// line arrives, an L2 one only a slot of L2's larger queue, so the two together keep more of the
+// stream in flight than either alone (`benchmarks/decode_compute.py` measures the products'
+// streamed rate, docs/guides/quantized.md attention's). A prefetch never faults and changes no
+// result.
+#ifndef TL_PF_ROW_L2
+#define TL_PF_ROW_L2 16384
+#endif
+constexpr int64_t PF_ROW = 4096, PF_ROW_L2 = TL_PF_ROW_L2;
+static inline void prefetch_row(const uint8_t* p) {
+  _mm_prefetch((const char*)(p + PF_ROW), _MM_HINT_T0);
+  if (PF_ROW_L2 > 0) _mm_prefetch((const char*)(p + PF_ROW_L2), _MM_HINT_T1);
+}
 
 // ---- the kernels' arguments (plain data) ----------------------------------------------------
 

@@ -354,19 +354,13 @@ static inline int64_t row_bytes(int64_t width) {
 }
 
 // Decode reads each key and value from memory once per token, key after key: a (row, KV head)'s
-// slots are one ascending stream of K rows and one of V rows. Each row, as it is read, asks for
-// the line ATTN_PF_L1 bytes on in its stream into L1 and ATTN_PF_L2 bytes on into L2 only (the
-// products' PF_ROW / PF_ROW_L2 idea, blocks_impl.h: the L2 prefetches keep more lines in flight
-// than the core's few L1 miss buffers allow), a steady stream where a burst of a tile's rows at
-// once stalled on those buffers (docs/guides/quantized.md has the figures). Slots not in
-// ascending order (a ring's wrap, a mask's gaps) only make some prefetches useless; a prefetch
-// never faults, past the cache's end too. No effect on the results.
-constexpr int64_t ATTN_PF_L1 = 4096, ATTN_PF_L2 = 16384;
+// slots are one ascending stream of K rows and one of V rows, and each row, as it is read,
+// prefetches its stream's lines ahead (kernels.h's prefetch_row, as the block products' one-row
+// tiles do) — a steady stream, where a burst of a tile's rows at once stalled on the L1 miss
+// buffers (docs/guides/quantized.md has the figures). Slots not in ascending order (a ring's
+// wrap, a mask's gaps) only make some prefetches useless.
 static inline void stream_ahead(const uint8_t* row, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + ATTN_PF_L1 + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + ATTN_PF_L2 + c), _MM_HINT_T1);
-  }
+  for (int64_t c = 0; c < bytes; c += 64) prefetch_row(row + c);
 }
 
 // out[r] = q_r·k for the R query heads q0 + r (R ≤ 4): `dot`'s lanes and tree for the float
