@@ -811,9 +811,10 @@ static inline void two_to_eight8(const uint8_t* p, int8_t* out) {   // 2-bit cod
 }
 
 // The block at p as Q8's 8 chunks of int8 codes (prefill expands a tile's blocks once per chunk
-// of activation rows and runs the 8-bit tiles on them).
+// of activation rows and runs the 8-bit tiles on them); U: as u = code + 32 (store_u32).
+template <bool U = false>
 static inline void six_to_eight8(const uint8_t* p, int8_t* out) {
-  const __m256i off = _mm256_set1_epi8(32);
+  const __m256i off = _mm256_set1_epi8(U ? 0 : 32);
   auto put = [&](int c, __m256i u) { _mm256_storeu_si256((__m256i*)(out + 32 * c),
                                                          _mm256_sub_epi8(u, off)); };
   put(0, six_u<0, 0>(p)), put(1, six_u<1, 0>(p)), put(2, six_u<2, 0>(p)), put(3, six_u<3, 0>(p));
@@ -890,6 +891,63 @@ struct SumBuffer {
   }
 };
 static thread_local SumBuffer sum_buffer;
+
+#if ISA_LEVEL == 1
+// Prefill on small codes (|code| ≤ 32: Q6_K, Q5_0, Q3_K) at AVX2, expanded once a tile as
+// u = code + 32 in Q8's layout (`six_to_eight8<true>`, or the indices' table + 32): maddubs
+// takes u as it is, two chunks' int16 sums stay ≤ 2 · 2 · 63 · 127 = 32004, and each scale's
+// exact ⟨code, q_x⟩ is ⟨u, q_x⟩ − 32 · Σ q_x over its weights (sx: `SumBuffer`): one maddubs
+// a chunk where the sign form (q8_tile) takes a sign and a maddubs, and an abs per group. The
+// float steps are q8_tile's: the same bits. TM rows from m0 × TG groups from g0 of w (its
+// expanded view, float32 scales).
+template <int TM, int TG, int B>
+static inline void u32_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y,
+                            const int32_t* sx) {
+  constexpr int H = 32 / B;
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* u8 = reinterpret_cast<const uint8_t*>(w.codes);
+  __m256 acc[TM][TG];
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s32[TM][TG];
+    for (int h = 0; h < 2; ++h) {                    // weights 16h .. 16h + 15: chunks 4h .. 4h + 3
+      if (h == 0 || H == 2)
+        for (int i = 0; i < TM; ++i)
+          for (int g = 0; g < TG; ++g) s32[i][g] = _mm256_setzero_si256();
+      for (int c = 4 * h; c < 4 * h + 4; c += 2) {
+        __m256i w0[TG], w1[TG];
+        for (int g = 0; g < TG; ++g) {
+          const uint8_t* p = u8 + ((g0 + g) * nb + b) * 256 + 32 * c;
+          w0[g] = _mm256_loadu_si256((const __m256i*)p);
+          w1[g] = _mm256_loadu_si256((const __m256i*)(p + 32));
+        }
+        for (int i = 0; i < TM; ++i) {
+          const int8_t* x = a.q + (m0 + i) * a.K + 32 * b + 4 * c;
+          const __m256i x0 = bcast4(x), x1 = bcast4(x + 4);
+          for (int g = 0; g < TG; ++g)
+            s32[i][g] = _mm256_add_epi32(s32[i][g], _mm256_madd_epi16(_mm256_add_epi16(
+                _mm256_maddubs_epi16(w0[g], x0), _mm256_maddubs_epi16(w1[g], x1)), ones));
+        }
+      }
+      if (H == 1 && h == 0) continue;                // one scale: both halves, then the fma
+      const int j = H == 2 ? h : 0;                  // the scale
+      __m256 dw[TG];
+      for (int g = 0; g < TG; ++g) dw[g] = scales8<scale_f32>(w.d, g0 + g, b * H + j, nd);
+      for (int i = 0; i < TM; ++i) {
+        const __m256i off = _mm256_set1_epi32(32 * scale_sum<H>(sx + (m0 + i) * (a.K / 16), b, j));
+        const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * nb + b]);
+        for (int g = 0; g < TG; ++g)
+          acc[i][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s32[i][g], off)),
+                                      _mm256_mul_ps(dw[g], dx), acc[i][g]);
+      }
+    }
+  }
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
+}
+#endif
 
 #if ISA_LEVEL == 2
 // Q8 prefill on AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the weights go in
@@ -1039,10 +1097,11 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
 // the K-quants' factors in every tile made their prefill slower). The tile shapes (PM × PG per
 // block kind, TL_TILES) were chosen on AVX2's 16 ymm registers, the fastest of the shapes tried
 // for 128- and 512-row products on 2 threads; Q4's 3 × 2 on its codes unpacked once per chunk
-// (`q4_tile_unpacked`: 3 × 2 leaves 6 sums, 4 codes and 2 activations live; docs/guides/
-// quantized.md has the figures).
+// (`q4_tile_unpacked`: 3 × 2 leaves 6 sums, 4 codes and 2 activations live); small codes' 3 × 2
+// on u = code + 32 (`u32_tile`; 2 × 2 and 2 × 4 within 3%); docs/guides/quantized.md has the
+// figures.
 #ifndef TL_TILES
-#define TL_TILES 3, 2, 4, 1, 2, 4
+#define TL_TILES 3, 2, 3, 2, 2, 4
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
 // The prefill tiles on AVX-512 VNNI (Q4's, Q8's, the 4-bit indices'): VM rows × VG groups, the
@@ -1454,7 +1513,10 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   Q8Weight view = w;
   view.d = buf, view.d_form = scale_f32, view.six = view.two = false, view.lut = nullptr;
   view.m = OFF ? buf + ns : nullptr;                     // m in d's form: float32 too
-  const __m256i table = w.lut ? lut_table(w.lut) : _mm256_setzero_si256();
+  // AVX2, small codes in 6 bits or 4-bit indices: expanded as u = code + 32 (store_u32)
+  const bool u32 = ISA_LEVEL == 1 && SMALL && !OFF && (w.six || w.lut);
+  const __m256i table = !w.lut ? _mm256_setzero_si256()
+      : u32 ? _mm256_add_epi8(lut_table(w.lut), _mm256_set1_epi8(32)) : lut_table(w.lut);
   int64_t gv = 0;
   auto prep = [&](int64_t g, int64_t groups) {
     gv = g;
@@ -1464,7 +1526,8 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
       const int64_t BB = w.six ? 192 : w.lut ? 128 : 64;
       const uint8_t* p = reinterpret_cast<const uint8_t*>(w.codes) + g * nb * BB;
       for (int64_t i = 0; i < groups * nb; ++i) {
-        if (w.six) six_to_eight8(p + BB * i, expanded + 256 * i);
+        if (w.six && u32) six_to_eight8<true>(p + BB * i, expanded + 256 * i);
+        else if (w.six) six_to_eight8(p + BB * i, expanded + 256 * i);
         else if (w.lut) lut_to_eight8(p + BB * i, table, expanded + 256 * i);
         else two_to_eight8(p + BB * i, expanded + 256 * i);
       }
@@ -1510,6 +1573,17 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
         });
       });
   return;
+#endif
+#if ISA_LEVEL == 1
+  if (u32) {
+    const int32_t* s16 = sum_buffer.sums(a);
+    drive_prefill<PM, PG>(a.M, g0, g1, prep,
+        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, PG, B>(
+            a, m, view, g - gv, y + 8 * gv, s16); },
+        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, 1, B>(
+            a, m, view, g - gv, y + 8 * gv, s16); });
+    return;
+  }
 #endif
   drive_prefill<PM, PG>(a.M, g0, g1, prep,
       [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, PG, B, F, SMALL, I8, OFF>(
