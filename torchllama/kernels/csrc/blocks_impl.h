@@ -900,6 +900,50 @@ static thread_local SumBuffer sum_buffer;
 // a chunk where the sign form (q8_tile) takes a sign and a maddubs, and an abs per group. The
 // float steps are q8_tile's: the same bits. TM rows from m0 × TG groups from g0 of w (its
 // expanded view, float32 scales).
+// Prefill on full-range codes (Q8_0; IQ4_XS, IQ4_NL looked up) at AVX2, expanded to int8 in
+// Q8's layout: q8_tile's sign form (|q_w| · sign(q_x, q_w), each chunk to int32), written with
+// one scale's chunks unrolled and nothing else live, as the sign form's row of
+// benchmarks/avx2_int8_forms.py. The same integer sums and float steps: the same bits.
+template <int TM, int TG, int B>
+static inline void sign_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y) {
+  constexpr int H = 32 / B;
+  const int64_t nb = w.K / 32, nd = w.K / B, N = w.G * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* codes = w.codes;
+  __m256 acc[TM][TG];
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int h = 0; h < H; ++h) {
+      __m256i s32[TM][TG];
+      for (int i = 0; i < TM; ++i)
+        for (int g = 0; g < TG; ++g) s32[i][g] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = h * 8 / H; c < (h + 1) * 8 / H; ++c) {
+        __m256i wv[TG], wa[TG];
+        for (int g = 0; g < TG; ++g) {
+          wv[g] = _mm256_loadu_si256((const __m256i*)(codes + ((g0 + g) * nb + b) * 256 + 32 * c));
+          wa[g] = _mm256_abs_epi8(wv[g]);
+        }
+        for (int i = 0; i < TM; ++i) {
+          const __m256i xv = bcast4(a.q + (m0 + i) * a.K + 32 * b + 4 * c);
+          for (int g = 0; g < TG; ++g)
+            s32[i][g] = _mm256_add_epi32(s32[i][g], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(xv, wv[g])), ones));
+        }
+      }
+      for (int g = 0; g < TG; ++g) {
+        const __m256 dw = scales8<scale_f32>(w.d, g0 + g, b * H + h, nd);
+        for (int i = 0; i < TM; ++i)
+          acc[i][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i][g]),
+                                      _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + i) * nb + b])),
+                                      acc[i][g]);
+      }
+    }
+  for (int i = 0; i < TM; ++i)
+    for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
+}
+
 template <int TM, int TG, int B>
 static inline void u32_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y,
                             const int32_t* sx) {
@@ -1098,10 +1142,11 @@ static inline void q8_row_vnni(const Act& a, int64_t m, const Q8Weight& w, int64
 // block kind, TL_TILES) were chosen on AVX2's 16 ymm registers, the fastest of the shapes tried
 // for 128- and 512-row products on 2 threads; Q4's 3 × 2 on its codes unpacked once per chunk
 // (`q4_tile_unpacked`: 3 × 2 leaves 6 sums, 4 codes and 2 activations live); small codes' 3 × 2
-// on u = code + 32 (`u32_tile`; 2 × 2 and 2 × 4 within 3%); docs/guides/quantized.md has the
+// on u = code + 32 (`u32_tile`; 2 × 2 and 2 × 4 within 3%); full-range codes' 6 × 1
+// (`sign_tile`: 8 × 1 within 3%, 2 × 4 and 3 × 2 −7–13%); docs/guides/quantized.md has the
 // figures.
 #ifndef TL_TILES
-#define TL_TILES 3, 2, 3, 2, 2, 4
+#define TL_TILES 3, 2, 3, 2, 6, 1
 #endif
 constexpr int TILES[6] = {TL_TILES};              // Q4 PM, PG; small Q8 PM, PG; Q8 PM, PG
 // The prefill tiles on AVX-512 VNNI (Q4's, Q8's, the 4-bit indices'): VM rows × VG groups, the
@@ -1575,6 +1620,14 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   return;
 #endif
 #if ISA_LEVEL == 1
+  if constexpr (!SMALL && !OFF) {
+    drive_prefill<PM, PG>(a.M, g0, g1, prep,
+        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, PG, B>(
+            a, m, view, g - gv, y + 8 * gv); },
+        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, 1, B>(
+            a, m, view, g - gv, y + 8 * gv); });
+    return;
+  }
   if (u32) {
     const int32_t* s16 = sum_buffer.sums(a);
     drive_prefill<PM, PG>(a.M, g0, g1, prep,
