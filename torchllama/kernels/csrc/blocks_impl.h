@@ -1542,9 +1542,88 @@ static void q4_rows_s(const Act& a, const Q4Weight& w, float* y, int64_t g0, int
 #endif
 }
 
+constexpr bool LUT_VNNI = ISA_LEVEL == 2;    // 4-bit indices' prefill tiles read them as stored
+
+// q8_prefill's tiles: view is the weight as the tiles read it (int8 codes or u = code + 32,
+// float32 scales) for the group tile that prep(g, groups) last expanded from group gv on.
+#if ISA_LEVEL == 2
+// AVX-512 VNNI: the rows interleaved once per chunk (`interleave_rows8`), each group tile's u
+// pair by pair (`expand_pairs`), q8_tile_rows_vnni (Q2_K's offsets: q8_tile_vnni).
+template <int B, bool SMALL, bool OFF, typename Prep>
+static void q8_prefill_vnni(const Act& a, const Q8Weight& w, const Q8Weight& view, const float* buf,
+                            float* y, int64_t g0, int64_t g1, const int32_t* sx, Prep& prep,
+                            const int64_t& gv) {
+  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
+  const int64_t nb = w.K / 32;
+  const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
+  auto single = [&](auto tm, int64_t m, int64_t g) {
+    q8_tile<decltype(tm)::value, 1, B, scale_f32, SMALL, store_int8, OFF>(
+        a, m, view, g - gv, y + 8 * gv, s16);
+  };
+  if (OFF) {                                    // Q2_K: q8_tile_vnni, its offsets' fmas
+    drive_prefill<VM, VG>(a.M, g0, g1, prep,
+        [&](auto tm, int64_t m, int64_t g) { q8_tile_vnni<decltype(tm)::value, VG, B, OFF>(
+            a, m, view, g - gv, y + 8 * gv, s16); }, single);
+    return;
+  }
+  constexpr int H = 32 / B;
+  const int64_t N = w.G * 8;
+  uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * row8_bytes<H>()));
+  uint8_t* pairs = pairs_buffer.get(size_t(VG * nb * 256));
+  auto prep_pairs = [&](int64_t g, int64_t groups) {      // scales (prep), then u pair by pair
+    prep(g, groups);
+    if (groups == VG)
+      expand_pairs<VG / 2>(w.lut ? reinterpret_cast<const uint8_t*>(w.codes) + g * nb * 128
+                                 : reinterpret_cast<const uint8_t*>(view.codes), nb, w.lut, pairs);
+  };
+  drive_prefill<VM, VG>(a.M, g0, g1, prep_pairs,
+      [&](auto tm, int64_t m, int64_t g) {
+        q8_tile_rows_vnni<decltype(tm)::value, VG / 2, B>(xs + (m % MC) * nb * row8_bytes<H>(),
+                                                         buf, pairs, nb, y + m * N + 8 * g, N);
+      }, single,
+      [&](int64_t mc, int64_t mend) {                // each chunk's rows, tile by tile
+        row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
+          interleave_rows8<decltype(tm)::value, H>(a, m, s16, xs + (m - mc) * nb * row8_bytes<H>());
+        });
+      });
+}
+#else
+// AVX2: full-range codes on sign_tile, small ones expanded as u = code + 32 (u32) on u32_tile;
+// Q2_K's offsets and the scalar level on q8_tile.
+template <int B, bool SMALL, bool OFF, typename Prep>
+static void q8_prefill_tiles(const Act& a, const Q8Weight& view, float* y, int64_t g0, int64_t g1,
+                             const int32_t* sx, bool u32, Prep& prep, const int64_t& gv) {
+  constexpr int PM = SMALL ? TILES[2] : TILES[4], PG = SMALL ? TILES[3] : TILES[5];
+#if ISA_LEVEL == 1
+  if constexpr (!SMALL && !OFF) {
+    drive_prefill<PM, PG>(a.M, g0, g1, prep,
+        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, PG, B>(
+            a, m, view, g - gv, y + 8 * gv); },
+        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, 1, B>(
+            a, m, view, g - gv, y + 8 * gv); });
+    return;
+  }
+  if (u32) {
+    const int32_t* s16 = sum_buffer.sums(a);
+    drive_prefill<PM, PG>(a.M, g0, g1, prep,
+        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, PG, B>(
+            a, m, view, g - gv, y + 8 * gv, s16); },
+        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, 1, B>(
+            a, m, view, g - gv, y + 8 * gv, s16); });
+    return;
+  }
+#endif
+  constexpr int F = scale_f32, I8 = store_int8;
+  drive_prefill<PM, PG>(a.M, g0, g1, prep,
+      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, PG, B, F, SMALL, I8, OFF>(
+          a, m, view, g - gv, y + 8 * gv, sx); },
+      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
+          a, m, view, g - gv, y + 8 * gv, sx); });
+}
+#endif
+
 // Q8 prefill: codes stored narrower than int8 (6 bits, 4-bit indices, 2 bits) expanded once per
 // chunk and group tile, scales (and offsets) as float32 (`scale_buffer`), then the 8-bit tiles.
-constexpr bool LUT_VNNI = ISA_LEVEL == 2;    // 4-bit indices' prefill tiles read them as stored
 template <int B, int DF, bool SMALL, bool OFF>
 static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, int64_t g1,
                        const int32_t* sx) {
@@ -1583,66 +1662,11 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
         if (OFF) _mm256_storeu_ps(buf + ns + (i * nd + j) * 8, scales8<DF, true>(w.m, g + i, j, nd));
       }
   };
-  constexpr int F = scale_f32;
-  constexpr int I8 = store_int8;
 #if ISA_LEVEL == 2
-  constexpr int VM = VNNI_TILES[0], VG = VNNI_TILES[1];     // VNNI: VG groups a tile (pairs)
-  const int32_t* s16 = sx ? sx : sum_buffer.sums(a);
-  auto single = [&](auto tm, int64_t m, int64_t g) {
-    q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(a, m, view, g - gv, y + 8 * gv, s16);
-  };
-  if (OFF) {                                    // Q2_K: q8_tile_vnni, its offsets' fmas
-    drive_prefill<VM, VG>(a.M, g0, g1, prep,
-        [&](auto tm, int64_t m, int64_t g) { q8_tile_vnni<decltype(tm)::value, VG, B, OFF>(
-            a, m, view, g - gv, y + 8 * gv, s16); }, single);
-    return;
-  }
-  constexpr int H = 32 / B;
-  const int64_t N = w.G * 8;
-  uint8_t* xs = rows_buffer.get(size_t(std::min(a.M, MC) * nb * row8_bytes<H>()));
-  uint8_t* pairs = pairs_buffer.get(size_t(VG * nb * 256));
-  auto prep_pairs = [&](int64_t g, int64_t groups) {      // scales (prep), then u pair by pair
-    prep(g, groups);
-    if (groups == VG)
-      expand_pairs<VG / 2>(w.lut ? reinterpret_cast<const uint8_t*>(w.codes) + g * nb * 128
-                                 : reinterpret_cast<const uint8_t*>(view.codes), nb, w.lut, pairs);
-  };
-  drive_prefill<VM, VG>(a.M, g0, g1, prep_pairs,
-      [&](auto tm, int64_t m, int64_t g) {
-        q8_tile_rows_vnni<decltype(tm)::value, VG / 2, B>(xs + (m % MC) * nb * row8_bytes<H>(),
-                                                         buf, pairs, nb, y + m * N + 8 * g, N);
-      }, single,
-      [&](int64_t mc, int64_t mend) {                // each chunk's rows, tile by tile
-        row_tiles<VM>(mc, mend, [&](auto tm, int64_t m) {
-          interleave_rows8<decltype(tm)::value, H>(a, m, s16, xs + (m - mc) * nb * row8_bytes<H>());
-        });
-      });
-  return;
+  q8_prefill_vnni<B, SMALL, OFF>(a, w, view, buf, y, g0, g1, sx, prep, gv);
+#else
+  q8_prefill_tiles<B, SMALL, OFF>(a, view, y, g0, g1, sx, u32, prep, gv);
 #endif
-#if ISA_LEVEL == 1
-  if constexpr (!SMALL && !OFF) {
-    drive_prefill<PM, PG>(a.M, g0, g1, prep,
-        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, PG, B>(
-            a, m, view, g - gv, y + 8 * gv); },
-        [&](auto tm, int64_t m, int64_t g) { sign_tile<decltype(tm)::value, 1, B>(
-            a, m, view, g - gv, y + 8 * gv); });
-    return;
-  }
-  if (u32) {
-    const int32_t* s16 = sum_buffer.sums(a);
-    drive_prefill<PM, PG>(a.M, g0, g1, prep,
-        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, PG, B>(
-            a, m, view, g - gv, y + 8 * gv, s16); },
-        [&](auto tm, int64_t m, int64_t g) { u32_tile<decltype(tm)::value, 1, B>(
-            a, m, view, g - gv, y + 8 * gv, s16); });
-    return;
-  }
-#endif
-  drive_prefill<PM, PG>(a.M, g0, g1, prep,
-      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, PG, B, F, SMALL, I8, OFF>(
-          a, m, view, g - gv, y + 8 * gv, sx); },
-      [&](auto tm, int64_t m, int64_t g) { q8_tile<decltype(tm)::value, 1, B, F, SMALL, I8, OFF>(
-          a, m, view, g - gv, y + 8 * gv, sx); });
 }
 
 // Q8's products: decode tiles by how the codes are stored (6 bits: six_tile; 4-bit indices and
