@@ -811,12 +811,12 @@ static inline void two_to_eight8(const uint8_t* p, int8_t* out) {   // 2-bit cod
 }
 
 // The block at p as Q8's 8 chunks of int8 codes (prefill expands a tile's blocks once per chunk
-// of activation rows and runs the 8-bit tiles on them); U: as u = code + 32 (store_u32).
+// of activation rows and runs the 8-bit tiles on them); U: as u = code + 32 (`u32_tile`).
 template <bool U = false>
 static inline void six_to_eight8(const uint8_t* p, int8_t* out) {
-  const __m256i off = _mm256_set1_epi8(U ? 0 : 32);
+  const __m256i off = _mm256_set1_epi8(32);
   auto put = [&](int c, __m256i u) { _mm256_storeu_si256((__m256i*)(out + 32 * c),
-                                                         _mm256_sub_epi8(u, off)); };
+                                                         U ? u : _mm256_sub_epi8(u, off)); };
   put(0, six_u<0, 0>(p)), put(1, six_u<1, 0>(p)), put(2, six_u<2, 0>(p)), put(3, six_u<3, 0>(p));
   put(4, six_u<0, 1>(p)), put(5, six_u<1, 1>(p)), put(6, six_u<2, 1>(p)), put(7, six_u<3, 1>(p));
 }
@@ -893,13 +893,6 @@ struct SumBuffer {
 static thread_local SumBuffer sum_buffer;
 
 #if ISA_LEVEL == 1
-// Prefill on small codes (|code| ≤ 32: Q6_K, Q5_0, Q3_K) at AVX2, expanded once a tile as
-// u = code + 32 in Q8's layout (`six_to_eight8<true>`, or the indices' table + 32): maddubs
-// takes u as it is, two chunks' int16 sums stay ≤ 2 · 2 · 63 · 127 = 32004, and each scale's
-// exact ⟨code, q_x⟩ is ⟨u, q_x⟩ − 32 · Σ q_x over its weights (sx: `SumBuffer`): one maddubs
-// a chunk where the sign form (q8_tile) takes a sign and a maddubs, and an abs per group. The
-// float steps are q8_tile's: the same bits. TM rows from m0 × TG groups from g0 of w (its
-// expanded view, float32 scales).
 // Prefill on full-range codes (Q8_0; IQ4_XS, IQ4_NL looked up) at AVX2, expanded to int8 in
 // Q8's layout: q8_tile's sign form (|q_w| · sign(q_x, q_w), each chunk to int32), written with
 // one scale's chunks unrolled and nothing else live, as the sign form's row of
@@ -944,6 +937,13 @@ static inline void sign_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_
     for (int g = 0; g < TG; ++g) _mm256_storeu_ps(y + (m0 + i) * N + 8 * (g0 + g), acc[i][g]);
 }
 
+// Prefill on small codes (|code| ≤ 32: Q6_K, Q5_0, Q3_K) at AVX2, expanded once a tile as
+// u = code + 32 in Q8's layout (`six_to_eight8<true>`, or the indices' table + 32): maddubs
+// takes u as it is, two chunks' int16 sums stay ≤ 2 · 2 · 63 · 127 = 32004, and each scale's
+// exact ⟨code, q_x⟩ is ⟨u, q_x⟩ − 32 · Σ q_x over its weights (sx: `SumBuffer`): one maddubs
+// a chunk where the sign form (q8_tile) takes a sign and a maddubs, and an abs per group. The
+// float steps are q8_tile's: the same bits. TM rows from m0 × TG groups from g0 of w (its
+// expanded view, float32 scales).
 template <int TM, int TG, int B>
 static inline void u32_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t g0, float* y,
                             const int32_t* sx) {
@@ -1637,7 +1637,7 @@ static void q8_prefill(const Act& a, const Q8Weight& w, float* y, int64_t g0, in
   Q8Weight view = w;
   view.d = buf, view.d_form = scale_f32, view.six = view.two = false, view.lut = nullptr;
   view.m = OFF ? buf + ns : nullptr;                     // m in d's form: float32 too
-  // AVX2, small codes in 6 bits or 4-bit indices: expanded as u = code + 32 (store_u32)
+  // AVX2, small codes in 6 bits or 4-bit indices: expanded as u = code + 32 (`u32_tile`)
   const bool u32 = ISA_LEVEL == 1 && SMALL && !OFF && (w.six || w.lut);
   const __m256i table = !w.lut ? _mm256_setzero_si256()
       : u32 ? _mm256_add_epi8(lut_table(w.lut), _mm256_set1_epi8(32)) : lut_table(w.lut);
