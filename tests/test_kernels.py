@@ -896,6 +896,36 @@ def test_a_killed_builds_lock_never_blocks_the_next_build(tmp_path):
         assert not lock.exists()
 
 
+def test_a_build_says_so_on_a_terminal_only_and_only_when_it_compiles(tmp_path, monkeypatch):
+    """The first load on a machine compiles the kernels for about a minute: one line says so on
+    a terminal's stderr, none when they are found built or stderr is a log."""
+    class Stderr:
+        def __init__(self, tty: bool):
+            self.tty, self.text = tty, ""
+
+        def isatty(self) -> bool:
+            return self.tty
+
+        def write(self, s: str) -> int:
+            self.text += s
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    for tty, built, says in ((True, False, True), (True, True, False), (False, False, False)):
+        (tmp_path / "torchllama_blocks.so").unlink(missing_ok=True)
+        if built:
+            (tmp_path / "torchllama_blocks.so").touch()
+        err = Stderr(tty)
+        monkeypatch.setattr(sys, "stderr", err)
+        kernels._say_building(tmp_path)
+        monkeypatch.undo()
+        assert (err.text.startswith("building torchllama's CPU kernels") and
+                str(tmp_path) in err.text and err.text.count("\n") == 1) if says else \
+            err.text == "", (tty, built, err.text)
+
+
 def test_every_build_runs_the_ninja_beside_this_python():
     """Two ninja versions read each other's build logs as foreign and rebuild everything: the
     kernels are built with one, the `ninja` package's beside the interpreter, whatever PATH."""

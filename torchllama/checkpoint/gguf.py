@@ -482,6 +482,9 @@ def load_gguf_state_dict(reader: gguf.GGUFReader, family: Family, args: ModelArg
         "output.bias" not in expected
     job = _Job(reader, family, args, source, quant, expected, by_name, quantizable, built,
                tied_output, set())
+    if quant == "auto":                # a first build (~1 min) before the bar, not inside it
+        from torchllama import kernels
+        kernels.available()
     bar = tqdm(total=sum(int(t.n_bytes) for t in reader.tensors), desc="loading weights",
                unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, leave=False)
     with bar, _conversion_pool() as pool:

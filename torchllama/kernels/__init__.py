@@ -122,11 +122,21 @@ def _build() -> None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    _say_building(out)
     with _build_lock(out), _path_first(ninja_dir):
         cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                            build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
+
+
+def _say_building(out: Path) -> None:
+    """One line on a terminal's stderr when the kernels are about to be compiled (not found
+    built in `out`): the first load on a machine otherwise sits silent for about a minute.
+    Nothing when stderr is not a terminal (a log, a test's capture)."""
+    if not (out / "torchllama_blocks.so").exists() and sys.stderr.isatty():
+        print(f"building torchllama's CPU kernels for this machine (once, about a minute; kept "
+              f"in {out})", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
