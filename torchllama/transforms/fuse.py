@@ -253,24 +253,27 @@ class FusedTransformerBlock(TransformerBlock):
     def cache_slots(self, x: torch.Tensor, inputs: AttentionInputs) -> Optional[CacheSlots]:
         """Where this call's keys and values go, if the op can run it, else None. A query: the
         cache learns of the write afterwards (`_record_write`)."""
-        cache, cs = self.attention.kv_cache, inputs.freqs_cis
-        if cache is None or cache.k_cache.dtype not in KERNEL_KV_DTYPES or \
-                self.attention.capture is not None or cs is None or inputs.bias is not None:
+        attention, cs = self.attention, inputs.freqs_cis
+        cache = attention.kv_cache
+        if cache is None or attention.capture is not None or cs is None or \
+                inputs.bias is not None:
+            return None
+        k_cache, v_cache = cache.k_cache, cache.v_cache
+        if k_cache.dtype not in KERNEL_KV_DTYPES:
             return None
         pairs = cs.shape[-1] if cs.is_complex() else cs.shape[-2]       # rotated pairs
-        if 2 * pairs != self.attention.head_dim:                         # partial RoPE
+        if 2 * pairs != attention.head_dim:                              # partial RoPE
             return None
         rows = inputs.cache_rows
         row0 = 0 if rows is None else (rows.start or 0)
         if inputs.row_pos is not None:                   # rows at their own positions
             if type(cache) not in (KVCache, SlidingWindowKVCache):
                 return None
-            return CacheSlots(cache.k_cache, cache.v_cache, row0, 0, inputs.n_keys,
-                              inputs.row_index)
+            return CacheSlots(k_cache, v_cache, row0, 0, inputs.n_keys, inputs.row_index)
         slots = cache.in_place_slots(inputs.start_pos, x.shape[1])
         if slots is None:
             return None
-        return CacheSlots(cache.k_cache, cache.v_cache, row0, *slots, None)
+        return CacheSlots(k_cache, v_cache, row0, *slots, None)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         # x: (B, T, D) → (B, T, D)
