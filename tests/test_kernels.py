@@ -914,9 +914,9 @@ def test_a_build_says_so_on_a_terminal_only_and_only_when_it_compiles(tmp_path, 
             pass
 
     for tty, built, says in ((True, False, True), (True, True, False), (False, False, False)):
-        (tmp_path / "torchllama_blocks.so").unlink(missing_ok=True)
+        (tmp_path / f"{kernels.LIBRARY}.so").unlink(missing_ok=True)
         if built:
-            (tmp_path / "torchllama_blocks.so").touch()
+            (tmp_path / f"{kernels.LIBRARY}.so").touch()
         err = Stderr(tty)
         monkeypatch.setattr(sys, "stderr", err)
         kernels._say_building(tmp_path)

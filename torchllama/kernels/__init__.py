@@ -94,6 +94,10 @@ def enabled_by_env() -> bool:
                                                                                "no")
 
 
+#: The built library's name: `build_dir()`/LIBRARY.so.
+LIBRARY = "torchllama_blocks"
+
+
 def build_key() -> str:
     """Hash of the sources, the torch version and the flags: the cache folder's name."""
     h = hashlib.sha256()
@@ -124,7 +128,7 @@ def _build() -> None:
     out.mkdir(parents=True, exist_ok=True)
     _say_building(out)
     with _build_lock(out), _path_first(ninja_dir):
-        cpp_extension.load(name="torchllama_blocks", sources=[str(CSRC / name) for name in COMPILED],
+        cpp_extension.load(name=LIBRARY, sources=[str(CSRC / name) for name in COMPILED],
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                            build_directory=str(out), is_python_module=False, verbose=False)
     _register_fakes()
@@ -134,7 +138,7 @@ def _say_building(out: Path) -> None:
     """One line on a terminal's stderr when the kernels are about to be compiled (not found
     built in `out`): the first load on a machine otherwise sits silent for about a minute.
     Nothing when stderr is not a terminal (a log, a test's capture)."""
-    if not (out / "torchllama_blocks.so").exists() and sys.stderr.isatty():
+    if not (out / f"{LIBRARY}.so").exists() and sys.stderr.isatty():
         print(f"building torchllama's CPU kernels for this machine (once, about a minute; kept "
               f"in {out})", file=sys.stderr, flush=True)
 

@@ -957,8 +957,9 @@ static inline void u32_tile(const Act& a, int64_t m0, const Q8Weight& w, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     __m256i s32[TM][TG];
     for (int h = 0; h < 2; ++h) {                    // weights 16h .. 16h + 15: chunks 4h .. 4h + 3
-      if (h == 0 || H == 2)                          // B = 32: from −32 · Σ q_x (no subtraction
-        for (int i = 0; i < TM; ++i) {               // at the end: +7%); B = 16: from 0 (−3%)
+      if (h == 0 || H == 2)                          // B = 32: from −32 · Σ q_x, nothing to
+        for (int i = 0; i < TM; ++i) {               // subtract at the end; B = 16: from 0 (the
+                                                     // faster of each: quantized guide)
           const int32_t sum = H == 1 ? scale_sum<H>(sx + (m0 + i) * (a.K / 16), b, 0) : 0;
           for (int g = 0; g < TG; ++g) s32[i][g] = _mm256_set1_epi32(-32 * sum);
         }
